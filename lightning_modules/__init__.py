@@ -1,0 +1,4 @@
+"""LightningModules of litctx (one folder or file per trained method), shared layers, callbacks, I/O.
+
+Imports point one way: this package may import ``kernels``; it never imports ``datamodules`` or ``recipes``.
+"""

@@ -1,0 +1,1 @@
+"""Lightning callbacks: progress lines, checkpoint metadata, and (with their issues) inference-only methods."""

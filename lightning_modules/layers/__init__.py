@@ -1,0 +1,1 @@
+"""Neural-network building blocks shared by several methods."""

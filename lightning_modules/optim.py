@@ -1,0 +1,113 @@
+"""The shared optimizer and learning-rate schedule factory used by every trained method.
+
+``OptimConfig`` is a plain dataclass (no torch import), so configs can be validated without torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+__all__ = ["OptimConfig", "LRSchedule", "build_optimizer", "build_scheduler", "param_groups"]
+
+
+@dataclass
+class OptimConfig:
+    """The shared optimizer and learning-rate schedule."""
+
+    name: str = "adamw"
+    """``adamw``, ``adam`` or ``sgd``."""
+    lr: float = 1.0e-3
+    weight_decay: float = 0.0
+    """Applied to weight matrices only (not to biases, norms or 1-d parameters)."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    momentum: float = 0.9
+    """SGD only."""
+    scheduler: str = "cosine"
+    """``constant``, ``cosine``, ``linear`` or ``wsd`` (warmup-stable-decay); all with linear warmup."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr`` (cosine, linear, wsd)."""
+    decay_fraction: float = 0.2
+    """``wsd`` only: the fraction of training spent decaying."""
+    total_steps: Optional[int] = None
+    """Schedule length in optimizer steps; default: the Trainer's estimate."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.name not in ("adamw", "adam", "sgd"):
+            problems.append(f"name={self.name!r}: expected adamw, adam or sgd")
+        if self.scheduler not in ("constant", "cosine", "linear", "wsd"):
+            problems.append(f"scheduler={self.scheduler!r}: expected constant, cosine, linear or wsd")
+        if self.lr <= 0:
+            problems.append(f"lr={self.lr}: must be > 0")
+        if len(self.betas) != 2:
+            problems.append(f"betas={self.betas}: expected two numbers")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            problems.append(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            problems.append(f"decay_fraction={self.decay_fraction}: must be in (0, 1]")
+        if self.warmup_steps < 0:
+            problems.append(f"warmup_steps={self.warmup_steps}: must be >= 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+class LRSchedule:
+    """Learning-rate multiplier as a function of the optimizer step (a picklable ``LambdaLR`` callable whose
+    state is plain numbers, so checkpoints load with ``weights_only=True``)."""
+
+    def __init__(self, kind: str, total_steps: int, warmup_steps: int, min_ratio: float, decay_fraction: float):
+        self.kind = kind
+        self.total_steps = max(1, int(total_steps))
+        self.warmup_steps = int(warmup_steps)
+        self.min_ratio = float(min_ratio)
+        self.decay_fraction = float(decay_fraction)
+
+    def __call__(self, step: int) -> float:
+        if self.warmup_steps and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return 1.0
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        if self.kind == "cosine":
+            return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if self.kind == "linear":
+            return 1.0 - (1 - self.min_ratio) * progress
+        # wsd: constant, then a linear decay over the last `decay_fraction` of the schedule
+        start = 1.0 - self.decay_fraction
+        if progress <= start:
+            return 1.0
+        return 1.0 - (1 - self.min_ratio) * (progress - start) / self.decay_fraction
+
+
+def param_groups(named_parameters: Iterable[Tuple[str, Any]], weight_decay: float) -> List[Dict[str, Any]]:
+    """Split parameters into decayed (matrices) and non-decayed (biases, norms, embeddings' 1-d vectors)."""
+    decay, no_decay = [], []
+    for _, p in named_parameters:
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(cfg: OptimConfig, named_parameters: Iterable[Tuple[str, Any]]):
+    import torch
+
+    groups = param_groups(named_parameters, cfg.weight_decay)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+    if cfg.name == "adam":
+        return torch.optim.Adam(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+
+
+def build_scheduler(cfg: OptimConfig, optimizer, total_steps: int):
+    import torch
+
+    schedule = LRSchedule(cfg.scheduler, cfg.total_steps or total_steps, cfg.warmup_steps, cfg.min_lr_ratio,
+                          cfg.decay_fraction)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -1,0 +1,293 @@
+"""``build()``: one code path from a recipe to ready-to-run Lightning objects, for the CLI, tests and notebooks.
+
+    from recipes.api import build
+    run = build("lcube", overrides=["trainer.max_steps=50"], profiles=["tiny"])
+    run.fit()                    # trainer.fit, resuming per ``resume``
+    metrics = run.test()         # test the best (or last) checkpoint
+    run.model, run.datamodule, run.trainer, run.run_dir, run.cfg
+
+``load_run(run_dir)`` rebuilds a finished run from its ``config.yaml`` for evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from recipes import registry
+from recipes.config import ConfigError, LoadedConfig, RunConfig, load_config, to_plain, to_yaml
+from recipes.rundir import (
+    ENV_RUN_DIR,
+    fingerprint,
+    resolve_resume,
+    resolve_run_dir,
+    write_meta,
+    write_text_atomic,
+)
+
+__all__ = ["Run", "build", "load_run", "progress_mode"]
+
+
+def progress_mode(setting: str) -> str:
+    """``bar``, ``log`` or ``none`` for a ``logging.progress`` setting (``auto``: a bar only on a terminal
+    outside SLURM batch jobs)."""
+    if setting != "auto":
+        return setting
+    in_slurm_batch = "SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+    return "bar" if sys.stderr.isatty() and not in_slurm_batch else "log"
+
+
+def _is_rank_zero() -> bool:
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
+def _git_sha() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> Dict[str, str]:
+    import lightning
+    import torch
+
+    return {"python": sys.version.split()[0], "torch": str(torch.__version__), "lightning": str(lightning.__version__)}
+
+
+@dataclass
+class Run:
+    """The objects of one run and the operations on them."""
+
+    cfg: RunConfig
+    run_dir: Path
+    datamodule: Any
+    model: Any
+    trainer: Any
+    resume_from: Optional[Path] = None
+    loaded: Optional[LoadedConfig] = None
+    callbacks: List[Any] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ stages
+    def fit(self) -> None:
+        """``trainer.fit``, continuing from ``resume_from`` when set."""
+        self.trainer.fit(self.model, datamodule=self.datamodule,
+                         ckpt_path=str(self.resume_from) if self.resume_from else None, weights_only=True)
+
+    def _ckpt(self, which: Optional[str]) -> Optional[str]:
+        which = which or self.cfg.test_ckpt
+        if which not in ("best", "last"):
+            return which
+        ckpt_dir = self.run_dir / "checkpoints"
+        if which == "last" and (ckpt_dir / "last.ckpt").is_file():
+            return str(ckpt_dir / "last.ckpt")
+        cb = self.trainer.checkpoint_callback
+        if cb is not None and cb.best_model_path:
+            return cb.best_model_path
+        if (ckpt_dir / "last.ckpt").is_file():
+            return str(ckpt_dir / "last.ckpt")
+        return None  # the in-memory model (nothing was saved)
+
+    def validate(self, ckpt: Optional[str] = None) -> Dict[str, float]:
+        out = self.trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=self._ckpt(ckpt),
+                                    weights_only=True, verbose=False)
+        return dict(out[0]) if out else {}
+
+    def test(self, ckpt: Optional[str] = None) -> Dict[str, float]:
+        out = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=self._ckpt(ckpt),
+                                weights_only=True, verbose=False)
+        return dict(out[0]) if out else {}
+
+    def predict(self, ckpt: Optional[str] = None) -> List[Any]:
+        return self.trainer.predict(self.model, datamodule=self.datamodule, ckpt_path=self._ckpt(ckpt),
+                                    weights_only=True)
+
+    def plan(self) -> str:
+        """A short, human-readable account of what this run will do."""
+        t = self.trainer
+        m = registry.method_spec(self.cfg.method.name)
+        d = registry.datamodule_spec(self.cfg.data.name)
+        cbs = ", ".join(type(c).__name__ for c in t.callbacks)
+        loggers = ", ".join(type(lg).__name__ for lg in t.loggers) or "none"
+        n_params = sum(p.numel() for p in self.model.parameters())
+        lines = [
+            f"recipe     {self.cfg.recipe}  (fingerprint {fingerprint(self.cfg)}, seed {self.cfg.seed})",
+            f"method     {m.name} -> {m.target}  ({n_params:,} parameters)",
+            f"data       {d.name} -> {d.target}",
+            f"trainer    {t.accelerator.__class__.__name__.replace('Accelerator', '').lower()} x{t.num_devices}, "
+            f"strategy {t.strategy.__class__.__name__}, precision {t.precision}, max_steps {t.max_steps}, "
+            f"max_epochs {t.max_epochs}",
+            f"callbacks  {cbs}",
+            f"loggers    {loggers}",
+            f"stages     {', '.join(self.cfg.stages)} (after fit: {self.cfg.test_ckpt} checkpoint)",
+            f"resume     {self.resume_from or ('init_from ' + self.cfg.init_from if self.cfg.init_from else 'fresh start')}",
+            f"run dir    {self.run_dir}",
+        ]
+        return "\n".join(lines)
+
+
+def _trainer_kwargs(run: RunConfig) -> Dict[str, Any]:
+    import lightning.pytorch as pl
+
+    kwargs = {f.name: getattr(run.trainer, f.name) for f in dataclasses.fields(run.trainer) if f.name != "extra"}
+    valid = inspect.signature(pl.Trainer.__init__).parameters
+    for key, value in run.trainer.extra.items():
+        if key not in valid:
+            import difflib
+
+            near = difflib.get_close_matches(key, list(valid), n=2)
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            raise ConfigError(f"unknown Trainer argument trainer.extra.{key}{hint}")
+        if key in ("callbacks", "logger", "default_root_dir", "plugins"):
+            raise ConfigError(f"trainer.extra.{key} is managed by litctx; use the matching config section instead")
+        kwargs[key] = value
+    return kwargs
+
+
+def _callbacks(run: RunConfig, run_dir: Path, spec: registry.MethodSpec) -> List[Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+
+    from lightning_modules.callbacks.metadata import CheckpointMetadata
+    from lightning_modules.callbacks.progress import LogLines
+
+    ck = run.checkpoint
+    checkpoint = ModelCheckpoint(  # best-k by the monitored metric, and last.ckpt, at epoch/validation ends
+        dirpath=run_dir / "checkpoints",
+        filename="step{step:08d}",
+        auto_insert_metric_name=False,
+        monitor=ck.monitor,
+        mode=ck.mode,
+        save_top_k=ck.save_top_k,
+        save_last=ck.save_last,
+        every_n_epochs=ck.every_n_epochs,
+        enable_version_counter=False,
+    )
+    callbacks: List[Any] = [checkpoint]
+    if ck.every_n_train_steps:  # plus a periodic last.ckpt, so a crash loses at most N steps
+        callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="periodic", save_top_k=0,
+                                         save_last=True, every_n_train_steps=ck.every_n_train_steps,
+                                         enable_version_counter=False))
+    mode = progress_mode(run.logging.progress)
+    if mode == "bar":
+        callbacks.append(TQDMProgressBar())
+    elif mode == "log":
+        callbacks.append(LogLines(run.logging.every_n_steps))
+    for label, comp in run.callbacks.items():
+        callbacks.append(registry.create_callback(comp.name, comp.args))
+    payload = {"config": to_plain(run), "fingerprint": fingerprint(run), "git": _git_sha(), "versions": _versions()}
+    callbacks.append(CheckpointMetadata(payload))
+    if spec.manual_optimization and (run.trainer.gradient_clip_val or run.trainer.accumulate_grad_batches != 1):
+        raise ConfigError(f"method '{spec.name}' optimises manually: set trainer.gradient_clip_val=null and "
+                          "trainer.accumulate_grad_batches=1 (clip and accumulate in the method's config)")
+    return callbacks
+
+
+def _loggers(run: RunConfig, run_dir: Path) -> List[Any]:
+    from lightning_modules.loggers import ResumableCSVLogger
+
+    loggers: List[Any] = [ResumableCSVLogger(save_dir=str(run_dir), name="logs", version="")]
+    want_tb = run.logging.tensorboard
+    has_tb = importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
+    if want_tb and not has_tb:
+        raise ConfigError("logging.tensorboard=true but tensorboard is not installed; pip install tensorboard")
+    if want_tb or (want_tb is None and has_tb):
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False))
+    return loggers
+
+
+def _save_config(run_dir: Path, loaded: LoadedConfig, run: RunConfig) -> None:
+    """Write ``config.yaml`` (resolved) and ``overrides.txt``; an earlier, different config is kept aside."""
+    text = to_yaml(run)
+    target = run_dir / "config.yaml"
+    if target.is_file() and target.read_text() != text:
+        n = 1
+        while (run_dir / f"config.prev{n}.yaml").exists():
+            n += 1
+        shutil.copy2(target, run_dir / f"config.prev{n}.yaml")
+    write_text_atomic(target, text)
+    write_text_atomic(run_dir / "overrides.txt", "\n".join(loaded.layers + ["--"] + loaded.overrides) + "\n")
+
+
+def build(
+    recipe: Optional[str] = None,
+    overrides: Sequence[str] = (),
+    profiles: Sequence[str] = (),
+    config_files: Sequence[str] = (),
+    *,
+    loaded: Optional[LoadedConfig] = None,
+    stage: str = "fit",
+    write: bool = True,
+    extra_callbacks: Sequence[Any] = (),
+) -> Run:
+    """Build the objects of a run.
+
+    Args:
+        recipe, overrides, profiles, config_files: the config layers (see :func:`recipes.config.load_config`).
+        loaded: an already loaded config (skips loading).
+        stage: ``fit`` resolves ``resume``/``init_from``; other stages never resume a training run.
+        write: on global rank 0, create the run directory and write ``config.yaml``, ``overrides.txt`` and
+            ``run.json`` (the CLI always does; notebooks may turn it off for a dry look).
+        extra_callbacks: Lightning callbacks appended after the configured ones.
+    """
+    import lightning.pytorch as pl
+
+    from lightning_modules.io import AtomicCheckpointIO, load_weights
+
+    loaded = loaded or load_config(recipe, overrides, profiles, config_files)
+    run = loaded.run
+    run_dir = resolve_run_dir(run).resolve()
+    resume_from = resolve_resume(run, run_dir) if stage == "fit" else None
+
+    pl.seed_everything(run.seed, workers=True, verbose=False)
+    spec = registry.method_spec(run.method.name)
+    datamodule = registry.create_datamodule(run.data.name, run.data.args)
+    model = registry.create_method(run.method.name, run.method.args, optim=run.optim)
+    if run.init_from and resume_from is None and stage == "fit":
+        load_weights(model, run.init_from, strict=run.init_strict)
+
+    callbacks = _callbacks(run, run_dir, spec) + list(extra_callbacks)
+    trainer = pl.Trainer(
+        default_root_dir=str(run_dir),
+        logger=_loggers(run, run_dir),
+        callbacks=callbacks,
+        enable_progress_bar=progress_mode(run.logging.progress) == "bar",
+        use_distributed_sampler=False,
+        plugins=[AtomicCheckpointIO()],
+        **_trainer_kwargs(run),
+    )
+    if write and _is_rank_zero():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _save_config(run_dir, loaded, run)
+        write_meta(run_dir, run, [sys.executable] + sys.argv)
+    return Run(cfg=run, run_dir=run_dir, datamodule=datamodule, model=model, trainer=trainer,
+               resume_from=resume_from, loaded=loaded, callbacks=callbacks)
+
+
+def load_run(run_dir: str | os.PathLike, overrides: Sequence[str] = (), profiles: Sequence[str] = (),
+             stage: str = "test", write: bool = False) -> Run:
+    """Rebuild a run from ``<run_dir>/config.yaml`` (plus optional overrides) without resuming training."""
+    path = Path(run_dir)
+    cfg_file = path / "config.yaml"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{path} is not a run directory (no config.yaml)")
+    loaded = load_config(None, list(overrides) + [f"run_dir={path.resolve()}"], profiles, [str(cfg_file)])
+    return build(loaded=loaded, stage=stage, write=write)
+
+
+def export_run_dir(run: Run) -> None:
+    """Hand the run directory to child processes (DDP ranks re-executing the command, SLURM requeues)."""
+    os.environ[ENV_RUN_DIR] = str(run.run_dir)

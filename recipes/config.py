@@ -1,0 +1,538 @@
+"""The run configuration: a dataclass schema and the layered merge that fills it.
+
+Merge order (later wins)::
+
+    schema defaults <- configs/defaults.yaml <- configs/recipes/<recipe>.yaml (one optional ``extends:``)
+        <- [registry ``tiny`` overrides when ``smoke=true``] <- --profile NAME ... <- --config FILE ...
+        <- command-line ``key=value`` items
+
+The merged tree is in struct mode: an unknown key is an error that names the nearest valid keys, a value of
+the wrong type names the key and the type it expects, and every error says which layer (file or command-line
+item) it came from. ``method.args``, ``data.args`` and each callback's ``args`` are free-form here and are
+validated against the component's own config class by :mod:`recipes.registry`.
+
+Command-line grammar:
+    ``key=value``   YAML-typed assignment (``trainer.max_steps=100``, ``stages=[fit]``, ``name=null``)
+    ``~key``        delete an entry of a free-form mapping (``~callbacks.lr``, ``~method.args.dropout``)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import yaml
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from lightning_modules.optim import OptimConfig
+
+__all__ = [
+    "ComponentConfig",
+    "TrainerConfig",
+    "OptimConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "RunConfig",
+    "ConfigError",
+    "Layer",
+    "LoadedConfig",
+    "config_dir",
+    "load_config",
+    "to_yaml",
+    "validate_component_args",
+]
+
+_RUN_CONTROL_KEYS = ("name", "run_dir", "resume", "runs_root")
+
+
+# ---------------------------------------------------------------------------------------------- schema
+@dataclass
+class ComponentConfig:
+    """A registry component: its short name and its arguments (validated against its own config class)."""
+
+    name: str = MISSING
+    """Registry name, e.g. ``lcube`` (see ``python -m recipes.ls``)."""
+    args: Dict[str, Any] = field(default_factory=dict)
+    """Arguments of the component; checked against the component's config dataclass."""
+
+
+@dataclass
+class TrainerConfig:
+    """The Lightning ``Trainer`` arguments litctx supports, with Lightning's meaning."""
+
+    accelerator: str = "auto"
+    """``cpu``, ``gpu``, ``cuda``, ``mps`` or ``auto``."""
+    devices: Any = 1
+    """Number of devices, a list of device ids, or ``auto``."""
+    num_nodes: int = 1
+    strategy: str = "auto"
+    """``auto``, ``ddp``, ``fsdp``, ... (any Lightning strategy name)."""
+    precision: str = "32-true"
+    """``32-true``, ``16-mixed``, ``bf16-mixed``, ``64-true``."""
+    max_epochs: Optional[int] = None
+    max_steps: int = -1
+    min_steps: Optional[int] = None
+    val_check_interval: Optional[Union[int, float]] = None
+    """Validate every N training batches (int) or fraction of an epoch (float)."""
+    check_val_every_n_epoch: Optional[int] = 1
+    limit_train_batches: Optional[Union[int, float]] = None
+    limit_val_batches: Optional[Union[int, float]] = None
+    limit_test_batches: Optional[Union[int, float]] = None
+    limit_predict_batches: Optional[Union[int, float]] = None
+    num_sanity_val_steps: int = 2
+    log_every_n_steps: int = 50
+    gradient_clip_val: Optional[float] = None
+    accumulate_grad_batches: int = 1
+    deterministic: Optional[bool] = None
+    benchmark: Optional[bool] = None
+    detect_anomaly: bool = False
+    fast_dev_run: Union[int, bool] = False
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """Any other ``Trainer`` keyword, passed through unchanged (the audited escape hatch)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing: ``checkpoints/last.ckpt`` always, plus the best ``save_top_k`` by ``monitor``."""
+
+    monitor: Optional[str] = None
+    """Metric that defines "best" (e.g. ``val/loss``); null keeps the latest."""
+    mode: str = "min"
+    save_top_k: int = 1
+    every_n_train_steps: Optional[int] = None
+    every_n_epochs: Optional[int] = 1
+    save_last: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    """Logs always go to ``<run_dir>/logs/metrics.csv``; TensorBoard to ``<run_dir>/tb`` when installed."""
+
+    progress: str = "auto"
+    """``auto`` (a bar on a terminal, log lines otherwise), ``bar``, ``log`` or ``none``."""
+    every_n_steps: int = 50
+    """Interval of the progress log lines when the bar is off."""
+    tensorboard: Optional[bool] = None
+    """null: use TensorBoard when it is importable; true: require it; false: never."""
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs. Print a resolved one with ``python -m recipes.show RECIPE``."""
+
+    recipe: str = MISSING
+    """Recipe name (``configs/recipes/<recipe>.yaml``)."""
+    description: str = ""
+    seed: int = 0
+    smoke: bool = False
+    """Apply the registry's ``tiny`` overrides (sub-minute CPU runs for tests and notebooks)."""
+    name: Optional[str] = None
+    """Run name; default ``<UTC time>-<config fingerprint>``."""
+    run_dir: Optional[str] = None
+    """Explicit run directory (overrides ``runs_root``/``recipe``/``name``)."""
+    runs_root: str = "runs"
+    """Root of run directories (the ``LITCTX_RUNS_DIR`` environment variable overrides it)."""
+    method: ComponentConfig = field(default_factory=ComponentConfig)
+    data: ComponentConfig = field(default_factory=ComponentConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    callbacks: Dict[str, ComponentConfig] = field(default_factory=dict)
+    """Extra callbacks keyed by a label, e.g. ``callbacks.lr={name: lr_monitor}``."""
+    init_from: Optional[str] = None
+    """Checkpoint to load weights from (weights only; not the optimizer or the step)."""
+    init_strict: bool = True
+    """Require the ``init_from`` state dict to match the model exactly."""
+    resume: Optional[str] = None
+    """``auto`` (continue the latest interrupted run of this config, or start fresh) or a checkpoint/run dir."""
+    stages: List[str] = field(default_factory=lambda: ["fit", "test"])
+    """What ``recipes.fit`` runs, in order: ``fit``, ``validate``, ``test``."""
+    test_ckpt: str = "best"
+    """Checkpoint used by the stages after ``fit``: ``best`` or ``last``."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.test_ckpt not in ("best", "last"):
+            problems.append(f"test_ckpt={self.test_ckpt!r}: expected 'best' or 'last'")
+        bad = [s for s in self.stages if s not in ("fit", "validate", "test")]
+        if bad:
+            problems.append(f"stages={self.stages}: unknown stage(s) {bad}; valid: fit, validate, test")
+        if self.logging.progress not in ("auto", "bar", "log", "none"):
+            problems.append(f"logging.progress={self.logging.progress!r}: expected auto, bar, log or none")
+        if self.checkpoint.mode not in ("min", "max"):
+            problems.append(f"checkpoint.mode={self.checkpoint.mode!r}: expected 'min' or 'max'")
+        if self.resume not in (None, "auto") and self.init_from is not None:
+            problems.append("resume=<path> and init_from are mutually exclusive (resume restores everything)")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who typed it (one line, no traceback needed)."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One source of configuration values: a label for messages and the values themselves."""
+
+    label: str
+    values: Any  # a mapping, or for the command line a list of "key=value" strings
+
+
+@dataclass
+class LoadedConfig:
+    """The result of :func:`load_config`: the typed config, its merged tree and where each value came from."""
+
+    run: RunConfig
+    tree: DictConfig
+    provenance: Dict[str, str]
+    layers: List[str]
+    overrides: List[str]
+
+
+def _dotted_fields(schema: type, prefix: str = "") -> Dict[str, Any]:
+    """Map every dotted field path of a dataclass schema to its annotation."""
+    out: Dict[str, Any] = {}
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        path = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        out[path] = tp
+        if dataclasses.is_dataclass(tp):
+            out.update(_dotted_fields(tp, path + "."))
+    return out
+
+
+def _describe_type(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        parts = [a for a in typing.get_args(tp) if a is not type(None)]
+        text = " or ".join(_describe_type(a) for a in parts)
+        return text + (" or null" if len(parts) < len(typing.get_args(tp)) else "")
+    if origin in (list, List):
+        (inner,) = typing.get_args(tp) or (Any,)
+        return f"a list of {_describe_type(inner)}"
+    if origin in (dict, Dict):
+        return "a mapping"
+    if tp is Any:
+        return "any value"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _nearest(key: str, candidates: Iterable[str], n: int = 3) -> List[str]:
+    candidates = list(candidates)
+    leaf = key.rsplit(".", 1)[-1]
+    by_path = difflib.get_close_matches(key, candidates, n=n, cutoff=0.6)
+    by_leaf = [c for c in candidates if c.rsplit(".", 1)[-1] in difflib.get_close_matches(leaf, [x.rsplit(".", 1)[-1] for x in candidates], n=n, cutoff=0.7)]
+    seen: List[str] = []
+    for c in by_path + by_leaf:
+        if c not in seen:
+            seen.append(c)
+    return seen[:n]
+
+
+def _friendly(err: OmegaConfBaseException, layer: str, schema: type, args_of: Optional[str] = None) -> ConfigError:
+    """Turn an OmegaConf error into a one-line message naming the key, the layer and what would be valid."""
+    fields = _dotted_fields(schema)
+    full_key = getattr(err, "full_key", None) or ""
+    shown = f"{args_of}.{full_key}" if args_of else full_key
+    source = f" (from {layer})" if layer else ""
+    if isinstance(err, ConfigKeyError) and full_key:
+        parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+        siblings = [p for p in fields if (p.rsplit(".", 1)[0] if "." in p else "") == parent]
+        near = _nearest(full_key, siblings) or _nearest(full_key, fields)
+        near_shown = [f"{args_of}.{k}" if args_of else k for k in near]
+        hint = f"; did you mean {' or '.join(repr(k) for k in near_shown)}?" if near_shown else ""
+        valid = ", ".join(s.rsplit(".", 1)[-1] for s in siblings)
+        where = f" under '{args_of + '.' + parent if args_of and parent else (args_of or parent)}'" if (parent or args_of) else ""
+        return ConfigError(f"unknown key '{shown}'{source}{hint} Valid keys{where}: {valid}")
+    if isinstance(err, ValidationError) and full_key:
+        expected = _describe_type(fields[full_key]) if full_key in fields else "a different type"
+        first = str(err).splitlines()[0]
+        value = first.split("'")[1] if first.startswith("Value '") else None
+        got = f", got {value!r}" if value is not None else f": {first}"
+        return ConfigError(f"{shown}: expected {expected}{got}{source}")
+    first = str(err).splitlines()[0]
+    return ConfigError(f"{shown + ': ' if shown else ''}{first}{source}")
+
+
+# ---------------------------------------------------------------------------------------------- files
+def config_dir(explicit: Optional[str] = None) -> Path:
+    """Where ``defaults.yaml``, ``recipes/`` and ``profiles/`` live: ``explicit``, else
+    ``$LITCTX_CONFIG_DIR``, else the ``configs`` folder next to the ``recipes`` package (a checkout or an
+    editable install)."""
+    candidates = [explicit, os.environ.get("LITCTX_CONFIG_DIR"), str(Path(__file__).resolve().parent.parent / "configs")]
+    for c in candidates:
+        if c:
+            path = Path(c)
+            if (path / "defaults.yaml").is_file():
+                return path
+            if c is not candidates[-1]:
+                raise ConfigError(f"config directory {path} has no defaults.yaml")
+    raise ConfigError(
+        "cannot find the litctx configs folder; run from a checkout or an editable install, "
+        "or set LITCTX_CONFIG_DIR to the folder holding defaults.yaml"
+    )
+
+
+def _read_yaml(path: Path) -> Dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def recipe_path(name: str, cfg_dir: Path) -> Path:
+    """Resolve a recipe name (or a path to a YAML file) to a file."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    candidate = cfg_dir / "recipes" / f"{name}.yaml"
+    if candidate.is_file():
+        return candidate
+    known = sorted(p.stem for p in (cfg_dir / "recipes").glob("*.yaml"))
+    near = difflib.get_close_matches(name, known, n=3)
+    hint = f"; did you mean {' or '.join(near)}?" if near else ""
+    raise ConfigError(f"unknown recipe '{name}'{hint} Known recipes: {', '.join(known)}")
+
+
+def _recipe_layers(name: str, cfg_dir: Path) -> List[Layer]:
+    path = recipe_path(name, cfg_dir)
+    data = _read_yaml(path)
+    parent = data.pop("extends", None)
+    layers: List[Layer] = []
+    if parent is not None:
+        parent_data = _read_yaml(recipe_path(str(parent), cfg_dir))
+        if "extends" in parent_data:
+            raise ConfigError(f"{path}: extends '{parent}', which itself extends another recipe (one level only)")
+        layers.append(Layer(f"recipe {parent} ({recipe_path(str(parent), cfg_dir)})", parent_data))
+    data.setdefault("recipe", path.stem)
+    layers.append(Layer(f"recipe {path.stem} ({path})", data))
+    return layers
+
+
+def _profile_layer(name: str, cfg_dir: Path) -> Layer:
+    path = Path(name)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        path = cfg_dir / "profiles" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (cfg_dir / "profiles").glob("*.yaml"))
+        near = difflib.get_close_matches(name, known, n=3)
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        raise ConfigError(f"unknown profile '{name}'{hint} Known profiles: {', '.join(known)}")
+    return Layer(f"profile {path.stem} ({path})", _read_yaml(path))
+
+
+# ---------------------------------------------------------------------------------------------- merging
+def _leaves(node: Any, prefix: str = "") -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    if isinstance(node, Mapping):
+        if not node and prefix:
+            out[prefix[:-1]] = {}
+        for k, v in node.items():
+            out.update(_leaves(v, f"{prefix}{k}."))
+    else:
+        out[prefix[:-1]] = node
+    return out
+
+
+def _merge_mapping(tree: DictConfig, values: Mapping, label: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(tree, OmegaConf.create(dict(values)))
+    except OmegaConfBaseException as err:
+        raise _friendly(err, label, RunConfig) from None
+
+
+def _apply_cli_item(tree: DictConfig, item: str) -> DictConfig:
+    label = f"the command line '{item}'"
+    if item.startswith("~"):
+        key = item[1:]
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(tree, parent_key) if parent_key else tree
+        if parent is None or not isinstance(parent, DictConfig) or leaf not in parent:
+            raise ConfigError(f"cannot delete '{key}' ({label}): no such entry")
+        if parent_key and not _is_free_form(parent_key):
+            raise ConfigError(f"cannot delete '{key}' ({label}): only entries of free-form mappings "
+                              "(callbacks, method.args, data.args, trainer.extra) can be deleted")
+        with open_dict(parent):
+            del parent[leaf]
+        return tree
+    if "=" not in item:
+        raise ConfigError(f"cannot parse {label}: expected key=value or ~key")
+    key, _, raw = item.partition("=")
+    if not key or key != key.strip():
+        raise ConfigError(f"cannot parse {label}: expected key=value with no spaces around the key")
+    try:
+        parsed = OmegaConf.from_dotlist([item])
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot parse {label}: {str(err).splitlines()[0]}") from None
+    try:
+        return OmegaConf.merge(tree, parsed)
+    except OmegaConfBaseException as err:
+        raise _friendly(err, label, RunConfig) from None
+
+
+def _is_free_form(path: str) -> bool:
+    head = path.split(".")
+    return head[0] == "callbacks" or head[-1] in ("args", "extra") or "args" in head or "extra" in head
+
+
+def _merge_layers(layers: Sequence[Layer]) -> Tuple[DictConfig, Dict[str, str]]:
+    tree = OmegaConf.structured(RunConfig)
+    provenance = {k: "schema" for k in _leaves(OmegaConf.to_container(tree))}
+    for layer in layers:
+        before = _leaves(OmegaConf.to_container(tree))
+        if isinstance(layer.values, list):  # command-line items
+            for item in layer.values:
+                tree = _apply_cli_item(tree, item)
+        else:
+            tree = _merge_mapping(tree, layer.values, layer.label)
+        after = _leaves(OmegaConf.to_container(tree))
+        for k, v in after.items():
+            if k not in before or before[k] != v:
+                provenance[k] = layer.label
+        for k in list(provenance):
+            if k not in after:
+                del provenance[k]
+    return tree, provenance
+
+
+def load_config(
+    recipe: Optional[str] = None,
+    overrides: Sequence[str] = (),
+    profiles: Sequence[str] = (),
+    config_files: Sequence[str] = (),
+    cfg_dir: Optional[str] = None,
+    validate_components: bool = True,
+) -> LoadedConfig:
+    """Build the run config from the layers (see the module docstring).
+
+    Args:
+        recipe: recipe name or YAML path; may be omitted when a ``--config`` file names a ``recipe``.
+        overrides: command-line ``key=value`` / ``~key`` items.
+        profiles: profile names (``configs/profiles/<name>.yaml``) or YAML paths, applied in order.
+        config_files: extra YAML files, applied in order after the profiles.
+        cfg_dir: the configs folder (default: see :func:`config_dir`).
+        validate_components: check method/data/callback args against their registered config classes.
+
+    Raises:
+        ConfigError: with a one-line message naming the key, the layer and what would be valid.
+    """
+    from recipes import registry  # registry imports nothing heavy
+
+    root = config_dir(cfg_dir)
+    file_layers = [Layer(f"--config {p}", _read_yaml(Path(p))) for p in config_files]
+    for p in config_files:
+        if not Path(p).is_file():
+            raise ConfigError(f"--config {p}: no such file")
+    if recipe is None:
+        named = [layer.values.get("recipe") for layer in file_layers if isinstance(layer.values, dict)]
+        named = [n for n in named if n]
+        if not named:
+            raise ConfigError("no recipe given: pass --recipe NAME (see python -m recipes.ls)")
+        recipe = named[-1]
+    layers: List[Layer] = [Layer(f"defaults ({root / 'defaults.yaml'})", _read_yaml(root / "defaults.yaml"))]
+    layers += _recipe_layers(recipe, root)
+    recipe_end = len(layers)
+    layers += [_profile_layer(p, root) for p in profiles]
+    layers += file_layers
+    cli = Layer("the command line", list(overrides))
+    layers.append(cli)
+
+    tree, provenance = _merge_layers(layers)
+    if tree.smoke:
+        tiny = registry.tiny_overrides(tree)
+        if tiny:
+            layers.insert(recipe_end, Layer("registry tiny overrides (smoke=true)", tiny))
+            tree, provenance = _merge_layers(layers)
+
+    try:
+        OmegaConf.resolve(tree)
+    except OmegaConfBaseException as err:
+        raise _friendly(err, "interpolation", RunConfig) from None
+    missing = sorted(OmegaConf.missing_keys(tree))
+    if missing:
+        raise ConfigError(f"missing value(s) for {', '.join(missing)}: set them in the recipe or on the command line")
+    try:
+        run: RunConfig = OmegaConf.to_object(tree)
+    except OmegaConfBaseException as err:
+        raise _friendly(err, "", RunConfig) from None
+    except ValueError as err:  # a schema's own __post_init__ check
+        raise ConfigError(str(err)) from None
+    if validate_components:
+        registry.validate_run_components(run)
+    return LoadedConfig(run=run, tree=tree, provenance=provenance, layers=[layer.label for layer in layers],
+                        overrides=list(overrides))
+
+
+def validate_component_args(schema: type, args: Mapping[str, Any], where: str) -> Any:
+    """Validate ``args`` against a component's config dataclass and return an instance of it.
+
+    ``where`` is the dotted prefix used in messages (e.g. ``method.args``).
+    """
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(dict(args)))
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _friendly(err, "", schema, args_of=where) from None
+    except (TypeError, ValueError) as err:  # raised by the schema's own __post_init__
+        raise ConfigError(f"{where}: {err}") from None
+    missing = [k for k, v in dataclasses.asdict(obj).items() if v == MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing value(s) for {', '.join(missing)}")
+    return obj
+
+
+def to_plain(run: RunConfig) -> Dict[str, Any]:
+    """The config as plain containers (what checkpoints and ``config.yaml`` hold)."""
+    return dataclasses.asdict(run)
+
+
+def to_yaml(run: Union[RunConfig, Mapping[str, Any]], provenance: Optional[Mapping[str, str]] = None) -> str:
+    """YAML text of a config; with ``provenance``, each leaf carries a ``# from: <layer>`` comment."""
+    data = to_plain(run) if dataclasses.is_dataclass(run) else dict(run)
+    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    if not provenance:
+        return text
+    out, stack = [], []
+    for line in text.splitlines():
+        stripped = line.lstrip(" ")
+        indent = (len(line) - len(stripped)) // 2
+        if stripped.startswith("- ") or ":" not in stripped:
+            out.append(line)
+            continue
+        key = stripped.split(":", 1)[0]
+        del stack[indent:]
+        stack.append(key)
+        path = ".".join(stack)
+        src = provenance.get(path)
+        value_part = stripped.split(":", 1)[1].strip()
+        if src and src != "schema" and value_part:
+            out.append(f"{line}  # from {src.split(' (')[0]}")
+        else:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def fingerprint_payload(run: RunConfig) -> Dict[str, Any]:
+    """The part of the config that defines *what* is computed (no run-control keys)."""
+    data = to_plain(run)
+    for key in _RUN_CONTROL_KEYS:
+        data.pop(key, None)
+    return data

@@ -1,0 +1,71 @@
+"""Evaluate a trained run without retraining: validate, test or predict with callbacks from config.
+
+    python -m recipes.evaluate --run runs/lcube/<name> [--stage test] [--ckpt best|last|PATH] [key=value ...]
+    python -m recipes.evaluate --recipe lcube --ckpt path/to/model.ckpt [--profile ...] [key=value ...]
+
+Inference-only callbacks attach through the config (``callbacks.<label>={name: ..., args: {...}}``), so the
+same checkpoint can be evaluated under different inference methods. Metrics are printed and written to
+``<run_dir>/eval/<stage>-<checkpoint>.json``; predictions to ``<run_dir>/eval/predict-<checkpoint>.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from recipes.cli import config_parser, guarded, split_overrides
+from recipes.config import ConfigError, load_config
+
+__all__ = ["main", "evaluate"]
+
+
+def evaluate(run, stage: str, ckpt: Optional[str]) -> dict:
+    """Run one evaluation stage of a built :class:`recipes.api.Run` and write its outputs."""
+
+    from lightning_modules.io import AtomicCheckpointIO
+    from recipes.rundir import write_text_atomic
+
+    label = Path(ckpt).stem if ckpt and ckpt not in ("best", "last") else (ckpt or run.cfg.test_ckpt)
+    out_dir = run.run_dir / "eval"
+    if stage == "predict":
+        predictions = run.predict(ckpt)
+        path = out_dir / f"predict-{label}.pt"
+        AtomicCheckpointIO().save_checkpoint({"predictions": predictions}, path)
+        return {"predictions": str(path), "batches": len(predictions)}
+    metrics = run.validate(ckpt) if stage == "validate" else run.test(ckpt)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    write_text_atomic(out_dir / f"{stage}-{label}.json", json.dumps(metrics, indent=2, sort_keys=True))
+    return metrics
+
+
+@guarded
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = config_parser("python -m recipes.evaluate", __doc__.split("\n\n")[0], recipe_required=False)
+    parser.add_argument("--run", metavar="DIR", help="a run directory (its config.yaml and checkpoints)")
+    parser.add_argument("--stage", choices=["validate", "test", "predict"], default="test")
+    parser.add_argument("--ckpt", default=None, metavar="best|last|PATH",
+                        help="checkpoint to evaluate (default: the run's test_ckpt setting)")
+    args = parser.parse_args(argv)
+    overrides = split_overrides(parser, args.overrides)
+    from recipes.api import build, load_run
+
+    if args.run:
+        if args.recipe:
+            raise ConfigError("pass either --run DIR or --recipe NAME, not both")
+        run = load_run(args.run, overrides, args.profile, stage=args.stage)
+    else:
+        if not args.recipe or not args.ckpt or args.ckpt in ("best", "last"):
+            raise ConfigError("without --run, pass --recipe NAME and --ckpt PATH")
+        loaded = load_config(args.recipe, overrides, args.profile, args.config)
+        run = build(loaded=loaded, stage=args.stage, write=True)
+    result = evaluate(run, args.stage, args.ckpt)
+    for key, value in sorted(result.items()):
+        print(f"  {key}  {value:.6g}" if isinstance(value, float) else f"  {key}  {value}")
+    print(f"[litctx] {args.stage} results in {run.run_dir / 'eval'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""A lazy registry of methods, datamodules, callbacks and recipes.
+
+Every entry names its classes as ``"module:Class"`` strings, so listing the registry or validating a config
+imports nothing heavy (mne, xarray, transformers, triton stay unimported until a component is created).
+The front door is timm-shaped::
+
+    list_methods("*lcube*")           -> ["lcube"]
+    create_method("lcube", {"backbone": "gru"}, optim=OptimConfig())
+    create_datamodule("lcube", {"length": 512})
+    create_callback("lr_monitor", {})
+
+Adding a method is adding one :class:`MethodSpec` to ``METHODS`` (and a recipe YAML).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import importlib
+import importlib.util
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = [
+    "Paper",
+    "MethodSpec",
+    "DataSpec",
+    "CallbackSpec",
+    "RecipeSpec",
+    "METHODS",
+    "DATAMODULES",
+    "CALLBACKS",
+    "list_methods",
+    "list_datamodules",
+    "list_callbacks",
+    "list_recipes",
+    "method_spec",
+    "datamodule_spec",
+    "callback_spec",
+    "create_method",
+    "create_datamodule",
+    "create_callback",
+    "import_target",
+]
+
+
+@dataclass(frozen=True)
+class Paper:
+    """Provenance of a method (timm's ``PretrainedCfg`` idea, without hubs)."""
+
+    title: str
+    venue: str = ""
+    arxiv: Optional[str] = None
+    code: Optional[str] = None
+    note: str = ""
+
+    def short(self) -> str:
+        bits = [self.title]
+        if self.venue:
+            bits.append(self.venue)
+        if self.arxiv:
+            bits.append(f"arXiv:{self.arxiv}")
+        return ", ".join(bits)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A trained method: a LightningModule and its config dataclass."""
+
+    name: str
+    target: str
+    config: str
+    paper: Paper
+    description: str = ""
+    kind: str = "pretrain"
+    default_data: Optional[str] = None
+    tiny: Mapping[str, Any] = field(default_factory=dict)
+    requires: Tuple[str, ...] = ()
+    extra: Optional[str] = None
+    fsdp_wrap: Tuple[str, ...] = ()
+    manual_optimization: bool = False
+    tags: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A LightningDataModule and its config dataclass."""
+
+    name: str
+    target: str
+    config: str
+    description: str = ""
+    tiny: Mapping[str, Any] = field(default_factory=dict)
+    requires: Tuple[str, ...] = ()
+    extra: Optional[str] = None
+    paper: Optional[Paper] = None
+
+
+@dataclass(frozen=True)
+class CallbackSpec:
+    """A Lightning callback. Without ``config`` its args are checked against the constructor signature."""
+
+    name: str
+    target: str
+    config: Optional[str] = None
+    description: str = ""
+    stages: Tuple[str, ...] = ("fit", "validate", "test", "predict")
+    requires: Tuple[str, ...] = ()
+    extra: Optional[str] = None
+    paper: Optional[Paper] = None
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """A recipe YAML in ``configs/recipes``."""
+
+    name: str
+    path: Path
+    description: str
+    method: Optional[str]
+    data: Optional[str]
+    extends: Optional[str]
+
+
+LCUBE_PAPER = Paper(
+    title="L-CUBE: Isolating Long-Context Capacity from Knowledge with Controllable Mutual Information Scaling",
+    venue="ICML 2026",
+    code="https://github.com/LSquaredM/L-CUBE (README only; generator reconstructed here)",
+    note="theory: L2M, arXiv:2503.04725",
+)
+
+METHODS: Dict[str, MethodSpec] = {
+    spec.name: spec
+    for spec in [
+        MethodSpec(
+            name="lcube",
+            target="lightning_modules.lcube.module:LCubeModule",
+            config="lightning_modules.lcube.config:LCubeModelConfig",
+            paper=LCUBE_PAPER,
+            description="next-vector Gaussian prediction on L-CUBE sequences (causal transformer or GRU)",
+            default_data="lcube",
+            tiny={"d_model": 16, "n_layers": 1, "n_heads": 2, "rnn_hidden": 16},
+            fsdp_wrap=("lightning_modules.layers.transformer:TransformerBlock",),
+            tags=("benchmark", "synthetic", "long-context"),
+        ),
+    ]
+}
+
+DATAMODULES: Dict[str, DataSpec] = {
+    spec.name: spec
+    for spec in [
+        DataSpec(
+            name="lcube",
+            target="datamodules.lcube:LCubeDataModule",
+            config="datamodules.lcube:LCubeDataConfig",
+            description="hierarchical Gaussian sequences with exact conditionals (generated on the fly)",
+            tiny={"length": 32, "batch_size": 8, "train_batches": 4, "val_sequences": 16, "test_sequences": 16},
+            paper=LCUBE_PAPER,
+        ),
+    ]
+}
+
+CALLBACKS: Dict[str, CallbackSpec] = {
+    spec.name: spec
+    for spec in [
+        CallbackSpec(
+            name="lr_monitor",
+            target="lightning.pytorch.callbacks:LearningRateMonitor",
+            description="log the learning rate of every optimizer",
+            stages=("fit",),
+        ),
+        CallbackSpec(
+            name="early_stopping",
+            target="lightning.pytorch.callbacks:EarlyStopping",
+            description="stop when a monitored metric stops improving",
+            stages=("fit",),
+        ),
+        CallbackSpec(
+            name="log_lines",
+            target="lightning_modules.callbacks.progress:LogLines",
+            description="one progress line every N steps (the default off a terminal)",
+        ),
+    ]
+}
+
+
+# ---------------------------------------------------------------------------------------------- lookup
+def _lookup(table: Mapping[str, Any], name: str, kind: str, listing: str) -> Any:
+    if name in table:
+        return table[name]
+    from recipes.config import ConfigError
+
+    near = difflib.get_close_matches(name, list(table), n=3)
+    hint = f"; did you mean {' or '.join(near)}?" if near else ""
+    raise ConfigError(f"unknown {kind} '{name}'{hint} Known: {', '.join(sorted(table))} ({listing})")
+
+
+def method_spec(name: str) -> MethodSpec:
+    return _lookup(METHODS, name, "method", "python -m recipes.ls")
+
+
+def datamodule_spec(name: str) -> DataSpec:
+    return _lookup(DATAMODULES, name, "datamodule", "python -m recipes.ls")
+
+
+def callback_spec(name: str) -> CallbackSpec:
+    return _lookup(CALLBACKS, name, "callback", "python -m recipes.ls")
+
+
+def _filter(names: Sequence[str], pattern: str) -> List[str]:
+    return sorted(n for n in names if fnmatch.fnmatch(n, pattern))
+
+
+def list_methods(pattern: str = "*") -> List[str]:
+    return _filter(list(METHODS), pattern)
+
+
+def list_datamodules(pattern: str = "*") -> List[str]:
+    return _filter(list(DATAMODULES), pattern)
+
+
+def list_callbacks(pattern: str = "*") -> List[str]:
+    return _filter(list(CALLBACKS), pattern)
+
+
+def list_recipes(pattern: str = "*", cfg_dir: Optional[str] = None) -> List[RecipeSpec]:
+    """Recipes in ``configs/recipes`` (reads YAML only)."""
+    from recipes.config import _read_yaml, config_dir
+
+    root = config_dir(cfg_dir) / "recipes"
+    out = []
+    for path in sorted(root.glob("*.yaml")):
+        if not fnmatch.fnmatch(path.stem, pattern):
+            continue
+        data = _read_yaml(path)
+        parent = data.get("extends")
+        base = _read_yaml(root / f"{parent}.yaml") if parent else {}
+
+        def name_of(section: str) -> Optional[str]:
+            return (data.get(section) or {}).get("name") or (base.get(section) or {}).get("name")
+
+        out.append(RecipeSpec(path.stem, path, str(data.get("description", "")), name_of("method"),
+                              name_of("data"), parent))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- imports
+def import_target(target: str) -> Any:
+    """Import ``"package.module:Attr"``."""
+    module_name, _, attr = target.partition(":")
+    module = importlib.import_module(module_name)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"{module_name} has no attribute {attr!r} (registry target {target!r})") from None
+
+
+def check_requirements(name: str, requires: Sequence[str], extra: Optional[str]) -> None:
+    """Fail before importing anything if an optional dependency of a component is missing."""
+    from recipes.config import ConfigError
+
+    missing = [r for r in requires if importlib.util.find_spec(r) is None]
+    if missing:
+        how = f"pip install -e '.[{extra}]'" if extra else f"pip install {' '.join(missing)}"
+        raise ConfigError(f"'{name}' needs {', '.join(missing)}, which is not installed; run: {how}")
+
+
+def _validate_args(config_target: Optional[str], target: str, args: Mapping[str, Any], where: str) -> Any:
+    from recipes.config import ConfigError, validate_component_args
+
+    if config_target is not None:
+        return validate_component_args(import_target(config_target), args, where)
+    cls = import_target(target)
+    params = inspect.signature(cls).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in args:
+        if key not in params and not accepts_any:
+            near = difflib.get_close_matches(key, valid, n=3)
+            hint = f"; did you mean {' or '.join(repr(f'{where}.{n}') for n in near)}?" if near else ""
+            raise ConfigError(f"unknown key '{where}.{key}'{hint} Valid keys: {', '.join(valid)}")
+    try:
+        inspect.signature(cls).bind_partial(**dict(args))
+    except TypeError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return dict(args)
+
+
+def validate_run_components(run: Any) -> None:
+    """Check every component of a :class:`~recipes.config.RunConfig` without building it."""
+    spec = method_spec(run.method.name)
+    _validate_args(spec.config, spec.target, run.method.args, "method.args")
+    dspec = datamodule_spec(run.data.name)
+    _validate_args(dspec.config, dspec.target, run.data.args, "data.args")
+    for label, comp in run.callbacks.items():
+        cspec = callback_spec(comp.name)
+        check_requirements(cspec.name, cspec.requires, cspec.extra)
+        _validate_args(cspec.config, cspec.target, comp.args, f"callbacks.{label}.args")
+
+
+def tiny_overrides(tree: Any) -> Dict[str, Any]:
+    """The ``tiny`` overrides of the method and datamodule named in a (partially merged) config tree."""
+    out: Dict[str, Any] = {}
+    method = tree.method.name if "method" in tree and tree.method.name != "???" else None
+    data = tree.data.name if "data" in tree and tree.data.name != "???" else None
+    if method and method in METHODS and METHODS[method].tiny:
+        out["method"] = {"args": dict(METHODS[method].tiny)}
+    if data and data in DATAMODULES and DATAMODULES[data].tiny:
+        out["data"] = {"args": dict(DATAMODULES[data].tiny)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- factories
+def create_method(name: str, args: Mapping[str, Any] | Any = None, **kwargs: Any) -> Any:
+    """Build a method's LightningModule from its registry name and args (a mapping or its config object)."""
+    spec = method_spec(name)
+    check_requirements(name, spec.requires, spec.extra)
+    cfg = args if args is not None and not isinstance(args, Mapping) else _validate_args(
+        spec.config, spec.target, args or {}, "method.args"
+    )
+    return import_target(spec.target)(cfg, **kwargs)
+
+
+def create_datamodule(name: str, args: Mapping[str, Any] | Any = None, **kwargs: Any) -> Any:
+    """Build a LightningDataModule from its registry name and args."""
+    spec = datamodule_spec(name)
+    check_requirements(name, spec.requires, spec.extra)
+    cfg = args if args is not None and not isinstance(args, Mapping) else _validate_args(
+        spec.config, spec.target, args or {}, "data.args"
+    )
+    return import_target(spec.target)(cfg, **kwargs)
+
+
+def create_callback(name: str, args: Optional[Mapping[str, Any]] = None) -> Any:
+    """Build a callback from its registry name and args."""
+    spec = callback_spec(name)
+    check_requirements(name, spec.requires, spec.extra)
+    validated = _validate_args(spec.config, spec.target, args or {}, f"callbacks.{name}.args")
+    cls = import_target(spec.target)
+    return cls(validated) if spec.config is not None else cls(**validated)

@@ -1,0 +1,189 @@
+"""Run directories: naming, the environment hand-off, markers, and where a resumed run continues from.
+
+Layout of one run::
+
+    <runs_root>/<recipe>/<name>/
+        config.yaml        the resolved config (rank 0 writes it, atomically)
+        run.json           fingerprint, command, start time, status history
+        logs/metrics.csv   CSV logs (always);  tb/  TensorBoard events (when installed)
+        checkpoints/       last.ckpt and the best by the monitored metric
+        DONE | FAILED      outcome markers (FAILED holds the traceback)
+
+The directory is computed once by the launching process and exported as ``LITCTX_RUN_DIR``; processes that
+inherit it (Lightning's DDP children re-executing ``python -m recipes.fit``, SLURM requeues) reuse it instead
+of computing a new one, so one run never multiplies into several directories.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from recipes.config import ConfigError, RunConfig, fingerprint_payload
+
+__all__ = [
+    "ENV_RUN_DIR",
+    "ENV_RUNS_ROOT",
+    "fingerprint",
+    "resolve_run_dir",
+    "resolve_resume",
+    "write_text_atomic",
+    "mark",
+    "read_meta",
+]
+
+ENV_RUN_DIR = "LITCTX_RUN_DIR"
+ENV_RUNS_ROOT = "LITCTX_RUNS_DIR"
+META = "run.json"
+
+
+def fingerprint(run: RunConfig) -> str:
+    """8 hex digits identifying what a config computes (run-control keys such as ``name`` excluded)."""
+    payload = json.dumps(fingerprint_payload(run), sort_keys=True, default=str)
+    return hashlib.sha1(payload.encode()).hexdigest()[:8]
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text file so that readers see either the old or the new content, never a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_meta(run_dir: Path) -> Dict[str, Any]:
+    try:
+        return json.loads((run_dir / META).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _runs_root(run: RunConfig) -> Path:
+    return Path(os.environ.get(ENV_RUNS_ROOT) or run.runs_root)
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    ckpt = run_dir / "checkpoints"
+    return (ckpt / "last.ckpt").is_file() or any(run_dir.glob("hpc_ckpt_*.ckpt")) or any(ckpt.glob("*.ckpt"))
+
+
+def _latest_interrupted(recipe_root: Path, fp: str) -> Optional[Path]:
+    """The most recently started run of this fingerprint that has a checkpoint and no DONE marker."""
+    if not recipe_root.is_dir():
+        return None
+    found = []
+    for d in recipe_root.iterdir():
+        if not d.is_dir() or (d / "DONE").exists():
+            continue
+        meta = read_meta(d)
+        if meta.get("fingerprint") == fp and _has_checkpoint(d):
+            found.append((meta.get("started", ""), d))
+    return max(found)[1] if found else None
+
+
+def resolve_run_dir(run: RunConfig, now: Optional[_dt.datetime] = None) -> Path:
+    """Decide the run directory (see the module docstring for the rules).
+
+    Order: ``$LITCTX_RUN_DIR`` (an inherited hand-off) > ``run_dir`` > with ``resume=auto`` and no ``name``,
+    the latest interrupted run of the same config > ``<runs_root>/<recipe>/<name or time-fingerprint>``.
+    """
+    inherited = os.environ.get(ENV_RUN_DIR)
+    if inherited:
+        return Path(inherited)
+    if run.run_dir:
+        return Path(run.run_dir)
+    root = _runs_root(run) / run.recipe
+    fp = fingerprint(run)
+    if run.name:
+        return root / run.name
+    if run.resume == "auto":
+        previous = _latest_interrupted(root, fp)
+        if previous is not None:
+            return previous
+    stamp = (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y%m%d-%H%M%S")
+    candidate = root / f"{stamp}-{fp}"
+    n = 1
+    while candidate.exists():
+        n += 1
+        candidate = root / f"{stamp}-{fp}-{n}"
+    return candidate
+
+
+def _checkpoint_step(path: Path) -> int:
+    """Global step stored in a Lightning checkpoint (loaded weights-only, on CPU)."""
+    import torch
+
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True).get("global_step", -1))
+    except Exception:  # an unreadable checkpoint is never preferred
+        return -1
+
+
+def resolve_resume(run: RunConfig, run_dir: Path) -> Optional[Path]:
+    """The checkpoint ``fit`` should continue from, or None for a fresh start.
+
+    ``resume=None``: fresh; refuses to start over a run directory that already holds checkpoints (nothing
+    written is lost). ``resume=auto``: the newest of ``hpc_ckpt_*.ckpt`` (a SLURM requeue) and
+    ``checkpoints/last.ckpt``, by stored global step; fresh when there is none. ``resume=<path>``: that
+    checkpoint file, or ``<path>/checkpoints/last.ckpt`` for a run directory.
+    """
+    if run.resume is None:
+        if run_dir.is_dir() and _has_checkpoint(run_dir) and not os.environ.get(ENV_RUN_DIR):
+            raise ConfigError(
+                f"run directory {run_dir} already holds checkpoints; pass resume=auto to continue it, "
+                "or choose another name=/run_dir="
+            )
+        return None
+    if run.resume == "auto":
+        candidates: List[Path] = sorted(run_dir.glob("hpc_ckpt_*.ckpt"))
+        last = run_dir / "checkpoints" / "last.ckpt"
+        if last.is_file():
+            candidates.append(last)
+        if not candidates:
+            return None
+        return max(candidates, key=lambda p: (_checkpoint_step(p), p.stat().st_mtime))
+    path = Path(run.resume)
+    if path.is_dir():
+        path = path / "checkpoints" / "last.ckpt"
+    if not path.is_file():
+        raise ConfigError(f"resume={run.resume}: no checkpoint at {path} (expected a .ckpt file or a run directory)")
+    return path
+
+
+def mark(run_dir: Path, status: str, detail: str = "") -> None:
+    """Record the outcome of a run: ``DONE`` or ``FAILED`` marker files plus the status history in run.json."""
+    if status not in ("STARTED", "DONE", "FAILED"):
+        raise ValueError(f"unknown status {status!r}")
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    if status == "STARTED":
+        for stale in ("DONE", "FAILED"):
+            (run_dir / stale).unlink(missing_ok=True)
+    else:
+        write_text_atomic(run_dir / status, f"{now}\n{detail}")
+    meta = read_meta(run_dir)
+    meta.setdefault("history", []).append({"status": status, "time": now})
+    meta["status"] = status
+    write_text_atomic(run_dir / META, json.dumps(meta, indent=2))
+
+
+def write_meta(run_dir: Path, run: RunConfig, command: List[str]) -> None:
+    """Create or update run.json with the fingerprint and the command that launched this attempt."""
+    meta = read_meta(run_dir)
+    meta.setdefault("started", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    meta["fingerprint"] = fingerprint(run)
+    meta["recipe"] = run.recipe
+    meta.setdefault("commands", []).append(command)
+    write_text_atomic(run_dir / META, json.dumps(meta, indent=2))

@@ -1,0 +1,38 @@
+"""Shared fixtures: every test runs with its own runs folder and no inherited run directory."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+@pytest.fixture(autouse=True)
+def isolated_runs(tmp_path, monkeypatch):
+    """Point LITCTX_RUNS_DIR at a temporary folder and drop any inherited LITCTX_RUN_DIR."""
+    monkeypatch.setenv("LITCTX_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.delenv("LITCTX_RUN_DIR", raising=False)
+    monkeypatch.delenv("LITCTX_CONFIG_DIR", raising=False)
+    yield tmp_path / "runs"
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return REPO
+
+
+def run_cli(args, cwd=REPO, env_extra=None, timeout=600):
+    """Run ``python <args>`` in a subprocess from the repository root; returns CompletedProcess."""
+    import subprocess
+
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return subprocess.run([sys.executable] + list(args), cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
