@@ -89,12 +89,17 @@ class GeneratedSequences(Dataset):
         self.stream = stream
         self.scale = scale
 
+    def _generator(self, index: int) -> torch.Generator:
+        return torch.Generator().manual_seed(stable_seed(self.stream, self.seed, int(index)))
+
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(stable_seed(self.stream, self.seed, int(index)))
-        return {"x": self.process.sample(1, g)[0] / self.scale}
+        return {"x": self.process.sample(1, self._generator(index))[0] / self.scale}
 
     def __getitems__(self, indices: List[int]) -> List[Dict[str, torch.Tensor]]:
-        return [self[i] for i in indices]
+        """A whole batch at once (the DataLoader's batched fetch): the sequences of ``self[i]`` (up to float
+        rounding), with one matmul per tree level."""
+        x = self.process.sample_each([self._generator(i) for i in indices]) / self.scale
+        return [{"x": row} for row in x]
 
 
 class ExactSequenceSet(Dataset):

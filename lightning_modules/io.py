@@ -8,39 +8,48 @@ file is always either the previous complete one or the new complete one.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import IO, Any, Dict, Iterator, Mapping, Optional, Tuple
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO", "load_checkpoint", "load_weights"]
+__all__ = ["atomic_open", "AtomicCheckpointIO", "load_checkpoint", "load_weights"]
+
+
+@contextlib.contextmanager
+def atomic_open(path: Any, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
+    """Open a temporary file next to ``path`` for writing; on a clean exit it is flushed, synced and renamed
+    over ``path``, on an exception it is removed. Readers see the old file or the new one, never a part."""
+    target = Path(os.fspath(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose local saves are atomic (temporary file in the same folder + rename)."""
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
-        target = Path(os.fspath(path))
         if "://" in str(path):  # remote URLs keep Lightning's behaviour
             return super().save_checkpoint(checkpoint, path, storage_options)
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not support storage_options, got {storage_options!r}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with atomic_open(path, "wb") as f:
+            torch.save(checkpoint, f)
 
 
 def load_checkpoint(path: Any, map_location: Any = "cpu") -> Dict[str, Any]:

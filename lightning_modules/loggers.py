@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import csv
 import os
-import tempfile
 
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+from lightning_modules.io import atomic_open
 
 __all__ = ["ResumableCSVLogger"]
 
@@ -28,17 +29,10 @@ class _AppendingWriter(ExperimentWriter):
     def _rewrite_with_new_header(self, fieldnames: list) -> None:
         with open(self.metrics_file_path, newline="") as f:
             rows = list(csv.DictReader(f))
-        fd, tmp = tempfile.mkstemp(dir=self.log_dir, prefix=".metrics.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=fieldnames)
-                writer.writeheader()
-                writer.writerows(rows)
-            os.replace(tmp, self.metrics_file_path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with atomic_open(self.metrics_file_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(rows)
 
 
 class ResumableCSVLogger(CSVLogger):

@@ -37,19 +37,19 @@ class OptimConfig:
     def __post_init__(self) -> None:
         problems = []
         if self.name not in ("adamw", "adam", "sgd"):
-            problems.append(f"name={self.name!r}: expected adamw, adam or sgd")
+            problems.append(f"optim.name={self.name!r}: expected adamw, adam or sgd")
         if self.scheduler not in ("constant", "cosine", "linear", "wsd"):
-            problems.append(f"scheduler={self.scheduler!r}: expected constant, cosine, linear or wsd")
+            problems.append(f"optim.scheduler={self.scheduler!r}: expected constant, cosine, linear or wsd")
         if self.lr <= 0:
-            problems.append(f"lr={self.lr}: must be > 0")
+            problems.append(f"optim.lr={self.lr}: must be > 0")
         if len(self.betas) != 2:
-            problems.append(f"betas={self.betas}: expected two numbers")
+            problems.append(f"optim.betas={self.betas}: expected two numbers")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            problems.append(f"min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+            problems.append(f"optim.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         if not 0.0 < self.decay_fraction <= 1.0:
-            problems.append(f"decay_fraction={self.decay_fraction}: must be in (0, 1]")
+            problems.append(f"optim.decay_fraction={self.decay_fraction}: must be in (0, 1]")
         if self.warmup_steps < 0:
-            problems.append(f"warmup_steps={self.warmup_steps}: must be >= 0")
+            problems.append(f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import logging
 import os
 import shutil
 import subprocess
@@ -43,6 +44,19 @@ def progress_mode(setting: str) -> str:
         return setting
     in_slurm_batch = "SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
     return "bar" if sys.stderr.isatty() and not in_slurm_batch else "log"
+
+
+class _NoCloudTips(logging.Filter):
+    """Drop Lightning's "Tip: try installing litlogger ..." line: litctx runs offline."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage()
+
+
+def _quiet_cloud_tips() -> None:
+    log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoCloudTips) for f in log.filters):
+        log.addFilter(_NoCloudTips())
 
 
 def _is_rank_zero() -> bool:
@@ -97,7 +111,8 @@ class Run:
         if cb is not None and cb.best_model_path:
             return cb.best_model_path
         if (ckpt_dir / "last.ckpt").is_file():
-            return str(ckpt_dir / "last.ckpt")
+            recorded = _recorded_best(ckpt_dir / "last.ckpt")
+            return recorded or str(ckpt_dir / "last.ckpt")
         return None  # the in-memory model (nothing was saved)
 
     def validate(self, ckpt: Optional[str] = None) -> Dict[str, float]:
@@ -136,6 +151,18 @@ class Run:
             f"run dir    {self.run_dir}",
         ]
         return "\n".join(lines)
+
+
+def _recorded_best(last: Path) -> Optional[str]:
+    """The best checkpoint recorded in ``last.ckpt``'s ModelCheckpoint state, if it still exists."""
+    from lightning_modules.io import load_checkpoint
+
+    states = load_checkpoint(last).get("callbacks", {})
+    for key, state in states.items():
+        path = state.get("best_model_path") if isinstance(state, dict) else None
+        if key.startswith("ModelCheckpoint") and path and state.get("monitor") and Path(path).is_file():
+            return path
+    return None
 
 
 def _trainer_kwargs(run: RunConfig) -> Dict[str, Any]:
@@ -260,6 +287,7 @@ def build(
         load_weights(model, run.init_from, strict=run.init_strict)
 
     callbacks = _callbacks(run, run_dir, spec) + list(extra_callbacks)
+    _quiet_cloud_tips()
     trainer = pl.Trainer(
         default_root_dir=str(run_dir),
         logger=_loggers(run, run_dir),

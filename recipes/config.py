@@ -229,16 +229,21 @@ def _describe_type(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
 
 
-def _nearest(key: str, candidates: Iterable[str], n: int = 3) -> List[str]:
+def _nearest(key: str, candidates: Iterable[str], n: int = 2) -> List[str]:
+    """The closest valid keys to ``key``, by the whole dotted path and by the last component."""
     candidates = list(candidates)
     leaf = key.rsplit(".", 1)[-1]
-    by_path = difflib.get_close_matches(key, candidates, n=n, cutoff=0.6)
-    by_leaf = [c for c in candidates if c.rsplit(".", 1)[-1] in difflib.get_close_matches(leaf, [x.rsplit(".", 1)[-1] for x in candidates], n=n, cutoff=0.7)]
-    seen: List[str] = []
-    for c in by_path + by_leaf:
-        if c not in seen:
-            seen.append(c)
-    return seen[:n]
+    leaves = {c: c.rsplit(".", 1)[-1] for c in candidates}
+    scored = []
+    for c in candidates:
+        score = max(difflib.SequenceMatcher(None, key, c).ratio(), difflib.SequenceMatcher(None, leaf, leaves[c]).ratio())
+        if score >= 0.7:
+            scored.append((score, c))
+    scored.sort(key=lambda sc: -sc[0])
+    if not scored:
+        return []
+    best = scored[0][0]
+    return [c for score, c in scored if score >= best - 0.05][:n]
 
 
 def _friendly(err: OmegaConfBaseException, layer: str, schema: type, args_of: Optional[str] = None) -> ConfigError:

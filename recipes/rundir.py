@@ -20,10 +20,10 @@ import datetime as _dt
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from lightning_modules.io import atomic_open
 from recipes.config import ConfigError, RunConfig, fingerprint_payload
 
 __all__ = [
@@ -50,18 +50,8 @@ def fingerprint(run: RunConfig) -> str:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write a text file so that readers see either the old or the new content, never a partial one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path, "w") as f:
+        f.write(text)
 
 
 def read_meta(run_dir: Path) -> Dict[str, Any]:

@@ -183,3 +183,11 @@ def test_sampling_is_seeded():
     assert torch.equal(a, b) and not torch.equal(a, c)
     other = HierarchicalGaussian(length=32, dim=4, width=0.2, seed=1)
     assert not torch.allclose(other.covariance(), g.covariance())
+
+
+def test_batched_sampling_equals_one_by_one():
+    g = HierarchicalGaussian(length=50, dim=4, width=0.15)
+    gens = lambda: [torch.Generator().manual_seed(s) for s in (4, 9, 1)]  # noqa: E731
+    together = g.sample_each(gens(), dtype=torch.float64)
+    alone = torch.cat([g.sample(1, gen, dtype=torch.float64) for gen in gens()])
+    assert_close(together, alone, ratio=1e-14, atol=1e-14)

@@ -1,0 +1,39 @@
+"""Shared by the benchmark scripts: write a report section into docs/results.md between its markers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from lightning_modules.io import atomic_open  # noqa: E402
+
+__all__ = ["REPO", "markers", "write_section", "save_json"]
+
+
+def markers(name: str):
+    return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+
+
+def write_section(name: str, body: str, heading: str, path: Path = REPO / "docs" / "results.md") -> str:
+    """Replace the text between the ``name`` markers (or append a new ``heading`` section); returns the section."""
+    start, end = markers(name)
+    section = f"{start}\n{body.strip()}\n{end}"
+    current = path.read_text() if path.exists() else "# Results\n"
+    if start in current and end in current:
+        head, rest = current.split(start, 1)
+        new = head + section + rest.split(end, 1)[1]
+    else:
+        new = current.rstrip() + f"\n\n## {heading}\n\n{section}\n"
+    with atomic_open(path, "w") as f:
+        f.write(new)
+    return section
+
+
+def save_json(path: Path, data) -> None:
+    with atomic_open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
