@@ -442,10 +442,10 @@ def load_config(
     from recipes import registry  # registry imports nothing heavy
 
     root = config_dir(cfg_dir)
-    file_layers = [Layer(f"--config {p}", _read_yaml(Path(p))) for p in config_files]
     for p in config_files:
         if not Path(p).is_file():
             raise ConfigError(f"--config {p}: no such file")
+    file_layers = [Layer(f"--config {p}", _read_yaml(Path(p))) for p in config_files]
     if recipe is None:
         named = [layer.values.get("recipe") for layer in file_layers if isinstance(layer.values, dict)]
         named = [n for n in named if n]

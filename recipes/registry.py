@@ -302,9 +302,11 @@ def validate_run_components(run: Any) -> None:
 
 def tiny_overrides(tree: Any) -> Dict[str, Any]:
     """The ``tiny`` overrides of the method and datamodule named in a (partially merged) config tree."""
+    from omegaconf import OmegaConf
+
     out: Dict[str, Any] = {}
-    method = tree.method.name if "method" in tree and tree.method.name != "???" else None
-    data = tree.data.name if "data" in tree and tree.data.name != "???" else None
+    method = None if OmegaConf.is_missing(tree.method, "name") else tree.method.name
+    data = None if OmegaConf.is_missing(tree.data, "name") else tree.data.name
     if method and method in METHODS and METHODS[method].tiny:
         out["method"] = {"args": dict(METHODS[method].tiny)}
     if data and data in DATAMODULES and DATAMODULES[data].tiny:

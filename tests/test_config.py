@@ -173,3 +173,12 @@ def test_show_annotates_provenance():
     lines = out.stdout.splitlines()
     assert any(ln.startswith("seed: 2") and "from the command line" in ln for ln in lines)
     assert any("limit_val_batches: 2" in ln and "from profile tiny" in ln for ln in lines)
+
+
+def test_missing_config_file_and_missing_method_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config("lcube", config_files=[str(tmp_path / "nope.yaml")])
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("recipe: custom\ndata: {name: lcube}\nsmoke: true\n")
+    with pytest.raises(ConfigError, match="method.name"):
+        load_config(str(bare))
