@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 __all__ = ["stable_seed", "StreamPosition", "IndexBatchSampler", "ResumableDataLoader", "StreamDataModule"]
 
@@ -60,8 +60,7 @@ class IndexBatchSampler(Sampler[List[int]]):
     """
 
     def __init__(self, num_batches: Optional[int], batch_size: int, dataset_size: Optional[int] = None,
-                 shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 drop_last: bool = True) -> None:
+                 shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not 0 <= rank < world_size:
@@ -74,10 +73,8 @@ class IndexBatchSampler(Sampler[List[int]]):
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
-        self.drop_last = drop_last
-        if dataset_size is not None:
-            per_rank = dataset_size // world_size
-            full = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+        if dataset_size is not None:  # every rank gets the same number of full batches; the rest is dropped
+            full = (dataset_size // world_size) // batch_size
             num_batches = full if num_batches is None else min(num_batches, full)
             if num_batches < 1:
                 raise ValueError(
@@ -176,13 +173,17 @@ class StreamDataModule(pl.LightningDataModule):
         )
 
     def eval_loader(self, dataset: Dataset, batch_size: int, num_workers: int = 0, collate_fn: Any = None) -> DataLoader:
+        """A plain, ordered DataLoader over this rank's share (every ``world_size``-th sample from ``rank``).
+
+        Evaluation needs no resumption, and a standard loader lets Lightning wrap it (``predict`` rebuilds
+        the batch sampler to track batch indices)."""
         rank, world = self._shard()
         n = len(dataset)  # type: ignore[arg-type]
         if n < world:
             raise ValueError(f"evaluation set of {n} samples cannot be split across {world} ranks")
-        sampler = IndexBatchSampler(None, batch_size, n, False, 0, rank, world, drop_last=False)
-        return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_fn,
-                          generator=torch.Generator().manual_seed(0))
+        shard = dataset if world == 1 else Subset(dataset, list(range(rank, n, world)))
+        return DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                          collate_fn=collate_fn, generator=torch.Generator().manual_seed(0))
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         trainer = self.trainer

@@ -124,3 +124,13 @@ def test_progress_lines_when_not_on_a_terminal(isolated_runs, capsys):
     run.fit()
     out = capsys.readouterr().out
     assert "[litctx] step 5/15" in out and "it/s" in out and "val/kl" in out
+
+
+def test_evaluate_predict_and_validate_write_their_outputs(isolated_runs):
+    run = build("lcube", TINY + ["stages=[fit]"], ["tiny"])
+    run_stages(run)
+    assert evaluate_main(["--run", str(run.run_dir), "--stage", "predict", "--ckpt", "last"]) == 0
+    saved = torch.load(run.run_dir / "eval" / "predict-last.pt", weights_only=True)["predictions"]
+    assert saved and saved[0]["mean"].shape[-1] == run.cfg.data.args["dim"]
+    assert evaluate_main(["--run", str(run.run_dir), "--stage", "validate"]) == 0
+    assert "val/kl" in json.loads((run.run_dir / "eval" / "validate-best.json").read_text())
