@@ -32,7 +32,8 @@ def brute_force_mi(sigma: torch.Tensor, n: int) -> float:
 def slopes(betas, lengths):
     rows = []
     for beta in betas:
-        width = 1.0 if beta == 0 else (0.1 if beta <= 0.5 else 0.05)
+        # every level from L = 32 owns a dimension, and the haar basis still fits dim 8 at L = 512
+        width = {0.0: 1.0, 0.25: 0.5, 0.5: 0.1, 0.75: 0.05}[beta]
         values = []
         for L in lengths:
             g = HierarchicalGaussian(length=L, dim=8, beta=beta, width=width, info_scale=0.05)
@@ -54,10 +55,10 @@ def dense_conditionals(g: HierarchicalGaussian, x: torch.Tensor):
     return mean, blocks @ blocks.transpose(-1, -2)
 
 
-def timing(lengths, dim, n, dense_limit):
+def timing(lengths, dim, width, n, dense_limit):
     rows = []
     for L in lengths:
-        g = HierarchicalGaussian(length=L, dim=dim, width=0.1, info_scale=0.1)
+        g = HierarchicalGaussian(length=L, dim=dim, width=width, info_scale=0.1)
         x = g.sample(n, torch.Generator().manual_seed(0), dtype=torch.float64)
         t0 = time.perf_counter()
         exact = g.conditionals(x)
@@ -77,15 +78,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
     p.add_argument("--timing-lengths", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192])
-    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--dim", type=int, default=16)
+    p.add_argument("--width", type=float, default=0.018, help="small enough for the haar basis at the longest L")
     p.add_argument("--sequences", type=int, default=16)
-    p.add_argument("--dense-limit", type=int, default=8192, help="largest L*D for the dense baseline")
+    p.add_argument("--dense-limit", type=int, default=16384, help="largest L*D for the dense baseline")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
 
     lengths = [32, 64, 128, 256, 512]
     law = slopes([0.0, 0.25, 0.5, 0.75], lengths)
-    speed = timing(args.timing_lengths, args.dim, args.sequences, args.dense_limit)
+    speed = timing(args.timing_lengths, args.dim, args.width, args.sequences, args.dense_limit)
     lines = ["Command: `python bench/lcube_generator.py` (CPU, 2 cores, float64). Deterministic: "
              "no seeds involved in the MI law; timings are single runs.", "",
              "Bipartite MI law, brute force from the dense covariance (dim 8, info_scale 0.05):", "",
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
              "|---|---|---|---|"]
     for beta, width, values, slope in law:
         lines.append(f"| {beta} | {width} | " + ", ".join(f"{v:.3f}" for v in values) + f" | {slope:.4f} |")
-    lines += ["", f"Exact conditionals of {args.sequences} sequences (dim {args.dim}, beta 0.75): tree Kalman "
+    lines += ["", f"Exact conditionals of {args.sequences} sequences (dim {args.dim}, width {args.width}, beta 0.75): tree Kalman "
               "filter vs dense Cholesky baseline:", "",
               "| L | filter state dim | filter (s) | dense Cholesky (s) | max abs difference |", "|---|---|---|---|---|"]
     for L, state, tf, td, err in speed:

@@ -181,13 +181,13 @@ def plot(args, cache: Dict) -> None:
             if xs:
                 ax.plot(xs, mean, marker=marker, label=names.get(m, m))
                 ax.fill_between(xs, lo, hi, alpha=0.2)
-    axes[0].plot(lengths, [1.0] * len(lengths), "k--", label="full-context oracle")
-    for w, style in zip(args.windows, [":", "-.", (0, (1, 3))]):
+    axes[0].plot(lengths, [1.0] * len(lengths), "k-", linewidth=1, label="full-context oracle")
+    styles = [("0.15", ":"), ("0.4", "-."), ("0.65", "--"), ("0.8", ":")]
+    for w, (color, style) in zip(args.windows, styles):
         xs = [L for L in lengths if f"window{w}_utilization" in oracles[str(L)]]
-        axes[0].plot(xs, [oracles[str(L)][f"window{w}_utilization"] for L in xs], color="gray", linestyle=style,
-                     label=f"window-{w} oracle")
-        axes[1].plot(xs, [oracles[str(L)][f"window{w}_kl"] for L in xs], color="gray", linestyle=style,
-                     label=f"window-{w} oracle")
+        for ax, key in zip(axes, ("utilization", "kl")):
+            ax.plot(xs, [oracles[str(L)][f"window{w}_{key}"] for L in xs], color=color, linestyle=style,
+                    marker=".", label=f"window-{w} oracle")
     axes[0].set_ylabel("utilization  I_hat_BP / I_BP")
     axes[1].set_ylabel("conditional KL per token (nats)")
     axes[1].set_yscale("log")
