@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import inspect
 import logging
@@ -19,7 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -92,7 +93,6 @@ class Run:
     trainer: Any
     resume_from: Optional[Path] = None
     loaded: Optional[LoadedConfig] = None
-    callbacks: List[Any] = field(default_factory=list)
 
     # ------------------------------------------------------------------ stages
     def fit(self) -> None:
@@ -172,8 +172,6 @@ def _trainer_kwargs(run: RunConfig) -> Dict[str, Any]:
     valid = inspect.signature(pl.Trainer.__init__).parameters
     for key, value in run.trainer.extra.items():
         if key not in valid:
-            import difflib
-
             near = difflib.get_close_matches(key, list(valid), n=2)
             hint = f"; did you mean {' or '.join(near)}?" if near else ""
             raise ConfigError(f"unknown Trainer argument trainer.extra.{key}{hint}")
@@ -183,7 +181,14 @@ def _trainer_kwargs(run: RunConfig) -> Dict[str, Any]:
     return kwargs
 
 
-def _callbacks(run: RunConfig, run_dir: Path, spec: registry.MethodSpec) -> List[Any]:
+def _check_method_constraints(run: RunConfig, spec: registry.MethodSpec) -> None:
+    """Trainer settings a method's spec rules out (checked before anything is built)."""
+    if spec.manual_optimization and (run.trainer.gradient_clip_val or run.trainer.accumulate_grad_batches != 1):
+        raise ConfigError(f"method '{spec.name}' optimises manually: set trainer.gradient_clip_val=null and "
+                          "trainer.accumulate_grad_batches=1 (clip and accumulate in the method's config)")
+
+
+def _callbacks(run: RunConfig, run_dir: Path) -> List[Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
     from lightning_modules.callbacks.metadata import CheckpointMetadata
@@ -215,9 +220,6 @@ def _callbacks(run: RunConfig, run_dir: Path, spec: registry.MethodSpec) -> List
         callbacks.append(registry.create_callback(comp.name, comp.args))
     payload = {"config": to_plain(run), "fingerprint": fingerprint(run), "git": _git_sha(), "versions": _versions()}
     callbacks.append(CheckpointMetadata(payload))
-    if spec.manual_optimization and (run.trainer.gradient_clip_val or run.trainer.accumulate_grad_batches != 1):
-        raise ConfigError(f"method '{spec.name}' optimises manually: set trainer.gradient_clip_val=null and "
-                          "trainer.accumulate_grad_batches=1 (clip and accumulate in the method's config)")
     return callbacks
 
 
@@ -279,14 +281,14 @@ def build(
     run_dir = resolve_run_dir(run).resolve()
     resume_from = resolve_resume(run, run_dir) if stage == "fit" else None
 
+    _check_method_constraints(run, registry.method_spec(run.method.name))
     pl.seed_everything(run.seed, workers=True, verbose=False)
-    spec = registry.method_spec(run.method.name)
     datamodule = registry.create_datamodule(run.data.name, run.data.args)
     model = registry.create_method(run.method.name, run.method.args, optim=run.optim)
     if run.init_from and resume_from is None and stage == "fit":
         load_weights(model, run.init_from, strict=run.init_strict)
 
-    callbacks = _callbacks(run, run_dir, spec) + list(extra_callbacks)
+    callbacks = _callbacks(run, run_dir) + list(extra_callbacks)
     _quiet_cloud_tips()
     trainer = pl.Trainer(
         default_root_dir=str(run_dir),
@@ -302,7 +304,7 @@ def build(
         _save_config(run_dir, loaded, run)
         write_meta(run_dir, run, [sys.executable] + sys.argv)
     return Run(cfg=run, run_dir=run_dir, datamodule=datamodule, model=model, trainer=trainer,
-               resume_from=resume_from, loaded=loaded, callbacks=callbacks)
+               resume_from=resume_from, loaded=loaded)
 
 
 def load_run(run_dir: str | os.PathLike, overrides: Sequence[str] = (), profiles: Sequence[str] = (),

@@ -424,7 +424,8 @@ def _orthonormal(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
 def _orthogonal_complement(basis: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """A random orthonormal basis of the orthogonal complement of the columns of ``basis`` ([n, k] -> [n, n-k])."""
     n, k = basis.shape
+    if n == k:
+        return torch.zeros(n, 0, dtype=torch.float64)
     projector = torch.eye(n, dtype=torch.float64) - basis @ basis.T
-    q = _orthonormal(n, n, gen)
-    comp, _ = torch.linalg.qr(projector @ q[:, : n - k]) if n > k else (torch.zeros(n, 0, dtype=torch.float64), None)
-    return comp
+    directions = _orthonormal(n, n, gen)[:, : n - k]  # a full rotation, so the draws do not depend on k
+    return torch.linalg.qr(projector @ directions)[0]
