@@ -212,27 +212,24 @@ class HierarchicalGaussian:
         self, n: int, generator: Optional[torch.Generator] = None, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         """Draw ``n`` sequences, ``[n, L, D]``; O(n * L * sum_k n_k * D)."""
-        K, D = self.levels, self.dim
-        total = 2**K
-        eps = torch.randn(n, total, D, generator=generator, dtype=torch.float64)
-        latents = [torch.randn(n, total >> k, self.widths[k], generator=generator, dtype=torch.float64)
-                   for k in range(1, K + 1) if self.widths[k]]
-        return self._combine(eps, latents, dtype)
+        return self._combine(*self._draw(n, generator), dtype)
 
     def sample_each(self, generators: Sequence[torch.Generator], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One sequence per generator, ``[len(generators), L, D]``: row ``i`` is ``sample(1, generators[i])[0]``
         (the same draws in the same order; equal up to float64 rounding of the batched matmul)."""
-        K, D = self.levels, self.dim
-        total = 2**K
-        draws = []
-        for g in generators:
-            one = [torch.randn(1, total, D, generator=g, dtype=torch.float64)]
-            one += [torch.randn(1, total >> k, self.widths[k], generator=g, dtype=torch.float64)
-                    for k in range(1, K + 1) if self.widths[k]]
-            draws.append(one)
-        eps = torch.cat([d[0] for d in draws])
-        latents = [torch.cat([d[i] for d in draws]) for i in range(1, len(draws[0]))]
+        draws = [self._draw(1, g) for g in generators]
+        eps = torch.cat([e for e, _ in draws])
+        latents = [torch.cat(level) for level in zip(*(lat for _, lat in draws))]
         return self._combine(eps, latents, dtype)
+
+    def _draw(self, n: int, generator: Optional[torch.Generator]):
+        """The random inputs of ``n`` sequences, in a fixed order: white noise ``[n, 2**K, D]``, then the latents
+        ``[n, 2**K / 2**k, n_k]`` of every level that owns dimensions, from the bottom up."""
+        total = 2**self.levels
+        eps = torch.randn(n, total, self.dim, generator=generator, dtype=torch.float64)
+        latents = [torch.randn(n, total >> k, self.widths[k], generator=generator, dtype=torch.float64)
+                   for k in range(1, self.levels + 1) if self.widths[k]]
+        return eps, latents
 
     def _combine(self, eps: torch.Tensor, latents: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Tokens from white noise ``[n, 2**K, D]`` and per-level latents ``[n, 2**K / 2**k, n_k]``."""
