@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,24 @@ def timing(lengths, dim, width, n, dense_limit):
     return rows
 
 
+# another process running the filter's bare loop on torch's default thread pool (e.g. a second rank or sweep trial)
+BUSY = ("import sys\nsys.path.insert(0, %r)\nfrom datamodules.synth.hierarchical_gaussian import HierarchicalGaussian\n"
+        "g = HierarchicalGaussian(length=2048, dim=32)\nwhile True:\n    g._filter(None, 0, 200)" % str(REPO))
+
+
+def thread_pool_cost(steps=64):
+    """Seconds per filter step (L = 2048, dim 32, state 73) on torch's default thread pool vs one thread."""
+    g = HierarchicalGaussian(length=2048, dim=32)
+    g.conditionals(stop=8)  # warm up
+    t0 = time.perf_counter()
+    g._filter(None, 100, 100 + steps)  # the bare loop, default threads
+    pooled = (time.perf_counter() - t0) / steps
+    t0 = time.perf_counter()
+    g.conditionals(start=100, stop=100 + steps)  # single-threaded, as the library runs it
+    single = (time.perf_counter() - t0) / steps
+    return torch.get_num_threads(), pooled, single
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
@@ -101,6 +120,20 @@ def main(argv=None) -> int:
     for L, state, tf, td, err in speed:
         lines.append(f"| {L} | {state} | {tf:.2f} | " + (f"{td:.2f} | {err:.1e}" if td is not None else
                                                             f"not run (L*D > {args.dense_limit}) | -") + " |")
+    idle = [thread_pool_cost() for _ in range(5)]
+    busy = subprocess.Popen([sys.executable, "-c", BUSY])  # a second process on the same cores
+    try:
+        time.sleep(3)
+        loaded = [thread_pool_cost() for _ in range(5)]
+    finally:
+        busy.kill()
+
+    def span(rows, i):
+        return f"{min(r[i] for r in rows) * 1e3:.2f}-{max(r[i] for r in rows) * 1e3:.2f} ms"
+
+    lines += ["", f"Per filter step, L = 2048, dim 32, 5 repeats each (`conditionals` runs on one thread): on an idle "
+              f"machine {span(idle, 1)} on torch's {idle[0][0]}-thread pool vs {span(idle, 2)} single-threaded; while "
+              f"a second process runs the same loop on its thread pool, {span(loaded, 1)} vs {span(loaded, 2)}."]
     print(write_section("lcube_generator", "\n".join(lines), "L-CUBE generator (`bench/lcube_generator.py`)",
                         args.results))
     return 0

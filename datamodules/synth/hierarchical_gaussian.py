@@ -353,8 +353,11 @@ class HierarchicalGaussian:
 
 @contextlib.contextmanager
 def _single_thread() -> Iterator[None]:
-    """Run torch ops on one thread: the filter's matrices are tiny (M x M with M ~ 100), and waking a thread
-    pool for each of them costs far more than the arithmetic (measured: 44 ms vs 0.11 ms per step on 2 cores)."""
+    """Run torch ops on one thread. The filter's matrices are tiny (M x M, M ~ 100), so a thread pool has nothing
+    to split: ``bench/lcube_generator.py`` measures one thread as fast or faster (up to ~5x under contention,
+    varying from run to run). During development, pooled steps
+    sometimes stalled at 19-44 ms (vs 0.1-0.2 ms) while another process competed for the cores; the benchmark
+    has not reproduced those stalls (docs/results.md)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
