@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.litctx-installed
 
-.PHONY: venv run test test-slow bench clean
+.PHONY: venv run test test-interpret test-slow bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,13 @@ venv: $(STAMP)
 run: $(STAMP)  ## the main job: train and test the default recipe
 	$(PY) -m recipes.fit --recipe lcube
 
-test: $(STAMP)  ## the default test suite (no slow, GPU or Triton-interpreter tests)
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+test: $(STAMP)  ## the default suite, then the Triton kernels under the interpreter (their own process)
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; test $$rc -eq 0 || exit $$rc
+	$(MAKE) --no-print-directory test-interpret
+
+test-interpret: $(STAMP)  ## Triton kernels against the references, TRITON_INTERPRET=1 on CPU
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpret tests/kernels; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "no interpreter tests collected"; rc=0; fi; exit $$rc
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc

@@ -1,9 +1,40 @@
-"""Attention kernels shared by every litctx method: pure-torch references and Triton kernels.
+"""Attention kernels shared by every litctx method: layouts, pure-torch references, a fast CPU block-sparse
+path, Triton kernels and the dispatcher that picks among them.
 
-Layout (one folder per op, as in flash-linear-attention): ``reference.py`` (the CPU path and ground truth),
-``triton.py`` (kernels and their autograd wrappers) and a dispatcher that picks Triton on CUDA and the
-reference elsewhere (``LITCTX_KERNEL_BACKEND`` overrides). The ops arrive with the "Shared attention
-kernels" issue; :mod:`kernels.testing` holds the comparison helper every parity test uses.
+Public layout ``[B, H, N, d]``; GQA by head mapping (query head ``h`` reads kv head ``h // (Hq / Hk)``);
+bottom-right causal alignment (``q_offset = N_k - N_q``); every op returns the output and a natural-log LSE.
 
-This package imports only torch (and triton, lazily); it never imports ``recipes``.
+* :mod:`kernels.layouts` - ``BlockLayout``, ``QueryIndex``, ``TokenIndex`` (what to compute).
+* :mod:`kernels.reference` - chunked, differentiable, float64-capable references (the oracle).
+* :mod:`kernels.cpu_sparse` - block-sparse attention on CPU that skips unlisted blocks.
+* :mod:`kernels.triton` - K1/K2 (attention forward/backward), K3 (gather), K5 (column statistics).
+* :mod:`kernels.dispatch` - ``attention``, ``gather_attention``, ``attention_colstats`` with backend choice
+  (``LITCTX_KERNEL_BACKEND`` = auto | torch | triton).
+* :mod:`kernels.merge`, :mod:`kernels.flops`, :mod:`kernels.testing`.
+
+Importing this package imports torch only; triton is imported when a Triton kernel is first used.
 """
+
+from kernels.dispatch import attention, attention_colstats, gather_attention, select_backend
+from kernels.flops import attention_flops, layout_pairs, mask_pairs
+from kernels.layouts import BlockLayout, QueryIndex, TokenIndex
+from kernels.merge import merge_lse, merge_lse_many
+from kernels.reference import ColStats, lowbit_block_estimate_reference, quantize_qk_lowbit
+
+__all__ = [
+    "attention",
+    "gather_attention",
+    "attention_colstats",
+    "select_backend",
+    "BlockLayout",
+    "QueryIndex",
+    "TokenIndex",
+    "ColStats",
+    "merge_lse",
+    "merge_lse_many",
+    "mask_pairs",
+    "layout_pairs",
+    "attention_flops",
+    "quantize_qk_lowbit",
+    "lowbit_block_estimate_reference",
+]

@@ -1,8 +1,10 @@
 """A small pre-norm causal transformer (RoPE attention + GELU MLP) shared by the synthetic benchmarks.
 
-Attention runs through ``torch.nn.functional.scaled_dot_product_attention``; an optional sliding window
-(the "windowed attention" architecture of L-CUBE's comparisons) restricts each query to the last
-``window`` keys, itself included.
+Full causal attention runs through ``torch.nn.functional.scaled_dot_product_attention`` (with attention
+dropout); an optional sliding window (the "windowed attention" architecture of L-CUBE's comparisons)
+restricts each query to the last ``window`` keys, itself included, and runs through :func:`kernels.attention`,
+which skips the blocks outside the window instead of masking an ``N x N`` matrix. Attention dropout is not
+available with a window (use residual/MLP dropout).
 """
 
 from __future__ import annotations
@@ -13,19 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import attention
 from lightning_modules.layers.rope import RotaryEmbedding, apply_rotary
 
-__all__ = ["CausalSelfAttention", "TransformerBlock", "CausalTransformer", "causal_window_mask"]
-
-
-def causal_window_mask(n: int, window: Optional[int], device: torch.device) -> Optional[torch.Tensor]:
-    """``[n, n]`` boolean mask (True = attend) for causal attention limited to the last ``window`` keys,
-    or None for plain causal attention."""
-    if window is None:
-        return None
-    i = torch.arange(n, device=device).unsqueeze(1)
-    j = torch.arange(n, device=device).unsqueeze(0)
-    return (j <= i) & (j > i - window)
+__all__ = ["CausalSelfAttention", "TransformerBlock", "CausalTransformer"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -41,6 +34,8 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.rope = RotaryEmbedding(self.head_dim, rope_base)
+        if window is not None and dropout > 0:
+            raise ValueError(f"attention dropout ({dropout}) is not supported with window={window}; set dropout=0")
         self.dropout = dropout
         self.window = window
 
@@ -49,10 +44,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(h).view(B, N, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         cos, sin = self.rope(N, dtype=q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        mask = causal_window_mask(N, self.window, h.device)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=self.dropout if self.training else 0.0
-        )
+        if self.window is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:
+            o, _ = attention(q, k, v, causal=True, window=self.window)
         return self.out(o.transpose(1, 2).reshape(B, N, -1))
 
 

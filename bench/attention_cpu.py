@@ -1,0 +1,156 @@
+"""CPU block-sparse attention against dense SDPA (and compiled FlexAttention) in one process.
+
+For N in {4K, 16K, 32K}, 8 heads, d = 64, causal, fp32, B = 1: random per-head causal block layouts
+(128 x 128 blocks, diagonal and sink always kept) at pair densities {5, 10, 25, 50, 100}%. Timed, best of
+``--repeats``: dense causal SDPA (PyTorch's fused CPU flash kernel), ``kernels.attention`` with the layout
+(the dispatcher: at 100% it recognises the full causal layout and runs the dense kernel), the block-sparse
+path forced at every density, and compiled FlexAttention with the same block mask (inference only on CPU).
+Forward and backward at N = 16K. Reports time, speed-up over SDPA and the fraction of the FLOP bound
+(speed-up x density) reached; writes ``docs/results.md`` and ``bench/results/attention_cpu.json``.
+
+    python bench/attention_cpu.py            # ~5 minutes on 2 cores
+    python bench/attention_cpu.py --quick    # N = 4K only
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from _report import REPO, save_json, write_section
+
+import kernels
+from kernels import BlockLayout
+from kernels.cpu_sparse import block_sparse_attention_cpu
+
+DENSITIES = (0.05, 0.10, 0.25, 0.50, 1.00)
+
+
+def best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def flex_runner(n: int):
+    """Compiled FlexAttention on CPU, or None with the reason."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        compiled = torch.compile(flex_attention, dynamic=False)
+    except Exception as exc:  # noqa: BLE001 - report, don't fail the benchmark
+        return None, f"unavailable: {type(exc).__name__}: {exc}"
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def run(q, k, v, layout: BlockLayout):
+        with torch.no_grad():
+            return compiled(q, k, v, block_mask=layout.to_flex(mask_mod=causal))
+
+    return run, "compiled (torch.compile, CPU C++ template, inference only)"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--backward-length", type=int, default=16384, help="N for the forward+backward timing")
+    p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
+    p.add_argument("--quick", action="store_true", help="N = 4K only, one repeat")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", type=Path, default=REPO / "bench" / "results" / "attention_cpu.json")
+    p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
+    args = p.parse_args()
+    if args.quick:
+        args.lengths, args.repeats, args.backward_length = [4096], 1, 4096
+    torch.manual_seed(args.seed)
+    flex, flex_note = (None, "skipped (--no-flex)") if args.no_flex else flex_runner(args.lengths[0])
+    rows, bwd_rows = [], []
+    for n in args.lengths:
+        q, k, v = [torch.randn(1, args.heads, n, args.dim) for _ in range(3)]
+        reps = args.repeats if n <= 16384 else max(1, args.repeats - 1)
+        t_sdpa = best_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps)
+        print(f"N={n}: SDPA causal {t_sdpa:.3f}s", flush=True)
+        for density in DENSITIES:
+            layout = BlockLayout.random_causal(n, args.block, density, heads=args.heads, seed=args.seed)
+            actual = layout.density()
+            ref_o = None
+            t_disp = best_of(lambda: kernels.attention(q, k, v, layout=layout), reps)
+            t_sparse = best_of(lambda: block_sparse_attention_cpu(q, k, v, layout), reps)
+            o_sparse, _ = block_sparse_attention_cpu(q, k, v, layout)
+            row = dict(n=n, density=density, actual_density=actual, sdpa_s=t_sdpa, dispatch_s=t_disp,
+                       sparse_s=t_sparse, speedup=t_sdpa / t_disp, sparse_speedup=t_sdpa / t_sparse,
+                       bound_fraction=(t_sdpa / t_disp) * actual, sparse_bound_fraction=(t_sdpa / t_sparse) * actual)
+            if flex is not None:
+                try:
+                    ref_o = flex(q, k, v, layout)  # compile + check
+                    row["flex_s"] = best_of(lambda: flex(q, k, v, layout), reps)
+                    row["flex_speedup"] = t_sdpa / row["flex_s"]
+                    row["flex_vs_sparse"] = row["flex_s"] / t_disp
+                    row["flex_max_abs_diff"] = float((ref_o - o_sparse).abs().max())
+                except Exception as exc:  # noqa: BLE001
+                    flex, flex_note = None, f"failed at N={n}: {type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+            print(f"  density {density:4.0%} (actual {actual:.3f}): dispatch {t_disp:.3f}s ({row['speedup']:.2f}x), "
+                  f"sparse path {t_sparse:.3f}s ({row['sparse_speedup']:.2f}x, {row['sparse_bound_fraction']:.0%} "
+                  f"of bound)" + (f", flex {row['flex_s']:.3f}s" if "flex_s" in row else ""), flush=True)
+        if n == args.backward_length:
+            qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+
+            def fb_sdpa():
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+                o.backward(torch.ones_like(o))
+
+            t_fb = best_of(fb_sdpa, max(1, reps - 1))
+            for density in DENSITIES[:-1]:
+                layout = BlockLayout.random_causal(n, args.block, density, heads=args.heads, seed=args.seed)
+
+                def fb_sparse():
+                    o, _ = kernels.attention(qg, kg, vg, layout=layout)
+                    o.backward(torch.ones_like(o))
+
+                t = best_of(fb_sparse, max(1, reps - 1))
+                bwd_rows.append(dict(n=n, density=density, actual_density=layout.density(), sdpa_fwd_bwd_s=t_fb,
+                                     sparse_fwd_bwd_s=t, speedup=t_fb / t, bound_fraction=t_fb / t * layout.density()))
+                print(f"  fwd+bwd density {density:4.0%}: {t:.3f}s vs SDPA {t_fb:.3f}s ({t_fb / t:.2f}x)", flush=True)
+    meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
+                heads=args.heads, dim=args.dim, block=args.block, repeats=args.repeats, seed=args.seed,
+                flex=flex_note)
+    save_json(args.cache, dict(meta=meta, forward=rows, backward=bwd_rows))
+    body = [f"Command: `python bench/attention_cpu.py` (fp32, B = 1, {args.heads} heads, d = {args.dim}, "
+            f"{args.block} x {args.block} blocks, causal, random per-head layouts with diagonal + sink, seed "
+            f"{args.seed}, best of {args.repeats} (N = 32K: {max(1, args.repeats - 1)}); torch {torch.__version__}, "
+            f"{meta['threads']} threads). FlexAttention: {flex_note}.",
+            "",
+            "| N | density (actual) | SDPA s | dispatch s | speed-up | sparse path s | speed-up | of FLOP bound | flex s |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        flex_s = f"{r['flex_s']:.3f}" if "flex_s" in r else "-"
+        body.append(f"| {r['n']} | {r['density']:.0%} ({r['actual_density']:.3f}) | {r['sdpa_s']:.3f} | "
+                    f"{r['dispatch_s']:.3f} | {r['speedup']:.2f}x | {r['sparse_s']:.3f} | {r['sparse_speedup']:.2f}x | "
+                    f"{r['sparse_bound_fraction']:.0%} | {flex_s} |")
+    if bwd_rows:
+        body += ["", "Forward + backward (`kernels.attention(...)` then `.backward()`):", "",
+                 "| N | density | SDPA fwd+bwd s | sparse fwd+bwd s | speed-up | of FLOP bound |", "|---|---|---|---|---|---|"]
+        for r in bwd_rows:
+            body.append(f"| {r['n']} | {r['density']:.0%} | {r['sdpa_fwd_bwd_s']:.3f} | {r['sparse_fwd_bwd_s']:.3f} | "
+                        f"{r['speedup']:.2f}x | {r['bound_fraction']:.0%} |")
+    write_section("attention_cpu", "\n".join(body), "Attention kernels: CPU block-sparse path vs dense SDPA",
+                  path=args.results)
+    print(f"wrote {args.results} and {args.cache}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Fast CPU block-sparse attention: skips the blocks it does not compute, forward and backward.
+
+The work is one fused flash-attention call (PyTorch's CPU flash kernel, which also returns the LSE) per
+*bucket* of query blocks: query blocks of every batch element and head that visit the same number of fully
+valid key blocks and the same sequence of boundary blocks (the causal diagonal, window edges, a ragged last
+block) share one call. Their selected key/value blocks are gathered once into a reused workspace (K and V
+interleaved, one ``index_select``), boundary blocks go last so a single small ``[block_q, c * block_k]``
+additive mask, broadcast over the bucket, applies the element mask. Because each query block's whole key set
+is in one call, the kernel's output and LSE are final: no merging, and the backward is the flash backward
+on the same gathered inputs, scattered back with ``index_add_`` (GQA groups accumulate into their kv head).
+
+Memory: the workspace holds at most ``max_workspace_bytes`` of gathered K/V; no ``N x N`` tensor is built.
+Supports softmax scores, causal / sliding-window / non-causal masks, any ``q_offset``, GQA, ragged lengths,
+fp32/fp64/fp16/bf16 (whatever the CPU flash kernel accepts). A gradient flowing into the returned LSE is
+handled by recomputing that backward with the chunked reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from kernels.layouts import BlockLayout, resolve_q_offset
+from kernels.reference.attention import check_qkv
+
+__all__ = ["block_sparse_attention_cpu", "plan_buckets", "BucketPlan"]
+
+_MAX_WORKSPACE_BYTES = 256 * 2**20
+
+
+@dataclass
+class Bucket:
+    """Query blocks computed by one flash call.
+
+    Attributes:
+        q_ids: ``[n]`` flat query-block ids into ``B * Hq * Mq``.
+        kv_ids: ``[n, c]`` flat key-block ids into ``B * Hk * Mk`` (full blocks first, boundary blocks last).
+        mask: additive ``[1, 1, block_q, c * block_k]`` mask, or None when every block is fully valid.
+        empty_rows: ``[block_q]`` bool, rows with no valid key (their LSE is set to ``-inf``), or None.
+    """
+
+    q_ids: torch.Tensor
+    kv_ids: torch.Tensor
+    mask: Optional[torch.Tensor]
+    empty_rows: Optional[torch.Tensor]
+
+
+@dataclass
+class BucketPlan:
+    buckets: List[Bucket]
+    empty_q_ids: torch.Tensor  # query blocks with no block to visit
+    padded: Tuple[int, int]  # (Mq * block_q, Mk * block_k)
+
+
+def _tile_mask(delta: int, ncols: int, bq: int, bk: int, causal: bool, window: Optional[int]) -> torch.Tensor:
+    """Boolean ``[bq, bk]``: element validity of a block whose first row sits ``delta`` key positions after
+    its first column (``row a`` may see ``col b`` iff ``b <= a + delta``, and ``b > a + delta - window``)."""
+    a = torch.arange(bq).view(bq, 1)
+    b = torch.arange(bk).view(1, bk)
+    ok = b < ncols
+    if causal:
+        ok = ok & (b <= a + delta)
+        if window is not None:
+            ok = ok & (b > a + delta - window)
+    return ok
+
+
+def plan_buckets(layout: BlockLayout, batch: int, heads_q: int, heads_k: int, *, causal: bool, q_offset: int,
+                 window: Optional[int], dtype: torch.dtype) -> BucketPlan:
+    """Group the layout's query blocks into flash calls (see the module docstring)."""
+    n_q, n_k = layout.seq_lens
+    bq, bk = layout.block_q, layout.block_k
+    mq, mk = layout.num_q_blocks, layout.num_k_blocks
+    lay = layout.expand(batch, heads_q)
+    nb = lay.kv_num_blocks.long().cpu().reshape(-1)  # [E]
+    ix = lay.kv_indices.long().cpu().reshape(nb.numel(), -1)  # [E, Kmax]
+    e_count, kmax = ix.shape
+    listed = torch.arange(kmax).view(1, kmax) < nb.view(-1, 1)
+    j = ix.clamp_min(0)
+    m = torch.arange(e_count) % mq
+    r0 = m * bq
+    r1 = torch.clamp(r0 + bq, max=n_q) - 1
+    c0 = j * bk
+    c1 = torch.clamp(c0 + bk, max=n_k) - 1
+    ncols = c1 - c0 + 1
+    if causal:
+        p0 = (r0 + q_offset).view(-1, 1)
+        p1 = (r1 + q_offset).view(-1, 1)
+        empty = c0 > p1
+        full = c1 <= p0
+        if window is not None:
+            empty |= c1 <= p0 - window
+            full &= c0 > p1 - window
+        delta = p0 - c0
+    else:
+        empty = torch.zeros_like(listed)
+        full = torch.ones_like(listed)
+        delta = torch.zeros_like(c0)
+    full &= ncols == bk
+    use = listed & ~empty
+    is_full = use & full
+    is_part = use & ~full
+    n_full = is_full.sum(1)
+    n_part = is_part.sum(1)
+    pmax = int(n_part.max()) if e_count else 0
+    # order each entry's blocks: full (ascending j) first, then boundary blocks, then unused
+    rank = torch.where(is_full, 0, torch.where(is_part, 1, 2)) * (mk + 1) + j
+    order = rank.argsort(dim=1, stable=True)
+    j_sorted = torch.gather(j, 1, order)
+    part_pos = torch.arange(kmax).view(1, kmax) - n_full.view(-1, 1)
+    sig_src = torch.stack([torch.gather(delta, 1, order), torch.gather(ncols, 1, order)], -1)  # [E, Kmax, 2]
+    # bucket key: (n_full, signatures of the boundary blocks in order)
+    key_cols = [n_full.view(-1, 1)]
+    for p in range(pmax):
+        sel = (part_pos == p) & (p < n_part.view(-1, 1))
+        pick = torch.where(sel.any(1), sel.float().argmax(1), torch.zeros(e_count, dtype=torch.long))
+        sig = sig_src[torch.arange(e_count), pick]  # [E, 2]
+        has = (p < n_part).view(-1, 1)
+        key_cols.append(torch.where(has, sig, torch.full_like(sig, -(2**40))))
+    keys = torch.cat(key_cols, 1)
+    total = n_full + n_part
+    empty_q = torch.nonzero(total == 0).flatten()
+    active = torch.nonzero(total > 0).flatten()
+    buckets: List[Bucket] = []
+    if active.numel():
+        uniq, inv = torch.unique(keys[active], dim=0, return_inverse=True)
+        b_idx = torch.arange(e_count) // (heads_q * mq)
+        h_idx = (torch.arange(e_count) // mq) % heads_q
+        kv_head = b_idx * heads_k + h_idx // (heads_q // heads_k)
+        for u in range(uniq.shape[0]):
+            members = active[inv == u]
+            nf = int(uniq[u, 0])
+            np_ = int(n_part[members[0]])
+            c = nf + np_
+            kv_ids = kv_head[members].view(-1, 1) * mk + j_sorted[members, :c]
+            mask = None
+            empty_rows = None
+            if np_:
+                okm = torch.ones(bq, c * bk, dtype=torch.bool)
+                for p in range(np_):
+                    dlt, nc = int(uniq[u, 1 + 2 * p]), int(uniq[u, 2 + 2 * p])
+                    okm[:, (nf + p) * bk:(nf + p + 1) * bk] = _tile_mask(dlt, nc, bq, bk, causal, window)
+                mask = torch.zeros(bq, c * bk, dtype=dtype).masked_fill_(~okm, float("-inf"))[None, None]
+                if nf == 0:
+                    rows_empty = ~okm.any(1)
+                    empty_rows = rows_empty if rows_empty.any() else None
+            buckets.append(Bucket(members, kv_ids, mask, empty_rows))
+    return BucketPlan(buckets, empty_q, (mq * bq, mk * bk))
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if x.shape[2] == n else F.pad(x, (0, 0, 0, n - x.shape[2]))
+
+
+def _chunks(bucket: Bucket, per_entry_bytes: int, limit: int):
+    """Split a bucket's entries so one gather stays under ``limit`` bytes."""
+    n = bucket.q_ids.numel()
+    step = max(1, min(n, limit // max(per_entry_bytes, 1)))
+    for s in range(0, n, step):
+        yield slice(s, min(n, s + step))
+
+
+class _BlockSparseCPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan: BucketPlan, scale: float, layout: BlockLayout, mask_args: tuple, limit: int):
+        bq, bk = layout.block_q, layout.block_k
+        b, hq, n_q, d = q.shape
+        dv = v.shape[-1]
+        pq, pk = plan.padded
+        q_blocks = _pad_rows(q, pq).reshape(-1, bq, d)  # [B*Hq*Mq, bq, d]
+        k_blocks = _pad_rows(k, pk).reshape(-1, bk, d)  # [B*Hk*Mk, bk, d]
+        v_blocks = _pad_rows(v, pk).reshape(-1, bk, dv)
+        o_blocks = q.new_empty(q_blocks.shape[0], bq, dv)
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse_blocks = q.new_empty(q_blocks.shape[0], bq, dtype=lse_dtype)
+        if plan.empty_q_ids.numel():
+            o_blocks.index_fill_(0, plan.empty_q_ids, 0.0)
+            lse_blocks.index_fill_(0, plan.empty_q_ids, float("-inf"))
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        k_ws = _workspace(plan, bk, d, k.dtype, limit, d + dv)
+        v_ws = _workspace(plan, bk, dv, v.dtype, limit, d + dv)
+        for bucket in plan.buckets:
+            c = bucket.kv_ids.shape[1]
+            for sl in _chunks(bucket, c * bk * (d + dv) * k.element_size(), limit):
+                ids = bucket.q_ids[sl]
+                n = ids.numel()
+                flat = bucket.kv_ids[sl].reshape(-1)
+                kg = torch.index_select(k_blocks, 0, flat, out=k_ws[: n * c * bk * d].view(n * c, bk, d))
+                vg = torch.index_select(v_blocks, 0, flat, out=v_ws[: n * c * bk * dv].view(n * c, bk, dv))
+                qg = q_blocks.index_select(0, ids).unsqueeze(1)
+                og, lg = flash(qg, kg.view(n, 1, c * bk, d), vg.view(n, 1, c * bk, dv), 0.0, False,
+                               attn_mask=bucket.mask, scale=scale)
+                if bucket.empty_rows is not None:
+                    lg = lg.masked_fill(bucket.empty_rows, float("-inf"))
+                o_blocks.index_copy_(0, ids, og.view(n, bq, dv))
+                lse_blocks.index_copy_(0, ids, lg.view(n, bq).to(lse_dtype))
+        o = o_blocks.view(b, hq, pq, dv)[:, :, :n_q]
+        lse = lse_blocks.view(b, hq, pq)[:, :, :n_q]
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.plan, ctx.scale, ctx.bq, ctx.bk, ctx.limit = plan, scale, bq, bk, limit
+        ctx.layout = layout
+        ctx.causal, ctx.q_offset, ctx.window = mask_args
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        q, k, v, o, lse = ctx.saved_tensors
+        if grad_lse is not None and bool((grad_lse != 0).any()):
+            return _reference_backward(ctx, q, k, v, grad_o, grad_lse)
+        plan, scale, bq, bk, limit = ctx.plan, ctx.scale, ctx.bq, ctx.bk, ctx.limit
+        b, hq, n_q, d = q.shape
+        dv = v.shape[-1]
+        pq, pk = plan.padded
+        if grad_o is None:
+            grad_o = torch.zeros_like(o)
+        q_blocks = _pad_rows(q, pq).reshape(-1, bq, d)
+        o_blocks = _pad_rows(o, pq).reshape(-1, bq, dv)
+        go_blocks = _pad_rows(grad_o.to(q.dtype).contiguous(), pq).reshape(-1, bq, dv)
+        # rows without keys: P = exp(s - (+inf)) = 0 gives them zero gradient
+        lse_b = _pad_rows(lse.unsqueeze(-1), pq).squeeze(-1).reshape(-1, bq)
+        lse_b = torch.where(torch.isneginf(lse_b), torch.full_like(lse_b, float("inf")), lse_b)
+        kv = torch.cat([_pad_rows(k, pk), _pad_rows(v, pk)], dim=-1).reshape(-1, bk, d + dv)
+        dq_blocks = torch.zeros_like(q_blocks)
+        dkv = torch.zeros(kv.shape[0], bk, d + dv, dtype=kv.dtype)
+        flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        workspace = _workspace(plan, bk, d + dv, kv.dtype, limit)
+        for bucket in plan.buckets:
+            c = bucket.kv_ids.shape[1]
+            for sl in _chunks(bucket, c * bk * (d + dv) * kv.element_size(), limit):
+                ids = bucket.q_ids[sl]
+                n = ids.numel()
+                flat = bucket.kv_ids[sl].reshape(-1)
+                g = workspace[: n * c * bk * (d + dv)].view(n * c, bk, d + dv)
+                torch.index_select(kv, 0, flat, out=g)
+                g = g.view(n, 1, c * bk, d + dv)
+                kg, vg = g[..., :d].contiguous(), g[..., d:].contiguous()
+                dqg, dkg, dvg = flash_bwd(go_blocks.index_select(0, ids).unsqueeze(1),
+                                          q_blocks.index_select(0, ids).unsqueeze(1), kg, vg,
+                                          o_blocks.index_select(0, ids).unsqueeze(1),
+                                          lse_b.index_select(0, ids).unsqueeze(1),
+                                          0.0, False, attn_mask=bucket.mask, scale=scale)
+                dq_blocks.index_copy_(0, ids, dqg.view(n, bq, d))
+                dkv.index_add_(0, flat, torch.cat([dkg, dvg], -1).view(n * c, bk, d + dv))
+        dq = dq_blocks.view(b, hq, pq, d)[:, :, :n_q]
+        dkv = dkv.view(b, k.shape[1], pk, d + dv)[:, :, : k.shape[2]]
+        return dq, dkv[..., :d], dkv[..., d:], None, None, None, None, None
+
+
+def _workspace(plan: BucketPlan, bk: int, width: int, dtype: torch.dtype, limit: int,
+               chunk_width: Optional[int] = None) -> torch.Tensor:
+    """One flat buffer sized for the largest gather (reused across buckets: fresh pages cost more than copies).
+    ``chunk_width`` is the per-row width the bucket chunking uses (K and V together)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    need = 0
+    for bucket in plan.buckets:
+        n, c = bucket.kv_ids.shape
+        per = c * bk * (chunk_width or width) * elem
+        rows = max(1, min(n, limit // max(per, 1)))
+        need = max(need, rows * c * bk * width)
+    return torch.empty(need, dtype=dtype)
+
+
+def _reference_backward(ctx, q, k, v, grad_o, grad_lse):
+    from kernels.reference.attention import attention_reference
+
+    with torch.enable_grad():
+        qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
+        o, lse = attention_reference(qr, kr, vr, scale=ctx.scale, causal=ctx.causal, q_offset=ctx.q_offset,
+                                     window=ctx.window, layout=ctx.layout)
+        outs, grads = [], []
+        if grad_o is not None:
+            outs.append(o)
+            grads.append(grad_o)
+        outs.append(lse)
+        grads.append(grad_lse.to(lse.dtype))
+        dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads, allow_unused=True)
+    return dq, dk, dv, None, None, None, None, None
+
+
+def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, *,
+                               scale: Optional[float] = None, causal: bool = True, q_offset: Optional[int] = None,
+                               window: Optional[int] = None, max_workspace_bytes: int = _MAX_WORKSPACE_BYTES,
+                               ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q [B, Hq, Nq, d]`` over the blocks of ``layout`` (and the element mask) with
+    ``k [B, Hk, Nk, d]``, ``v [B, Hk, Nk, dv]`` on CPU tensors.
+
+    Returns ``o [B, Hq, Nq, dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` (float32; float64 for float64); rows with no valid key give
+    ``o = 0``, ``lse = -inf``. Differentiable in q, k, v (and through ``lse``).
+    """
+    b, hq, hk, n_q, n_k, d, dv = check_qkv(q, k, v)
+    if q.device.type != "cpu":
+        raise ValueError(f"block_sparse_attention_cpu needs CPU tensors, got {q.device}")
+    if tuple(layout.seq_lens) != (n_q, n_k):
+        raise ValueError(f"layout.seq_lens={tuple(layout.seq_lens)} does not match (Nq, Nk)=({n_q}, {n_k})")
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"window={window} needs causal=True and window >= 1")
+    off = resolve_q_offset(n_q, n_k, q_offset)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    plan = plan_buckets(layout, b, hq, hk, causal=causal, q_offset=off, window=window, dtype=q.dtype)
+    fn = _BlockSparseCPU
+    o, lse = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, layout, (causal, off, window),
+                      int(max_workspace_bytes))
+    return o, lse

@@ -1,0 +1,243 @@
+"""The public attention ops and the backend decision behind each call.
+
+Backends:
+
+* ``torch`` - always available. On CPU, softmax attention with a dense, causal, window or block layout runs
+  through :mod:`kernels.cpu_sparse` (fused flash calls that skip unlisted blocks) or PyTorch's CPU flash
+  kernel directly when the layout covers the whole mask; everything else (LSSA/LSSAR, query subsets, gather
+  attention, column statistics, CUDA without Triton) runs the chunked references of :mod:`kernels.reference`.
+* ``triton`` - the kernels of :mod:`kernels.triton`; chosen automatically for CUDA tensors when Triton
+  imports and the call is supported (``verify``). On CPU only when asked for explicitly *and*
+  ``TRITON_INTERPRET=1`` (tests).
+
+``LITCTX_KERNEL_BACKEND`` in ``{auto, torch, triton}`` overrides the automatic choice (``torch`` is the kill
+switch); a ``backend=`` argument overrides both. Each (op, backend, reason) decision is logged once at INFO.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from kernels.layouts import BlockLayout, QueryIndex, TokenIndex, causal_block_mask, resolve_q_offset
+from kernels.reference import (
+    ColStats,
+    attention_colstats_reference,
+    attention_reference,
+    gather_attention_reference,
+)
+from kernels.reference.attention import SCORE_MODES, check_qkv
+
+__all__ = ["attention", "gather_attention", "attention_colstats", "select_backend", "BACKEND_ENV", "BACKENDS"]
+
+log = logging.getLogger("litctx.kernels")
+
+BACKEND_ENV = "LITCTX_KERNEL_BACKEND"
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _eager_only(fn):
+    """``torch.compiler.disable`` applied at the first call (applying it at import would import dynamo and
+    triton with ``import kernels``)."""
+    compiled_out = {}
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        impl = compiled_out.get("fn")
+        if impl is None:
+            impl = compiled_out["fn"] = torch.compiler.disable(fn)
+        return impl(*args, **kwargs)
+
+    return wrapper
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(op: str, backend: str, reason: str) -> None:
+    log.info("kernels.%s -> %s (%s)", op, backend, reason)
+
+
+def _requested(backend: Optional[str]) -> str:
+    choice = backend if backend is not None else os.environ.get(BACKEND_ENV, "auto")
+    choice = (choice or "auto").strip().lower()
+    if choice not in BACKENDS:
+        source = "backend argument" if backend is not None else f"environment variable {BACKEND_ENV}"
+        raise ValueError(f"{source}={choice!r} is not a kernel backend; valid: {', '.join(BACKENDS)}")
+    return choice
+
+
+def _triton_available() -> bool:
+    from kernels.triton._compat import HAS_TRITON
+
+    return HAS_TRITON
+
+
+def _triton_verify(op: str, q: torch.Tensor, **kw) -> Tuple[bool, str]:
+    """Can the Triton kernels serve this call? ``(ok, reason)``."""
+    from kernels.triton._compat import is_interpret
+
+    if not _triton_available():
+        return False, "triton is not installed"
+    if q.device.type != "cuda" and not is_interpret():
+        return False, f"{q.device.type} tensors need TRITON_INTERPRET=1 for the triton backend"
+    if kw.get("score_mode", "softmax") not in ("softmax", "lssa"):
+        return False, f"score_mode={kw['score_mode']!r} has no triton kernel (reference used)"
+    if kw.get("key_mask") is not None:
+        return False, "key masks are reference-only"
+    return True, "supported"
+
+
+def select_backend(op: str, q: torch.Tensor, backend: Optional[str] = None, **kw) -> str:
+    """``"triton"`` or ``"torch"`` for this call (and log the decision once)."""
+    choice = _requested(backend)
+    if choice == "torch":
+        _log_once(op, "torch", "requested")
+        return "torch"
+    ok, reason = _triton_verify(op, q, **kw)
+    if choice == "triton":
+        if not ok:
+            raise RuntimeError(f"kernels.{op}: the triton backend was requested but cannot run this call: {reason}")
+        _log_once(op, "triton", "requested")
+        return "triton"
+    if ok and q.device.type == "cuda":
+        _log_once(op, "triton", "auto: CUDA tensors")
+        return "triton"
+    _log_once(op, "torch", f"auto: {reason if q.device.type == 'cuda' else q.device.type + ' tensors'}")
+    return "torch"
+
+
+def _layout_covers_mask(layout: BlockLayout, causal: bool, q_offset: int, window: Optional[int]) -> bool:
+    """True when the layout lists every block the element mask touches (it is then plain dense attention)."""
+    n_q, n_k = layout.seq_lens
+    if causal:
+        need = causal_block_mask(n_q, n_k, layout.block_q, layout.block_k, q_offset=q_offset, window=window,
+                                 device=layout.device)
+    else:
+        need = torch.ones(layout.num_q_blocks, layout.num_k_blocks, dtype=torch.bool, device=layout.device)
+    have = layout.to_block_mask()
+    return bool((have | ~need).all())
+
+
+def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention on CPU through fused flash calls (dense when possible, block-sparse otherwise)."""
+    from kernels.cpu_sparse import block_sparse_attention_cpu
+
+    n_q, n_k = q.shape[2], k.shape[2]
+    off = resolve_q_offset(n_q, n_k, q_offset)
+    if layout is not None and _layout_covers_mask(layout, causal, off, window):
+        layout = None
+    if layout is None and window is None and q.shape[1] == k.shape[1] and (not causal or off == 0):
+        _log_once("attention", "torch", "cpu: dense flash kernel")
+        return _flash_cpu(q, k, v, scale=scale, causal=causal)
+    if layout is None:
+        block = 128
+        layout = (BlockLayout.causal(n_q, n_k, block, block, q_offset=off, window=window) if causal
+                  else BlockLayout.full(n_q, n_k, block))
+    _log_once("attention", "torch", "cpu: block-sparse flash path")
+    return block_sparse_attention_cpu(q, k, v, layout, scale=scale, causal=causal, q_offset=off, window=window)
+
+
+class _FlashCPU(torch.autograd.Function):
+    """PyTorch's CPU flash attention with its LSE (natural log) as a second, differentiable-through-o output."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal):
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scale, ctx.causal = scale, causal
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        q, k, v, o, lse = ctx.saved_tensors
+        if grad_lse is not None and bool((grad_lse != 0).any()):
+            with torch.enable_grad():
+                qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
+                o2, lse2 = attention_reference(qr, kr, vr, scale=ctx.scale, causal=ctx.causal)
+                outs = [lse2] + ([o2] if grad_o is not None else [])
+                grads = [grad_lse.to(lse2.dtype)] + ([grad_o] if grad_o is not None else [])
+                dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads)
+            return dq, dk, dv, None, None
+        if grad_o is None:
+            grad_o = torch.zeros_like(o)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_o.contiguous(), q, k, v, o, lse, 0.0, ctx.causal, scale=ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def _flash_cpu(q, k, v, *, scale, causal):
+    import math
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    o, lse = _FlashCPU.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, causal)
+    if q.dtype != torch.float64:
+        lse = lse.float()
+    return o, lse
+
+
+@_eager_only
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+              causal: bool = True, q_offset: Optional[int] = None, window: Optional[int] = None,
+              layout: Optional[BlockLayout] = None, q_index: Optional[QueryIndex] = None,
+              score_mode: str = "softmax", lssar_power: float = 15.0, lssar_offset_rows: int = 3,
+              backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [B, Hq, Nq, d]`` over ``k [B, Hk, Nk, d]``, ``v [B, Hk, Nk, dv]`` (GQA when
+    ``Hq > Hk``), with a causal/window element mask, an optional block layout and an optional query subset.
+
+    Semantics are those of :func:`kernels.reference.attention_reference`; returns ``(o, lse)`` with
+    ``o [B, Hq, Nq|Nc, dv]`` and a natural-log ``lse [B, Hq, Nq|Nc]``. ``backend`` overrides the dispatcher.
+    """
+    check_qkv(q, k, v)
+    if score_mode not in SCORE_MODES:
+        raise ValueError(f"score_mode must be one of {SCORE_MODES}, got {score_mode!r}")
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"window={window} needs causal=True and window >= 1")
+    chosen = select_backend("attention", q, backend, score_mode=score_mode)
+    if chosen == "triton":
+        from kernels.triton.attention import triton_attention
+
+        return triton_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
+                                layout=layout, q_index=q_index, score_mode=score_mode)
+    if q.device.type == "cpu" and score_mode == "softmax" and q_index is None:
+        return _cpu_softmax(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window, layout=layout)
+    return attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
+                               layout=layout, q_index=q_index, score_mode=score_mode, lssar_power=lssar_power,
+                               lssar_offset_rows=lssar_offset_rows)
+
+
+@_eager_only
+def gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_index: TokenIndex, *,
+                     scale: Optional[float] = None, causal: bool = True, q_offset: Optional[int] = None,
+                     backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query head over its kv head's token list (see
+    :func:`kernels.reference.gather_attention_reference`). Forward only on the triton backend."""
+    check_qkv(q, k, v)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    chosen = "torch" if needs_grad else select_backend("gather_attention", q, backend)
+    if chosen == "triton":
+        from kernels.triton.gather import triton_gather_attention
+
+        return triton_gather_attention(q, k, v, token_index, scale=scale, causal=causal, q_offset=q_offset)
+    return gather_attention_reference(q, k, v, token_index, scale=scale, causal=causal, q_offset=q_offset)
+
+
+@_eager_only
+def attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+                       causal: bool = True, q_offset: Optional[int] = None, window: Optional[int] = None,
+                       q_window: Optional[int] = None, o: Optional[torch.Tensor] = None,
+                       lse: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> ColStats:
+    """Per-key attention statistics over the last ``q_window`` queries (see
+    :func:`kernels.reference.attention_colstats_reference`)."""
+    check_qkv(q, k, v)
+    chosen = select_backend("attention_colstats", q, backend)
+    if chosen == "triton":
+        from kernels.triton.colstats import triton_attention_colstats
+
+        stats = triton_attention_colstats(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
+                                          q_window=q_window, o=o, lse=lse)
+        return ColStats(*stats)
+    return attention_colstats_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
+                                        q_window=q_window, o=o, lse=lse)

@@ -1,0 +1,50 @@
+"""Triton kernels of the shared attention package (compiled on CUDA; interpreted on CPU for tests).
+
+Public functions (same signatures and semantics as the torch references in :mod:`kernels.reference`):
+
+* :func:`triton_attention` (K1 forward + K2 backward, :mod:`kernels.triton.attention`) - dense / causal /
+  sliding-window / block-layout / query-subset attention, softmax or LSSA scores, GQA, returns ``(o, lse)``.
+* :func:`triton_gather_attention` (K3, :mod:`kernels.triton.gather`) - attention over per-kv-head token lists,
+  forward only.
+* :func:`triton_attention_colstats` (K5, :mod:`kernels.triton.colstats`) - per-key attention statistics over a
+  query window, returns :class:`ColStats`.
+
+Importing this package does not import triton: the names above are resolved lazily on first access (PEP 562),
+so ``import kernels.triton`` is safe on machines without triton, and :data:`HAS_TRITON` / :func:`is_interpret`
+(from :mod:`kernels.triton._compat`) can be checked first. Set ``TRITON_INTERPRET=1`` *before* the first access
+to run the kernels in the interpreter on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from kernels.triton._compat import HAS_TRITON, is_interpret
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kernels.triton.attention import triton_attention
+    from kernels.triton.colstats import ColStats, triton_attention_colstats
+    from kernels.triton.gather import triton_gather_attention
+
+__all__ = ["HAS_TRITON", "is_interpret", "triton_attention", "triton_gather_attention",
+           "triton_attention_colstats", "ColStats"]
+
+_LAZY = {
+    "triton_attention": "kernels.triton.attention",
+    "triton_gather_attention": "kernels.triton.gather",
+    "triton_attention_colstats": "kernels.triton.colstats",
+    "ColStats": "kernels.triton.colstats",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        if not HAS_TRITON:
+            raise ImportError(f"kernels.triton.{name} needs triton, which is not installed; use kernels.reference")
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

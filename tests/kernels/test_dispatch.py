@@ -1,0 +1,117 @@
+"""The dispatcher: backend choice, overrides, clear errors, and that every CPU route equals the reference."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import kernels
+from kernels import BlockLayout, QueryIndex, TokenIndex
+from kernels.dispatch import BACKEND_ENV, _log_once, select_backend
+from kernels.reference import attention_colstats_reference, attention_reference, gather_attention_reference
+from kernels.testing import assert_close
+
+
+def qkv(hq=4, hk=4, nq=96, nk=None, d=32, dtype=torch.float32, grad=False):
+    g = torch.Generator().manual_seed(0)
+    nk = nq if nk is None else nk
+    return [torch.randn(*s, generator=g, dtype=dtype).requires_grad_(grad)
+            for s in ((2, hq, nq, d), (2, hk, nk, d), (2, hk, nk, d))]
+
+
+def test_auto_picks_torch_on_cpu_and_env_overrides(monkeypatch):
+    q, _, _ = qkv()
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert select_backend("attention", q) == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "torch")
+    assert select_backend("attention", q) == "torch"
+    monkeypatch.setenv(BACKEND_ENV, "cuda-please")
+    with pytest.raises(ValueError, match=f"{BACKEND_ENV}='cuda-please'.*auto, torch, triton"):
+        select_backend("attention", q)
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels.attention(q, k, v, backend="triton")
+
+
+def test_decisions_logged_once(caplog):
+    _log_once.cache_clear()
+    q, k, v = qkv()
+    with caplog.at_level(logging.INFO, logger="litctx.kernels"):
+        for _ in range(3):
+            kernels.attention(q, k, v)
+    lines = [r.getMessage() for r in caplog.records if "attention" in r.getMessage()]
+    assert lines and len(lines) == len(set(lines))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=False), dict(window=20), dict(q_offset=None, nk=150),
+                                dict(hk=2), dict(layout="random"), dict(layout="full"), dict(score_mode="lssa"),
+                                dict(score_mode="lssar"), dict(q_index=True)])
+def test_every_cpu_route_equals_the_reference(kw):
+    kw = dict(kw)
+    nk = kw.pop("nk", None)
+    hk = kw.pop("hk", 4)
+    q, k, v = qkv(hk=hk, nk=nk, grad=True)
+    nq, nk = q.shape[2], k.shape[2]
+    lay = kw.pop("layout", None)
+    if lay == "random":
+        m = torch.rand(2, 4, 3, 3, generator=torch.Generator().manual_seed(1)) < 0.6
+        kw["layout"] = BlockLayout.from_block_mask(m, 32, 32, (nq, nk))
+    elif lay == "full":
+        kw["layout"] = BlockLayout.causal(nq, nk, 32)
+    if kw.pop("q_index", False):
+        kw["q_index"] = QueryIndex.from_mask(torch.rand(2, 4, nq, generator=torch.Generator().manual_seed(2)) < 0.5)
+    o, lse = kernels.attention(q, k, v, **kw)
+    ro, rlse = attention_reference(q, k, v, **kw)
+    assert_close(o, ro, ratio=1e-5)
+    fin = torch.isfinite(rlse)
+    assert_close(lse[fin], rlse[fin], ratio=1e-5)
+    go = torch.randn_like(o)
+    for a, e in zip(torch.autograd.grad(o, (q, k, v), go), torch.autograd.grad(ro, (q, k, v), go)):
+        assert_close(a, e, ratio=1e-5)
+
+
+def test_gather_and_colstats_routes():
+    q, k, v = qkv(hq=4, hk=2, nq=8, nk=64)
+    ti = TokenIndex.from_mask(torch.rand(2, 2, 64, generator=torch.Generator().manual_seed(3)) < 0.5)
+    o, _ = kernels.gather_attention(q, k, v, ti)
+    assert_close(o, gather_attention_reference(q, k, v, ti)[0], ratio=1e-6)
+    st = kernels.attention_colstats(q, k, v, q_window=4)
+    ref = attention_colstats_reference(q, k, v, q_window=4)
+    for a, e in zip(st, ref):
+        assert_close(a, e, ratio=1e-6)
+
+
+def test_bad_inputs_name_the_tensor():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"q must be \[B, H, N, d\]"):
+        kernels.attention(q[0], k, v)
+    with pytest.raises(ValueError, match="score_mode"):
+        kernels.attention(q, k, v, score_mode="sparsemax")
+    with pytest.raises(ValueError, match="window=4 needs causal=True"):
+        kernels.attention(q, k, v, causal=False, window=4)
+    with pytest.raises(ValueError, match="head dims differ"):
+        kernels.attention(q, k[..., :16], v)
+
+
+@pytest.mark.interpret
+def test_triton_backend_through_the_dispatcher(monkeypatch):
+    if __import__("os").environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (run with make test-interpret)")
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    q, k, v = qkv(hq=4, hk=2, nq=64, d=32, grad=True)
+    lay = BlockLayout.from_block_mask(torch.rand(2, 4, 4, 4, generator=torch.Generator().manual_seed(5)) < 0.6,
+                                      16, 16, (64, 64))
+    o, lse = kernels.attention(q, k, v, layout=lay)
+    ro, _ = attention_reference(q, k, v, layout=lay)
+    assert_close(o, ro, ratio=1e-5)
+    go = torch.randn_like(o)
+    for a, e in zip(torch.autograd.grad(o, (q, k, v), go), torch.autograd.grad(ro, (q, k, v), go)):
+        assert_close(a, e, ratio=1e-5)
+    with pytest.raises(RuntimeError, match="lssar"):  # no triton kernel: a forced triton backend refuses
+        kernels.attention(q, k, v, score_mode="lssar")
