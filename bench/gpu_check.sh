@@ -24,11 +24,11 @@ print(json.dumps(info, indent=1))
 PYEOF
 cat "$OUT/env.json"
 start=$(date +%s)
-timeout 330 "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider -o addopts="" --timeout 300 \
+timeout 270 "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider -o addopts="" --timeout 250 \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu parity tests: exit $tests_rc after $(( $(date +%s) - start )) s"
-timeout 240 "$PY" bench/triton_attention_gpu.py --out "$OUT/triton_attention_gpu.json" 2>&1 | tee "$OUT/bench.log"
+timeout 200 "$PY" bench/triton_attention_gpu.py --budget-s 170 --out "$OUT/triton_attention_gpu.json" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "gpu bench: exit $bench_rc after $(( $(date +%s) - start )) s"
 echo "{\"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"seconds\": $(( $(date +%s) - start ))}" > "$OUT/summary.json"
