@@ -2,7 +2,7 @@
 
 1. Dense causal K1 (``triton_attention``) vs torch SDPA (flash backend), forward and forward+backward,
    N in {4K, 8K, 16K}.
-2. Block-sparse K1 forward at layout densities {5, 10, 25, 50, 100}% of the causal blocks, N in {16K, 32K, 64K};
+2. Block-sparse K1 forward (and forward + backward) at layout densities {5, 10, 25, 50, 100}% of the causal blocks, N in {16K, 32K, 64K};
    random causal layouts (128 x 128 blocks, per head, pair density as in ``BlockLayout.random_causal``) that always keep
    the diagonal block and the first (sink) block.
 
@@ -161,6 +161,18 @@ def main(argv=None) -> int:
         with torch.no_grad():
             dense_ms = bench(lambda: triton_attention(q, k, v, causal=True))
             sdpa_ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+        do = torch.randn_like(q)
+
+        def fwd_bwd(layout=None, sdpa=False):
+            if sdpa:
+                o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+            else:
+                o, _ = triton_attention(qg, kg, vg, causal=True, layout=layout)
+            o.backward(do)
+
+        dense_fb_ms = bench(fwd_bwd, grad_to_none=[qg, kg, vg])
+        sdpa_fb_ms = bench(lambda: fwd_bwd(sdpa=True), grad_to_none=[qg, kg, vg])
         for dens in densities:
             if over_budget(f"sparse N={n} density={dens}"):
                 continue
@@ -172,9 +184,12 @@ def main(argv=None) -> int:
             pair_density = lay.density()
             with torch.no_grad():
                 ms = bench(lambda: triton_attention(q, k, v, causal=True, layout=lay))
+            fb_ms = bench(lambda: fwd_bwd(layout=lay), grad_to_none=[qg, kg, vg])
             row = {"N": n, "target_density": dens, "pair_density": pair_density, "block_density": block_density,
                    "block": 128, "sparse_fwd_ms": ms, "dense_causal_fwd_ms": dense_ms, "sdpa_causal_fwd_ms": sdpa_ms,
                    "speedup_vs_dense": dense_ms / ms, "speedup_vs_sdpa": sdpa_ms / ms,
+                   "sparse_fwd_bwd_ms": fb_ms, "dense_fwd_bwd_ms": dense_fb_ms, "sdpa_fwd_bwd_ms": sdpa_fb_ms,
+                   "fwd_bwd_speedup_vs_sdpa": sdpa_fb_ms / fb_ms,
                    "ideal_speedup": 1.0 / pair_density}
             result["sparse"].append(row)
             print(json.dumps(row), flush=True)

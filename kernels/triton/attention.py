@@ -374,15 +374,17 @@ def _attn_bwd_dq_kernel(
                        svn, svd, n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL,
                        HAS_WINDOW, LSSA, DOT_PREC)
     elif LAYOUT == 1:
+        # one flat loop over the listed blocks' key tiles (as in the forward), every tile masked
         qb = (pid_m * BLOCK_M) // block_q
         cnt = tl.load(KVNUM + b * snb + h * snh + qb * snm)
-        for ii in range(0, cnt):
-            kb = tl.load(KVIDX + b * sxb + h * sxh + qb * sxm + ii * sxk)
-            bs = tl.maximum(kb * block_k, lo)
-            be = tl.minimum(kb * block_k + block_k, hi)
-            dq = _dq_range(dq, q, do, lse2, delta, kappa, pos, bs, be, full_lo, full_hi, k_base, v_base, skn,
-                           skd, svn, svd, n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, BLOCK_N,
-                           CAUSAL, HAS_WINDOW, LSSA, DOT_PREC)
+        tiles_per_block = block_k // BLOCK_N
+        idx_base = KVIDX + b * sxb + h * sxh + qb * sxm
+        for t in range(0, cnt * tiles_per_block):
+            kb = tl.load(idx_base + (t // tiles_per_block) * sxk)
+            start_n = kb * block_k + (t % tiles_per_block) * BLOCK_N
+            dq = _dq_tile(dq, q, do, lse2, delta, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd, n_k,
+                          window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, False,
+                          LSSA, DOT_PREC)
     else:
         bm_row = BMASK + b * smb + h * smh + (qrow // block_q) * smq
         for start_n in range(lo, hi, BLOCK_N):
@@ -541,16 +543,18 @@ def _attn_bwd_dkdv_kernel(
                                         offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, LAYOUT == 2,
                                         LSSA, DOT_PREC)
         elif LAYOUT == 1:
+            # one flat loop over the query tiles of the query blocks that list this key block, every tile masked
             kb = start_n // block_k
             cnt = tl.load(QNUM + b * snb + h * snh + kb * snm)
-            for ii in range(0, cnt):
-                qb = tl.load(QIDXL + b * sxb + h * sxh + kb * sxm + ii * sxk)
-                rs = tl.maximum(qb * block_q, r_lo)
-                re = tl.minimum(qb * block_q + block_q, r_hi)
-                dk, dv = _dkdv_range(dk, dv, k, v, offs_n, rs, re, full_lo, full_hi, q_base, do_base, lse_base,
-                                     delta_base, sqm, sqd, sdom, sdod, slm, n_q, q_offset, n_k, window, qk_scale,
-                                     log_d, offs_d, offs_dv, HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, HAS_WINDOW, LSSA,
-                                     DOT_PREC)
+            tiles_per_block = block_q // BLOCK_M
+            idx_base = QIDXL + b * sxb + h * sxh + kb * sxm
+            for t in range(0, cnt * tiles_per_block):
+                qb = tl.load(idx_base + (t // tiles_per_block) * sxk)
+                offs_m = qb * block_q + (t % tiles_per_block) * BLOCK_M + tl.arange(0, BLOCK_M)
+                dk, dv = _dkdv_tile(dk, dv, k, v, offs_n, offs_m, offs_m, offs_m < n_q, offs_m < n_q, q_base, do_base,
+                                    lse_base, delta_base, sqm, sqd, sdom, sdod, slm, q_offset, n_k, window, qk_scale,
+                                    log_d, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, False, LSSA,
+                                    DOT_PREC)
         else:
             dk, dv = _dkdv_range(dk, dv, k, v, offs_n, r_lo, r_hi, full_lo, full_hi, q_base, do_base, lse_base,
                                  delta_base, sqm, sqd, sdom, sdod, slm, n_q, q_offset, n_k, window, qk_scale, log_d,
