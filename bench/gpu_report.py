@@ -38,12 +38,15 @@ def main() -> None:
                      f"{r.get('sdpa_flash_fwd_bwd_ms', float('nan')):.3f} | {r.get('max_abs_diff_vs_sdpa', float('nan')):.4f} |")
     lines += ["", "Block-sparse K1 forward (random per-head causal layouts, 128 x 128 blocks, `BlockLayout.random_causal`), "
               "against dense K1 and SDPA with its default backend choice:", "",
-              "| N | density | sparse ms | dense K1 ms | SDPA ms | vs SDPA | vs dense K1 | FLOP bound |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| N | density | sparse ms | dense K1 ms | SDPA ms | vs SDPA | vs dense K1 | FLOP bound | sparse fwd+bwd ms | "
+              "dense K1+K2 fwd+bwd ms | SDPA fwd+bwd ms | fwd+bwd vs SDPA |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in bench["sparse"]:
         lines.append(f"| {r['N']} | {r['pair_density']:.3f} | {r['sparse_fwd_ms']:.3f} | {r['dense_causal_fwd_ms']:.3f} | "
                      f"{r['sdpa_causal_fwd_ms']:.3f} | {r['speedup_vs_sdpa']:.2f}x | {r['speedup_vs_dense']:.2f}x | "
-                     f"{r['ideal_speedup']:.1f}x |")
+                     f"{r['ideal_speedup']:.1f}x | {r.get('sparse_fwd_bwd_ms', float('nan')):.3f} | "
+                     f"{r.get('dense_fwd_bwd_ms', float('nan')):.3f} | {r.get('sdpa_fwd_bwd_ms', float('nan')):.3f} | "
+                     f"{r.get('fwd_bwd_speedup_vs_sdpa', float('nan')):.2f}x |")
     write_section("attention_gpu", "\n".join(lines), "Attention kernels on a GPU (Triton, H200)", path=args.results)
     print(f"wrote the attention_gpu section of {args.results}")
 
