@@ -6,7 +6,8 @@ For N in {4K, 16K, 32K}, 8 heads, d = 64, causal, fp32, B = 1: random per-head c
 (the dispatcher: at 100% it recognises the full causal layout and runs the dense kernel), the block-sparse
 path forced at every density, and compiled FlexAttention with the same block mask (inference only on CPU).
 Forward and backward at N = 16K. Reports time, speed-up over SDPA and the fraction of the FLOP bound
-(speed-up x density) reached; writes ``docs/results.md`` and ``bench/results/attention_cpu.json``.
+(speed-up x density) reached; writes ``docs/results.md``, ``bench/results/attention_cpu.json`` and
+``docs/figures/attention_cpu.png`` (``--plot-only`` redraws it from the JSON).
 
     python bench/attention_cpu.py            # ~5 minutes on 2 cores
     python bench/attention_cpu.py --quick    # N = 4K only
@@ -15,6 +16,8 @@ Forward and backward at N = 16K. Reports time, speed-up over SDPA and the fracti
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -59,6 +62,42 @@ def flex_runner(n: int):
     return run, "compiled (torch.compile, CPU C++ template, inference only)"
 
 
+def plot(rows, figure: Path) -> None:
+    """Speed-up over dense SDPA against density, per length: the sparse path, the dispatcher, FlexAttention
+    and the FLOP bound (1 / density)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    lengths = sorted({r["n"] for r in rows})
+    for n, color in zip(lengths, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+        rs = sorted((r for r in rows if r["n"] == n), key=lambda r: r["actual_density"])
+        xs = [r["actual_density"] for r in rs]
+        ax.plot(xs, [r["sparse_speedup"] for r in rs], "o-", color=color, label=f"sparse path, N={n // 1024}K")
+        ax.plot(xs, [r["speedup"] for r in rs], "x", color=color, markersize=8)
+        flex = [(r["actual_density"], r["flex_speedup"]) for r in rs if "flex_speedup" in r]
+        if flex:
+            ax.plot(*zip(*flex), "s--", color=color, alpha=0.5, markersize=4, label=f"FlexAttention (compiled), N={n // 1024}K")
+    grid = [0.04 + i * 0.01 for i in range(97)]
+    ax.plot(grid, [1 / x for x in grid], "k:", label="FLOP bound 1/density")
+    ax.axhline(1.0, color="0.5", linewidth=1, label="dense SDPA")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("density (fraction of causal pairs computed)")
+    ax.set_ylabel("speed-up over dense causal SDPA (forward)")
+    ax.set_title("CPU block-sparse attention, 8 heads, d = 64 (x: dispatcher)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    tmp = figure.with_name(figure.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, figure)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
@@ -72,7 +111,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", type=Path, default=REPO / "bench" / "results" / "attention_cpu.json")
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
+    p.add_argument("--figure", type=Path, default=REPO / "docs" / "figures" / "attention_cpu.png")
+    p.add_argument("--plot-only", action="store_true", help="redraw the figure from --cache without timing")
     args = p.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.cache.read_text())["forward"], args.figure)
+        print(f"wrote {args.figure}")
+        return
     if args.quick:
         args.lengths, args.repeats, args.backward_length = [4096], 1, 4096
     torch.manual_seed(args.seed)
@@ -147,6 +192,8 @@ def main() -> None:
         for r in bwd_rows:
             body.append(f"| {r['n']} | {r['density']:.0%} | {r['sdpa_fwd_bwd_s']:.3f} | {r['sparse_fwd_bwd_s']:.3f} | "
                         f"{r['speedup']:.2f}x | {r['bound_fraction']:.0%} |")
+    plot(rows, args.figure)
+    body += ["", f"![CPU block-sparse attention speed-up]({os.path.relpath(args.figure, args.results.parent)})"]
     write_section("attention_cpu", "\n".join(body), "Attention kernels: CPU block-sparse path vs dense SDPA",
                   path=args.results)
     print(f"wrote {args.results} and {args.cache}")
