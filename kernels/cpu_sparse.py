@@ -301,6 +301,12 @@ def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"window={window} needs causal=True and window >= 1")
     off = resolve_q_offset(n_q, n_k, q_offset)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if d != dv:  # the CPU flash kernel needs one head size: zero-pad to the larger (exact), slice the output
+        width = max(d, dv)
+        o, lse = block_sparse_attention_cpu(F.pad(q, (0, width - d)), F.pad(k, (0, width - d)),
+                                            F.pad(v, (0, width - dv)), layout, scale=scale, causal=causal,
+                                            q_offset=off, window=window, max_workspace_bytes=max_workspace_bytes)
+        return o[..., :dv], lse
     plan = plan_buckets(layout, b, hq, hk, causal=causal, q_offset=off, window=window, dtype=q.dtype)
     fn = _BlockSparseCPU
     o, lse = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, layout, (causal, off, window),

@@ -126,6 +126,17 @@ def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout) -> Tuple[t
     from kernels.cpu_sparse import block_sparse_attention_cpu
 
     n_q, n_k = q.shape[2], k.shape[2]
+    d, dv = q.shape[-1], v.shape[-1]
+    if d != dv:  # the CPU flash kernel needs one head size: zero-pad (exact; the scale stays 1/sqrt(d))
+        import math
+
+        import torch.nn.functional as F
+
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        width = max(d, dv)
+        o, lse = _cpu_softmax(F.pad(q, (0, width - d)), F.pad(k, (0, width - d)), F.pad(v, (0, width - dv)),
+                              scale=scale, causal=causal, q_offset=q_offset, window=window, layout=layout)
+        return o[..., :dv], lse
     off = resolve_q_offset(n_q, n_k, q_offset)
     if layout is not None and _layout_covers_mask(layout, causal, off, window):
         layout = None

@@ -85,6 +85,21 @@ def test_fp16_within_tolerance():
     assert_close(o, ro, ratio=5e-3)
 
 
+@pytest.mark.parametrize("d,dv", [(48, 32), (16, 40)])
+def test_value_head_dim_may_differ(d, dv):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 70, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 70, d, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 70, dv, generator=g, dtype=torch.float64, requires_grad=True)
+    lay = layout_for("random", 1, 4, 70, 70, 16, 16, True, None, None, seed=6)
+    o, _ = block_sparse_attention_cpu(q, k, v, lay)
+    ro, _ = attention_reference(q, k, v, layout=lay)
+    assert o.shape[-1] == dv
+    assert_close(o, ro, ratio=1e-12)
+    for a, e in zip(torch.autograd.grad(o.sum(), (q, k, v)), torch.autograd.grad(ro.sum(), (q, k, v))):
+        assert_close(a, e, ratio=1e-12)
+
+
 def test_gradient_through_lse():
     q, k, v = make(1, 2, 1, 40, 40, 16, torch.float64)
     lay = layout_for("random", 1, 2, 40, 40, 16, 16, True, None, None, seed=3)

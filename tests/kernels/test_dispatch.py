@@ -51,12 +51,15 @@ def test_decisions_logged_once(caplog):
 
 @pytest.mark.parametrize("kw", [dict(), dict(causal=False), dict(window=20), dict(q_offset=None, nk=150),
                                 dict(hk=2), dict(layout="random"), dict(layout="full"), dict(score_mode="lssa"),
-                                dict(score_mode="lssar"), dict(q_index=True)])
+                                dict(score_mode="lssar"), dict(q_index=True), dict(dv=24), dict(dv=24, window=9)])
 def test_every_cpu_route_equals_the_reference(kw):
     kw = dict(kw)
     nk = kw.pop("nk", None)
     hk = kw.pop("hk", 4)
+    dv = kw.pop("dv", None)
     q, k, v = qkv(hk=hk, nk=nk, grad=True)
+    if dv is not None:  # a value head dim different from the query/key one
+        v = torch.randn(*v.shape[:-1], dv, generator=torch.Generator().manual_seed(9)).requires_grad_(True)
     nq, nk = q.shape[2], k.shape[2]
     lay = kw.pop("layout", None)
     if lay == "random":
