@@ -181,6 +181,28 @@ def _trainer_kwargs(run: RunConfig) -> Dict[str, Any]:
     return kwargs
 
 
+def _strategy(run: RunConfig, spec: registry.MethodSpec) -> Any:
+    """``trainer.strategy`` as Lightning gets it: FSDP wraps the method's declared blocks (``fsdp_wrap`` in the
+    registry) and saves full state dicts (one checkpoint file, loadable weights-only); any other name passes
+    through (``ddp``, ``ddp_spawn``, ``deepspeed``, ...)."""
+    name = run.trainer.strategy
+    if not isinstance(name, str) or name.split("_")[0] != "fsdp":
+        return name
+    import torch
+
+    accelerator = str(run.trainer.accelerator)
+    if accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()):
+        raise ConfigError(f"trainer.strategy={name} needs CUDA devices (Lightning's FSDP has no CPU path); "
+                          "on CPU use trainer.strategy=ddp")
+    if not spec.fsdp_wrap:
+        raise ConfigError(f"method '{spec.name}' declares no FSDP wrap classes (fsdp_wrap in recipes/registry.py); "
+                          "use trainer.strategy=ddp")
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    wrap = {registry.import_target(target) for target in spec.fsdp_wrap}
+    return FSDPStrategy(auto_wrap_policy=wrap, state_dict_type="full")
+
+
 def _check_method_constraints(run: RunConfig, spec: registry.MethodSpec) -> None:
     """Trainer settings a method's spec rules out (checked before anything is built)."""
     if spec.manual_optimization and (run.trainer.gradient_clip_val or run.trainer.accumulate_grad_batches != 1):
@@ -281,7 +303,9 @@ def build(
     run_dir = resolve_run_dir(run).resolve()
     resume_from = resolve_resume(run, run_dir) if stage == "fit" else None
 
-    _check_method_constraints(run, registry.method_spec(run.method.name))
+    spec = registry.method_spec(run.method.name)
+    _check_method_constraints(run, spec)
+    strategy = _strategy(run, spec)
     pl.seed_everything(run.seed, workers=True, verbose=False)
     datamodule = registry.create_datamodule(run.data.name, run.data.args)
     model = registry.create_method(run.method.name, run.method.args, optim=run.optim)
@@ -297,7 +321,7 @@ def build(
         enable_progress_bar=progress_mode(run.logging.progress) == "bar",
         use_distributed_sampler=False,
         plugins=[AtomicCheckpointIO()],
-        **_trainer_kwargs(run),
+        **{**_trainer_kwargs(run), "strategy": strategy},
     )
     if write and _is_rank_zero():
         run_dir.mkdir(parents=True, exist_ok=True)
