@@ -196,6 +196,8 @@ class LoadedConfig:
     provenance: Dict[str, str]
     layers: List[str]
     overrides: List[str]
+    sweep: Optional[Dict[str, Any]] = None
+    """The recipe's ``sweep:`` block (not part of a run's config; ``recipes.sweep`` expands it)."""
 
 
 def _dotted_fields(schema: type, prefix: str = "") -> Dict[str, Any]:
@@ -317,19 +319,25 @@ def recipe_path(name: str, cfg_dir: Path) -> Path:
     raise ConfigError(f"unknown recipe '{name}'{hint} Known recipes: {', '.join(known)}")
 
 
-def _recipe_layers(name: str, cfg_dir: Path) -> List[Layer]:
+def _recipe_layers(name: str, cfg_dir: Path) -> Tuple[List[Layer], Optional[Dict[str, Any]]]:
+    """The recipe's layers (its parent first) and its ``sweep:`` block (the recipe's own, else the parent's)."""
     path = recipe_path(name, cfg_dir)
     data = _read_yaml(path)
     parent = data.pop("extends", None)
+    sweep = data.pop("sweep", None)
     layers: List[Layer] = []
     if parent is not None:
         parent_data = _read_yaml(recipe_path(str(parent), cfg_dir))
         if "extends" in parent_data:
             raise ConfigError(f"{path}: extends '{parent}', which itself extends another recipe (one level only)")
+        parent_sweep = parent_data.pop("sweep", None)
+        sweep = sweep if sweep is not None else parent_sweep
         layers.append(Layer(f"recipe {parent} ({recipe_path(str(parent), cfg_dir)})", parent_data))
     data.setdefault("recipe", path.stem)
     layers.append(Layer(f"recipe {path.stem} ({path})", data))
-    return layers
+    if sweep is not None and not isinstance(sweep, dict):
+        raise ConfigError(f"{path}: sweep must be a mapping (grid/zip/seeds/random/metric/mode), got {type(sweep).__name__}")
+    return layers, sweep
 
 
 def _profile_layer(name: str, cfg_dir: Path) -> Layer:
@@ -453,7 +461,8 @@ def load_config(
             raise ConfigError("no recipe given: pass --recipe NAME (see python -m recipes.ls)")
         recipe = named[-1]
     layers: List[Layer] = [Layer(f"defaults ({root / 'defaults.yaml'})", _read_yaml(root / "defaults.yaml"))]
-    layers += _recipe_layers(recipe, root)
+    recipe_layers, sweep = _recipe_layers(recipe, root)
+    layers += recipe_layers
     recipe_end = len(layers)
     layers += [_profile_layer(p, root) for p in profiles]
     layers += file_layers
@@ -483,7 +492,7 @@ def load_config(
     if validate_components:
         registry.validate_run_components(run)
     return LoadedConfig(run=run, tree=tree, provenance=provenance, layers=[layer.label for layer in layers],
-                        overrides=list(overrides))
+                        overrides=list(overrides), sweep=sweep)
 
 
 def validate_component_args(schema: type, args: Mapping[str, Any], where: str) -> Any:

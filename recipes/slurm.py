@@ -149,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="shell line before srun, repeatable (e.g. 'source .venv/bin/activate')")
     g.add_argument("--sbatch", action="append", default=[], metavar="--FLAG[=VALUE]", dest="additional",
                    help="extra #SBATCH option, repeatable (e.g. --sbatch=--exclusive)")
+    g.add_argument("--sweep", action="store_true",
+                   help="run the recipe's sweep block as one array job, a task per unfinished trial")
+    g.add_argument("--sweep-file", metavar="FILE", help="with --sweep: take the sweep block from FILE")
     g.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     return parser
 
@@ -169,6 +172,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run = loaded.run
     if world > 1 and run.trainer.strategy == "auto":
         run.trainer.strategy = "ddp"
+    if args.sweep_file and not args.sweep:
+        raise ConfigError("--sweep-file needs --sweep")
+    if args.sweep:
+        return _submit_sweep(args, job, loaded, forced + (["trainer.strategy=ddp"] if run.trainer.strategy == "ddp"
+                                                          and world > 1 else []), overrides)
     run_dir, config_path, script = prepare(run, job, write=not args.dry_run)
     if str(run_dir).startswith("/tmp/"):
         print(f"[litctx] warning: run directory {run_dir} is under /tmp, which compute nodes may not share",
@@ -176,17 +184,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.dry_run:
         print(script, end="")
         return 0
+    job_id = _sbatch(run_dir / "slurm" / "job.sbatch")
+    print(f"[litctx] submitted job {job_id}; run directory {run_dir}; log {run_dir / 'slurm' / (job_id + '.out')}")
+    return 0
+
+
+def _sbatch(script: Path) -> str:
+    """Submit with ``sbatch --parsable``; record and return the job id."""
     try:
-        done = subprocess.run(["sbatch", "--parsable", str(run_dir / "slurm" / "job.sbatch")], capture_output=True,
-                              text=True, check=False)
+        done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=False)
     except FileNotFoundError:
         raise ConfigError("sbatch not found on PATH: run on a SLURM login node, or use --dry-run") from None
     if done.returncode != 0:
         print(done.stderr, file=sys.stderr, end="")
-        raise ConfigError(f"sbatch failed (exit {done.returncode}); the script is {run_dir / 'slurm' / 'job.sbatch'}")
+        raise ConfigError(f"sbatch failed (exit {done.returncode}); the script is {script}")
     job_id = done.stdout.strip().split(";")[0]
-    (run_dir / "slurm" / "job_id").write_text(job_id + "\n")
-    print(f"[litctx] submitted job {job_id}; run directory {run_dir}; log {run_dir / 'slurm' / (job_id + '.out')}")
+    (script.parent / "job_id").write_text(job_id + "\n")
+    return job_id
+
+
+def _submit_sweep(args, job: SlurmJob, loaded, forced: List[str], overrides: List[str]) -> int:
+    """Expand and validate the sweep (the same trials and folder as ``recipes.sweep``), then one array job over
+    the unfinished trials."""
+    from lightning_modules.io import atomic_open
+    from recipes import sweep as sw
+
+    spec = sw.load_spec(loaded, args.sweep_file)
+    block = loaded.sweep if not args.sweep_file else sw.yaml.safe_load(Path(args.sweep_file).read_text())
+    folder = sw.sweep_dir(loaded, spec, sw.sweep_key(loaded.run.recipe, block, args.profile, args.config, overrides))
+    profiles = ["slurm"] + list(args.profile)
+    trials = sw.materialize(args.recipe, overrides, profiles, args.config, spec, folder, write=not args.dry_run,
+                            trial_prefix=forced)
+    pending = [t for t in trials if args.dry_run or sw.status(t) != "done"]
+    if not pending:
+        print(f"[litctx] every trial of {folder} is done; nothing to submit")
+        return 0
+    job.job_name = args.job_name or f"litctx-sweep-{folder.name}"
+    script = render_sbatch(job, folder, [t.config for t in pending], python=sys.executable)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    (folder / "slurm").mkdir(parents=True, exist_ok=True)
+    with atomic_open(folder / "slurm" / "array.sbatch", "w") as f:
+        f.write(script)
+    job_id = _sbatch(folder / "slurm" / "array.sbatch")
+    print(f"[litctx] submitted array job {job_id} with {len(pending)} trial(s) of {len(trials)}; sweep {folder}; "
+          f"summary: python -m recipes.sweep --recipe {args.recipe} --collect")
     return 0
 
 
