@@ -36,3 +36,16 @@ def run_cli(args, cwd=REPO, env_extra=None, timeout=600):
     env.setdefault("PYTHONWARNINGS", "ignore")
     return subprocess.run([sys.executable] + list(args), cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def fake_command(tmp_path: Path, name: str, stdout: str = "") -> Path:
+    """Create a fake ``name`` executable in ``<tmp_path>/bin``; returns its calls file:
+    it appends its arguments to ``<tmp_path>/<name>_calls.txt`` and prints ``stdout``. Use with
+    ``monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")``."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    calls = tmp_path / f"{name}_calls.txt"
+    script = bindir / name
+    script.write_text(f"#!/bin/bash\necho \"$@\" >> {calls}\n" + (f"echo '{stdout}'\n" if stdout else ""))
+    script.chmod(0o755)
+    return calls

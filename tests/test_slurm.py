@@ -17,7 +17,7 @@ import yaml
 
 from recipes.config import ConfigError
 from recipes.slurm import SlurmJob, main, render_sbatch
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, fake_command, run_cli
 
 
 def sbatch_options(script: str) -> dict:
@@ -59,12 +59,8 @@ def test_single_node_script(capsys, tmp_path, isolated_runs):
 
 
 def test_multi_node_script_and_config(tmp_path, isolated_runs, monkeypatch):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    calls = tmp_path / "sbatch_calls.txt"
-    (bindir / "sbatch").write_text(f"#!/bin/bash\necho \"$@\" >> {calls}\necho '777;cluster'\n")
-    (bindir / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    calls = fake_command(tmp_path, "sbatch", "777;cluster")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     assert main(["--recipe", "lcube", "--nodes", "2", "--gpus-per-node", "4", "--setup", "module load cuda",
                  "--sbatch=--exclusive", "name=multi", "optim.lr=0.002"]) == 0
     run_dir = isolated_runs / "lcube" / "multi"
@@ -108,12 +104,8 @@ def test_errors_before_submission(capsys):
 
 
 def test_requeue_signal_saves_hpc_checkpoint_and_next_start_resumes(tmp_path, isolated_runs):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    calls = tmp_path / "scontrol_calls.txt"
-    (bindir / "scontrol").write_text(f"#!/bin/bash\necho \"$@\" >> {calls}\n")
-    (bindir / "scontrol").chmod(0o755)
-    slurm_env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", PYTHONWARNINGS="ignore",
+    calls = fake_command(tmp_path, "scontrol")
+    slurm_env = dict(os.environ, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", PYTHONWARNINGS="ignore",
                      SLURM_JOB_ID="4242", SLURM_JOB_NAME="litctx-test", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="1",
                      SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_NODELIST="localhost")
     args = ["-m", "recipes.fit", "--recipe", "lcube", "--profile", "tiny", "name=requeue", "resume=auto",

@@ -12,7 +12,7 @@ import yaml
 
 from recipes.config import ConfigError
 from recipes.sweep import SweepSpec, expand, main
-from tests.conftest import run_cli
+from tests.conftest import fake_command, run_cli
 
 
 def test_expansion_counts_order_and_stable_ids():
@@ -93,12 +93,8 @@ def test_local_sweep_runs_trials_then_rerun_skips_them(tmp_path, isolated_runs):
 def test_sweep_as_a_slurm_array(tmp_path, isolated_runs, monkeypatch, capsys):
     from recipes.slurm import main as slurm_main
 
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    calls = tmp_path / "sbatch_calls.txt"
-    (bindir / "sbatch").write_text(f"#!/bin/bash\necho \"$@\" >> {calls}\necho 99\n")
-    (bindir / "sbatch").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    calls = fake_command(tmp_path, "sbatch", "99")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     assert slurm_main(["--recipe", "lcube", "--profile", "tiny", "--sweep", "--gpus-per-node", "2"]) == 0
     folders = list((isolated_runs / "lcube" / "sweeps").iterdir())
     assert len(folders) == 1
