@@ -178,6 +178,12 @@ CALLBACKS: Dict[str, CallbackSpec] = {
             stages=("fit",),
         ),
         CallbackSpec(
+            name="eval_timer",
+            target="lightning_modules.callbacks.eval_timer:EvalTimer",
+            description="seconds per evaluation batch, logged as <stage>/seconds_per_batch",
+            stages=("validate", "test", "predict"),
+        ),
+        CallbackSpec(
             name="log_lines",
             target="lightning_modules.callbacks.progress:LogLines",
             description="one progress line every N steps (the default off a terminal)",
