@@ -131,6 +131,12 @@ LCUBE_PAPER = Paper(
     note="theory: L2M, arXiv:2503.04725",
 )
 
+TS_PAPER = Paper(
+    title="Resolving the Timestep Scaling Paradox in Spiking Neural Networks with a Timestep-Scalable Neuron Model",
+    venue="ICML 2026",
+    code="no public code or full text found; the TS neuron's equations are reconstructed (configurable)",
+)
+
 METHODS: Dict[str, MethodSpec] = {
     spec.name: spec
     for spec in [
@@ -145,6 +151,16 @@ METHODS: Dict[str, MethodSpec] = {
             fsdp_wrap=("lightning_modules.layers.transformer:TransformerBlock",),
             tags=("benchmark", "synthetic", "long-context"),
         ),
+        MethodSpec(
+            name="spiking",
+            target="lightning_modules.spiking.module:SpikingClassifier",
+            config="lightning_modules.spiking.module:SpikingConfig",
+            paper=TS_PAPER,
+            description="spiking conv net (LIF or TS neurons) trained with BPTT on frame sequences",
+            default_data="event_frames",
+            tiny={"conv_channels": 4, "hidden": 16},
+            tags=("spiking", "synthetic", "timesteps"),
+        ),
     ]
 }
 
@@ -158,6 +174,14 @@ DATAMODULES: Dict[str, DataSpec] = {
             description="hierarchical Gaussian sequences with exact conditionals (generated on the fly)",
             tiny={"length": 32, "batch_size": 8, "train_batches": 4, "val_sequences": 16, "test_sequences": 16},
             paper=LCUBE_PAPER,
+        ),
+        DataSpec(
+            name="event_frames",
+            target="datamodules.events:EventFramesDataModule",
+            config="datamodules.events:EventFramesConfig",
+            description="synthetic DVS-like temporal-order event streams binned into T frames",
+            tiny={"steps": 8, "train_size": 64, "val_size": 32, "test_size": 32, "batch_size": 16},
+            paper=TS_PAPER,
         ),
     ]
 }

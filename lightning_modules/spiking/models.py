@@ -1,0 +1,56 @@
+"""Spiking networks in multi-step mode over ``[T, B, ...]``.
+
+``SpikingConvNet``: Conv(2 -> c, 3x3, stride 2) [-> BatchNorm] -> neuron -> Linear(c * (H/2) * (W/2) -> hidden)
+[-> BatchNorm] -> neuron -> Linear(hidden -> classes), read out as the mean over T of the last layer's output (or
+its last step); the layout of the research note's CPU-scale model, with spikingjelly's usual batch norm over
+``T x B`` before each neuron (``norm=True``: without it the sparse event frames leave the network nearly silent
+at initialisation, measured 0.04% first-layer firing). The neuron is LIF or TS (``make_neuron``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from lightning_modules.spiking.neurons import LIF, LIFConfig, TSConfig, TSNeuron
+
+__all__ = ["make_neuron", "SpikingConvNet"]
+
+
+def make_neuron(kind: str, channels: int, options: Dict[str, Any]) -> nn.Module:
+    """``lif`` or ``ts`` with ``options`` (fields of :class:`LIFConfig` / :class:`TSConfig`)."""
+    if kind == "lif":
+        return LIF(LIFConfig(**options))
+    if kind == "ts":
+        return TSNeuron(TSConfig(channels=channels, **options))
+    raise ValueError(f"neuron={kind!r}: expected 'lif' or 'ts'")
+
+
+class SpikingConvNet(nn.Module):
+    """``[T, B, C_in, H, W]`` frames -> ``[B, classes]`` logits."""
+
+    def __init__(self, in_channels: int, size: int, classes: int, conv_channels: int, hidden: int, neuron: str,
+                 neuron_options: Dict[str, Any], readout: str = "mean", norm: bool = True) -> None:
+        super().__init__()
+        if readout not in ("mean", "last"):
+            raise ValueError(f"readout={readout!r}: expected 'mean' or 'last'")
+        self.conv = nn.Conv2d(in_channels, conv_channels, 3, stride=2, padding=1)
+        self.bn1 = nn.BatchNorm2d(conv_channels) if norm else nn.Identity()
+        self.n1 = make_neuron(neuron, conv_channels, neuron_options)
+        side = (size + 1) // 2
+        self.fc1 = nn.Linear(conv_channels * side * side, hidden)
+        self.bn2 = nn.BatchNorm1d(hidden) if norm else nn.Identity()
+        self.n2 = make_neuron(neuron, hidden, neuron_options)
+        self.fc2 = nn.Linear(hidden, classes)
+        self.readout = readout
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        t, b = frames.shape[:2]
+        h = self.bn1(self.conv(frames.flatten(0, 1)))  # [T*B, c, H/2, W/2]: one norm over time and batch
+        h = self.n1(h.view(t, b, *h.shape[1:]))
+        h = self.bn2(self.fc1(h.flatten(2)).flatten(0, 1))
+        h = self.n2(h.view(t, b, -1))
+        out = self.fc2(h)  # [T, B, classes]
+        return out.mean(0) if self.readout == "mean" else out[-1]

@@ -1,0 +1,82 @@
+"""``SpikingClassifier``: BPTT training of a spiking network on frame sequences (event streams).
+
+Batches: ``{"frames": [B, T, C, H, W], "label": [B]}``. Logged per stage: ``loss`` (cross-entropy), ``acc``;
+training also logs ``train/spike_rate`` (mean firing of the first layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict
+
+import torch
+import torch.nn.functional as F
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_modules.base import LongContextModule
+from lightning_modules.spiking.models import SpikingConvNet
+
+__all__ = ["SpikingConfig", "SpikingClassifier"]
+
+
+@dataclass
+class SpikingConfig:
+    neuron: str = "lif"
+    """``lif`` or ``ts``."""
+    neuron_options: Dict[str, Any] = field(default_factory=lambda: {"tau": 2.0})
+    """Fields of LIFConfig / TSConfig (tau, surrogate, forget_period, forget_fraction, memory, ...)."""
+    in_channels: int = 2
+    size: int = 16
+    classes: int = 2
+    conv_channels: int = 8
+    hidden: int = 64
+    readout: str = "mean"
+    """``mean`` over T or ``last`` step."""
+    norm: bool = True
+    """Batch norm over ``T x B`` before each neuron."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.neuron not in ("lif", "ts"):
+            problems.append(f"neuron={self.neuron!r}: expected 'lif' or 'ts'")
+        if self.readout not in ("mean", "last"):
+            problems.append(f"readout={self.readout!r}: expected 'mean' or 'last'")
+        for name in ("in_channels", "size", "classes", "conv_channels", "hidden"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)}: must be >= 1")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+class SpikingClassifier(LongContextModule):
+    config_class = SpikingConfig
+
+    def __init__(self, cfg: Any = None, optim: Any = None) -> None:
+        super().__init__(cfg, optim)
+        c = self.cfg
+        self.net = SpikingConvNet(c.in_channels, c.size, c.classes, c.conv_channels, c.hidden, c.neuron,
+                                  dict(c.neuron_options), c.readout, c.norm)
+        self.acc = self.stage_metrics(lambda: MulticlassAccuracy(num_classes=c.classes, average="micro"), "acc")
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        """``[B, T, C, H, W]`` -> logits ``[B, classes]``."""
+        return self.net(frames.transpose(0, 1))
+
+    def _step(self, batch: Dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        logits = self(batch["frames"])
+        loss = F.cross_entropy(logits, batch["label"])
+        metric = self.acc[stage]
+        metric.update(logits, batch["label"])
+        prefix = "train" if stage == "fit" else stage
+        self.log(f"{prefix}/loss", loss, prog_bar=stage == "fit", on_step=stage == "fit", on_epoch=stage != "fit")
+        self.log(f"{prefix}/acc", metric, on_step=False, on_epoch=True, prog_bar=stage != "fit")
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        return self._step(batch, "fit")
+
+    def validation_step(self, batch, batch_idx):
+        self._step(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._step(batch, "test")
