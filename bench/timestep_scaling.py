@@ -1,0 +1,167 @@
+"""The timestep scaling paradox at CPU scale: accuracy against the number of frames T for LIF and TS neurons.
+
+The temporal-order event task (``spiking_events`` / ``spiking_events_ts`` recipes): the same one-second streams
+are binned into T in {4, 8, 16, 32, 64} frames, so the gap between the two bursts spans about T/2 steps. Every
+(neuron, T, seed) trains for the same number of optimiser steps (``--epochs`` over ``--train-size`` streams) and
+reports test accuracy on 512 held-out streams. Also: fused LIF scan against the step-by-step loop, forward +
+backward at T = 64, in the same process.
+
+    python bench/timestep_scaling.py                          # 5 T x 2 neurons x 3 seeds
+    python bench/timestep_scaling.py --steps 4 16 64 --epochs 5   # the reduced run reported in docs/results.md
+
+Results are cached per configuration in ``bench/results/timestep_scaling.json`` (a rerun continues); the
+table goes to ``docs/results.md`` and the plot to ``docs/figures/timestep_scaling.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Dict
+
+from _report import REPO, save_json, write_section
+
+RECIPES = {"lif": "spiking_events", "ts": "spiking_events_ts"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    p.add_argument("--neurons", nargs="+", default=["lif", "ts"], choices=sorted(RECIPES))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--train-size", type=int, default=1024)
+    p.add_argument("--task", default="order", choices=["order", "xor"])
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--cache", type=Path, default=REPO / "bench" / "results" / "timestep_scaling.json")
+    p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
+    p.add_argument("--figure", type=Path, default=REPO / "docs" / "figures" / "timestep_scaling.png")
+    return p.parse_args(argv)
+
+
+def train_and_test(args, neuron: str, steps: int, seed: int) -> Dict[str, float]:
+    from recipes.api import build
+    from recipes.fit import run_stages
+
+    overrides = [f"seed={seed}", f"data.args.seed={seed}", f"data.args.steps={steps}", f"data.args.task={args.task}",
+                 f"data.args.train_size={args.train_size}", f"trainer.max_epochs={args.epochs}",
+                 "logging.progress=none", "logging.tensorboard=false", "trainer.extra.enable_model_summary=false",
+                 f"name=bench-{neuron}-T{steps}-s{seed}-e{args.epochs}-{args.task}", "resume=auto"]
+    start = time.time()
+    run = build(RECIPES[neuron], overrides)
+    metrics = run_stages(run)
+    return {"acc": float(metrics["test/acc"]), "loss": float(metrics["test/loss"]), "seconds": time.time() - start}
+
+
+def speed(steps: int = 64, repeats: int = 3) -> Dict[str, float]:
+    import torch
+
+    from lightning_modules.spiking import LIF
+
+    x = torch.rand(steps, 32, 4096) * 2
+    out = {}
+    for impl in ("loop", "fused"):
+        lif = LIF(implementation=impl)
+        best = float("inf")
+        for _ in range(repeats):
+            xx = x.clone().requires_grad_(True)
+            t0 = time.perf_counter()
+            lif(xx).sum().backward()
+            best = min(best, time.perf_counter() - t0)
+        out[impl] = best
+    out["speedup"] = out["loop"] / out["fused"]
+    return out
+
+
+def report(args, cache) -> str:
+    lines = [f"Command: `python bench/timestep_scaling.py --steps {' '.join(map(str, args.steps))} --epochs "
+             f"{args.epochs}` (task `{args.task}`, {args.train_size} training streams, the same "
+             f"{args.epochs} epochs = {args.epochs * args.train_size // 32} optimiser steps at every T, test on 512 "
+             f"streams; seeds {', '.join(map(str, args.seeds))}; CPU, 2 cores).", "",
+             "| neuron | " + " | ".join(f"T = {t}" for t in args.steps) + " |",
+             "|---|" + "---|" * len(args.steps)]
+    for neuron in args.neurons:
+        cells = []
+        for t in args.steps:
+            accs = [cache["runs"][k]["acc"] for k in cache["runs"] if k.startswith(f"{neuron}|{t}|")
+                    and k.endswith(f"|{args.epochs}|{args.task}|{args.train_size}")]
+            cells.append(f"{statistics.fmean(accs):.3f} ({min(accs):.3f}-{max(accs):.3f}, n={len(accs)})" if accs else "-")
+        lines.append(f"| {neuron.upper()} | " + " | ".join(cells) + " |")
+    if "speed" in cache:
+        s = cache["speed"]
+        lines += ["", f"Fused LIF scan vs the step-by-step loop, forward + backward, T = 64, [64, 32, 4096] fp32, best of "
+                  f"3: loop {s['loop']:.3f} s, fused {s['fused']:.3f} s (**{s['speedup']:.1f}x**)."]
+    rel = os.path.relpath(args.figure, args.results.parent)
+    lines += ["", f"![accuracy against T]({rel})"]
+    return "\n".join(lines)
+
+
+def plot(args, cache) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.6, 3.8))
+    for neuron, marker in zip(args.neurons, "os"):
+        xs, mean, lo, hi = [], [], [], []
+        for t in args.steps:
+            accs = [cache["runs"][k]["acc"] for k in cache["runs"] if k.startswith(f"{neuron}|{t}|")
+                    and k.endswith(f"|{args.epochs}|{args.task}|{args.train_size}")]
+            if accs:
+                xs.append(t)
+                mean.append(statistics.fmean(accs))
+                lo.append(min(accs))
+                hi.append(max(accs))
+        if xs:
+            ax.plot(xs, mean, marker=marker, label=neuron.upper())
+            ax.fill_between(xs, lo, hi, alpha=0.2)
+    ax.axhline(0.5, color="0.5", linewidth=1, linestyle=":", label="chance")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("frames per sample T (same one-second streams)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"temporal-order events, {args.epochs} epochs, {len(args.seeds)} seeds")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    args.figure.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.figure.with_name(args.figure.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, args.figure)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LITCTX_RUNS_DIR", str(REPO / "runs" / "bench"))
+    cache = json.loads(args.cache.read_text()) if args.cache.exists() else {}
+    cache.setdefault("runs", {})
+    if not args.report_only:
+        if "speed" not in cache:
+            cache["speed"] = speed()
+            save_json(args.cache, cache)
+            print(f"[bench] fused LIF {cache['speed']['speedup']:.1f}x the loop at T=64", flush=True)
+        for seed in args.seeds:
+            for t in args.steps:
+                for neuron in args.neurons:
+                    key = f"{neuron}|{t}|{seed}|{args.epochs}|{args.task}|{args.train_size}"
+                    if key in cache["runs"]:
+                        continue
+                    cache["runs"][key] = train_and_test(args, neuron, t, seed)
+                    save_json(args.cache, cache)
+                    r = cache["runs"][key]
+                    print(f"[bench] {neuron} T={t} seed={seed}: acc {r['acc']:.3f} ({r['seconds']:.0f}s)", flush=True)
+    text = write_section("timestep_scaling", report(args, cache),
+                         "Spiking: the timestep scaling paradox (`bench/timestep_scaling.py`)", args.results)
+    plot(args, cache)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
