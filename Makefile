@@ -26,7 +26,7 @@ test: $(STAMP)  ## the default suite, then the Triton kernels under the interpre
 	$(MAKE) --no-print-directory test-interpret
 
 test-interpret: $(STAMP)  ## Triton kernels against the references, TRITON_INTERPRET=1 on CPU
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpret tests/kernels; rc=$$?; \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpret tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "no interpreter tests collected"; rc=0; fi; exit $$rc
 
 test-slow: $(STAMP)

@@ -10,7 +10,8 @@ LIF (discrete leaky integrate-and-fire, spikingjelly's ``LIFNode``):
   ``detach_reset`` stops the gradient through the reset term.
 
 ``implementation="fused"`` runs the whole sequence as one autograd node (forward scan, hand-written reverse
-scan); ``"loop"`` builds the graph step by step. They are equal to rounding (tests).
+scan); ``"loop"`` builds the graph step by step; ``"triton"`` runs the same two scans as Triton kernels
+(:mod:`.triton_lif`). They are equal to rounding (tests).
 
 TS neuron (the Timestep-Scalable neuron, reconstructed from the paper's abstract; every part configurable; see
 ``../shared/research/science_methods.md`` section 3.4): LIF plus a long-term memory ``M`` read into the charge
@@ -54,7 +55,8 @@ class LIFConfig:
     """Surrogate sharpness (None: the surrogate's default)."""
     detach_reset: bool = False
     implementation: str = "fused"
-    """``fused`` (one autograd node over T) or ``loop``."""
+    """``fused`` (one autograd node over T), ``loop``, or ``triton`` (the Triton scan: CUDA, or CPU under
+    ``TRITON_INTERPRET=1``)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -62,8 +64,8 @@ class LIFConfig:
             problems.append(f"tau={self.tau}: must be > 1 (a = 1 - 1/tau in (0, 1))")
         if self.surrogate not in SURROGATES:
             problems.append(f"surrogate={self.surrogate!r}: expected one of {sorted(SURROGATES)}")
-        if self.implementation not in ("fused", "loop"):
-            problems.append(f"implementation={self.implementation!r}: expected 'fused' or 'loop'")
+        if self.implementation not in ("fused", "loop", "triton"):
+            problems.append(f"implementation={self.implementation!r}: expected 'fused', 'loop' or 'triton'")
         if self.v_reset is not None and self.v_reset >= self.v_threshold:
             problems.append(f"v_reset={self.v_reset} must be below v_threshold={self.v_threshold}")
         if problems:
@@ -146,6 +148,15 @@ class LIF(nn.Module):
         v0 = torch.full_like(x[0], self.cfg.v_init) if v0 is None else v0
         if self.cfg.implementation == "fused":
             return _FusedLIF.apply(x, v0, self.cfg)
+        if self.cfg.implementation == "triton":
+            import os
+
+            if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise RuntimeError(f"LIF(implementation='triton') needs CUDA tensors (got {x.device}) or "
+                                   "TRITON_INTERPRET=1; use implementation='fused' on CPU")
+            from lightning_modules.spiking.triton_lif import triton_lif
+
+            return triton_lif(x, v0, self.cfg)
         return self._loop(x, v0)
 
     def _loop(self, x, v):
