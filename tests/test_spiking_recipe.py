@@ -31,3 +31,21 @@ def test_recipe_trains_and_tests(recipe):
     metrics = run_stages(run)
     assert 0.0 <= metrics["test/acc"] <= 1.0 and metrics["test/loss"] > 0
     assert (run.run_dir / "DONE").exists()
+
+
+@pytest.mark.parametrize("neuron", ["lif", "ts"])
+def test_spiking_transformer_block(neuron):
+    from lightning_modules.spiking.models import SpikingSelfAttention, SpikingTransformerBlock
+
+    block = SpikingTransformerBlock(dim=16, heads=2, neuron=neuron, options={"tau": 2.0})
+    x = (torch.rand(6, 3, 5, 16) > 0.7).float().requires_grad_(True)
+    y = block(x)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    y.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0  # surrogate gradients reach the input
+    # the attention's Q, K and V are spikes (no softmax over them)
+    ssa = SpikingSelfAttention(16, 2, neuron, {"tau": 2.0})
+    q = ssa.q(x.detach())
+    assert set(torch.unique(q).tolist()) <= {0.0, 1.0}
+    with pytest.raises(ValueError, match="divisible"):
+        SpikingSelfAttention(10, 3, neuron, {})

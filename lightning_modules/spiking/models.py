@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_modules.spiking.neurons import LIF, LIFConfig, TSConfig, TSNeuron
 
-__all__ = ["make_neuron", "SpikingConvNet"]
+__all__ = ["make_neuron", "SpikingConvNet", "SpikingSelfAttention", "SpikingTransformerBlock"]
 
 
 def make_neuron(kind: str, channels: int, options: Dict[str, Any]) -> nn.Module:
@@ -54,3 +54,61 @@ class SpikingConvNet(nn.Module):
         h = self.n2(h.view(t, b, -1))
         out = self.fc2(h)  # [T, B, classes]
         return out.mean(0) if self.readout == "mean" else out[-1]
+
+
+class _SpikingLinear(nn.Module):
+    """Linear -> BatchNorm over (T x B x N) -> neuron, on ``[T, B, N, D]``."""
+
+    def __init__(self, d_in: int, d_out: int, neuron: str, options: Dict[str, Any]) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d_in, d_out)
+        self.norm = nn.BatchNorm1d(d_out)
+        self.neuron = make_neuron(neuron, d_out, options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, b, n, _ = x.shape
+        h = self.norm(self.linear(x).flatten(0, 2))  # [T*B*N, D]
+        return self.neuron(h.view(t, b * n, -1)).view(t, b, n, -1)  # neurons see [T, B*N, D]: per-feature gains
+
+
+class SpikingSelfAttention(nn.Module):
+    """Spikformer-style spiking self-attention on ``[T, B, N, D]``: spike-valued Q, K, V (linear -> BN -> neuron),
+    ``(Q K^T) V * scale`` per head without softmax (all entries are non-negative spike counts), a neuron on the
+    result, then a linear -> BN -> neuron projection."""
+
+    def __init__(self, dim: int, heads: int, neuron: str, options: Dict[str, Any], scale: float = 0.125) -> None:
+        super().__init__()
+        if dim % heads:
+            raise ValueError(f"dim={dim} is not divisible by heads={heads}")
+        self.heads, self.scale = heads, scale
+        self.q = _SpikingLinear(dim, dim, neuron, options)
+        self.k = _SpikingLinear(dim, dim, neuron, options)
+        self.v = _SpikingLinear(dim, dim, neuron, options)
+        opts = dict(options)
+        opts.setdefault("v_threshold", 0.5)  # Spikformer's attention neuron fires at half the usual threshold
+        self.attn_neuron = make_neuron(neuron, dim, opts)
+        self.proj = _SpikingLinear(dim, dim, neuron, options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, b, n, d = x.shape
+        split = lambda z: z.view(t, b, n, self.heads, d // self.heads).transpose(2, 3)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))  # [T, B, H, N, dh]
+        y = (q @ k.transpose(-1, -2)) @ v * self.scale  # [T, B, H, N, dh]
+        y = y.transpose(2, 3).reshape(t, b * n, d)
+        y = self.attn_neuron(y).view(t, b, n, d)
+        return self.proj(y)
+
+
+class SpikingTransformerBlock(nn.Module):
+    """``x + SSA(x)`` then ``x + MLP(x)`` (spiking MLP: two linear -> BN -> neuron layers); ``[T, B, N, D]``."""
+
+    def __init__(self, dim: int, heads: int, neuron: str, options: Dict[str, Any], mlp_ratio: float = 4.0) -> None:
+        super().__init__()
+        hidden = int(round(dim * mlp_ratio))
+        self.attn = SpikingSelfAttention(dim, heads, neuron, options)
+        self.mlp = nn.Sequential(_SpikingLinear(dim, hidden, neuron, options),
+                                 _SpikingLinear(hidden, dim, neuron, options))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
