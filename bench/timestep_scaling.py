@@ -26,36 +26,57 @@ from typing import Dict
 
 from _report import REPO, save_json, write_section
 
-RECIPES = {"lif": "spiking_events", "ts": "spiking_events_ts"}
+RECIPES = {"events": {"lif": "spiking_events", "ts": "spiking_events_ts"},
+           "digits": {"lif": "spiking_digits", "ts": "spiking_digits_ts"}}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, nargs="+", default=[4, 8, 16, 32, 64])
-    p.add_argument("--neurons", nargs="+", default=["lif", "ts"], choices=sorted(RECIPES))
+    p.add_argument("--neurons", nargs="+", default=["lif", "ts"], choices=["lif", "ts"])
+    p.add_argument("--dataset", default="events", choices=sorted(RECIPES),
+                   help="events (temporal order) or digits (scikit-learn digits, row by row; T multiple of 8)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--train-size", type=int, default=1024)
     p.add_argument("--task", default="order", choices=["order", "xor"])
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--cache", type=Path, default=REPO / "bench" / "results" / "timestep_scaling.json")
+    p.add_argument("--cache", type=Path, default=None, help="default bench/results/timestep_scaling[_digits].json")
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
-    p.add_argument("--figure", type=Path, default=REPO / "docs" / "figures" / "timestep_scaling.png")
-    return p.parse_args(argv)
+    p.add_argument("--figure", type=Path, default=None, help="default docs/figures/timestep_scaling[_digits].png")
+    args = p.parse_args(argv)
+    suffix = "" if args.dataset == "events" else "_digits"
+    args.cache = args.cache or REPO / "bench" / "results" / f"timestep_scaling{suffix}.json"
+    args.figure = args.figure or REPO / "docs" / "figures" / f"timestep_scaling{suffix}.png"
+    if args.dataset == "digits" and any(t % 8 for t in args.steps):
+        p.error(f"--dataset digits needs --steps that are multiples of 8, got {args.steps}")
+    return args
 
 
 def train_and_test(args, neuron: str, steps: int, seed: int) -> Dict[str, float]:
     from recipes.api import build
     from recipes.fit import run_stages
 
-    overrides = [f"seed={seed}", f"data.args.seed={seed}", f"data.args.steps={steps}", f"data.args.task={args.task}",
-                 f"data.args.train_size={args.train_size}", f"trainer.max_epochs={args.epochs}",
+    data = ([f"data.args.task={args.task}", f"data.args.train_size={args.train_size}"] if args.dataset == "events"
+            else [])
+    overrides = [f"seed={seed}", f"data.args.seed={seed}", f"data.args.steps={steps}", *data,
+                 f"trainer.max_epochs={args.epochs}",
                  "logging.progress=none", "logging.tensorboard=false", "trainer.extra.enable_model_summary=false",
-                 f"name=bench-{neuron}-T{steps}-s{seed}-e{args.epochs}-{args.task}", "resume=auto"]
+                 f"name=bench-{args.dataset}-{neuron}-T{steps}-s{seed}-e{args.epochs}-{args.task}", "resume=auto"]
     start = time.time()
-    run = build(RECIPES[neuron], overrides)
+    run = build(RECIPES[args.dataset][neuron], overrides)
     metrics = run_stages(run)
     return {"acc": float(metrics["test/acc"]), "loss": float(metrics["test/loss"]), "seconds": time.time() - start}
+
+
+def _key(args, neuron: str, steps: int, seed: int) -> str:
+    suffix = f"{args.epochs}|{args.task}|{args.train_size}" if args.dataset == "events" else f"{args.epochs}|digits"
+    return f"{neuron}|{steps}|{seed}|{suffix}"
+
+
+def _accs(args, cache, neuron: str, steps: int):
+    return [cache["runs"][_key(args, neuron, steps, s)]["acc"] for s in args.seeds
+            if _key(args, neuron, steps, s) in cache["runs"]]
 
 
 def speed(steps: int = 64, repeats: int = 3) -> Dict[str, float]:
@@ -79,17 +100,21 @@ def speed(steps: int = 64, repeats: int = 3) -> Dict[str, float]:
 
 
 def report(args, cache) -> str:
-    lines = [f"Command: `python bench/timestep_scaling.py --steps {' '.join(map(str, args.steps))} --epochs "
-             f"{args.epochs}` (task `{args.task}`, {args.train_size} training streams, the same "
-             f"{args.epochs} epochs = {args.epochs * args.train_size // 32} optimiser steps at every T, test on 512 "
-             f"streams; seeds {', '.join(map(str, args.seeds))}; CPU, 2 cores).", "",
+    if args.dataset == "events":
+        what = (f"task `{args.task}`, {args.train_size} training streams, the same {args.epochs} epochs = "
+                f"{args.epochs * args.train_size // 32} optimiser steps at every T, test on 512 streams")
+    else:
+        what = (f"scikit-learn digits row by row, 1,078 training images, the same {args.epochs} epochs at every T, "
+                "test on 449 images")
+    lines = [f"Command: `python bench/timestep_scaling.py --dataset {args.dataset} --steps "
+             f"{' '.join(map(str, args.steps))} --epochs {args.epochs}` ({what}; seeds "
+             f"{', '.join(map(str, args.seeds))}; CPU, 2 cores).", "",
              "| neuron | " + " | ".join(f"T = {t}" for t in args.steps) + " |",
              "|---|" + "---|" * len(args.steps)]
     for neuron in args.neurons:
         cells = []
         for t in args.steps:
-            accs = [cache["runs"][k]["acc"] for k in cache["runs"] if k.startswith(f"{neuron}|{t}|")
-                    and k.endswith(f"|{args.epochs}|{args.task}|{args.train_size}")]
+            accs = _accs(args, cache, neuron, t)
             cells.append(f"{statistics.fmean(accs):.3f} ({min(accs):.3f}-{max(accs):.3f}, n={len(accs)})" if accs else "-")
         lines.append(f"| {neuron.upper()} | " + " | ".join(cells) + " |")
     if "speed" in cache:
@@ -111,8 +136,7 @@ def plot(args, cache) -> None:
     for neuron, marker in zip(args.neurons, "os"):
         xs, mean, lo, hi = [], [], [], []
         for t in args.steps:
-            accs = [cache["runs"][k]["acc"] for k in cache["runs"] if k.startswith(f"{neuron}|{t}|")
-                    and k.endswith(f"|{args.epochs}|{args.task}|{args.train_size}")]
+            accs = _accs(args, cache, neuron, t)
             if accs:
                 xs.append(t)
                 mean.append(statistics.fmean(accs))
@@ -125,7 +149,8 @@ def plot(args, cache) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("frames per sample T (same one-second streams)")
     ax.set_ylabel("test accuracy")
-    ax.set_title(f"temporal-order events, {args.epochs} epochs, {len(args.seeds)} seeds")
+    title = "temporal-order events" if args.dataset == "events" else "digits, row by row"
+    ax.set_title(f"{title}, {args.epochs} epochs, {len(args.seeds)} seeds")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -149,15 +174,17 @@ def main(argv=None) -> int:
         for seed in args.seeds:
             for t in args.steps:
                 for neuron in args.neurons:
-                    key = f"{neuron}|{t}|{seed}|{args.epochs}|{args.task}|{args.train_size}"
+                    key = _key(args, neuron, t, seed)
                     if key in cache["runs"]:
                         continue
                     cache["runs"][key] = train_and_test(args, neuron, t, seed)
                     save_json(args.cache, cache)
                     r = cache["runs"][key]
                     print(f"[bench] {neuron} T={t} seed={seed}: acc {r['acc']:.3f} ({r['seconds']:.0f}s)", flush=True)
-    text = write_section("timestep_scaling", report(args, cache),
-                         "Spiking: the timestep scaling paradox (`bench/timestep_scaling.py`)", args.results)
+    section = "timestep_scaling" if args.dataset == "events" else "timestep_scaling_digits"
+    text = write_section(section, report(args, cache),
+                         f"Spiking: the timestep scaling paradox, {args.dataset} (`bench/timestep_scaling.py`)",
+                         args.results)
     plot(args, cache)
     print(text)
     return 0

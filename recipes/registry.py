@@ -183,6 +183,16 @@ DATAMODULES: Dict[str, DataSpec] = {
             tiny={"steps": 8, "train_size": 64, "val_size": 32, "test_size": 32, "batch_size": 16},
             paper=TS_PAPER,
         ),
+        DataSpec(
+            name="digits_frames",
+            target="datamodules.digits:DigitsFramesDataModule",
+            config="datamodules.digits:DigitsFramesConfig",
+            description="scikit-learn digits (offline) shown row by row or statically over T frames",
+            tiny={"steps": 8, "batch_size": 16, "train_batches": 4},
+            paper=TS_PAPER,
+            requires=("sklearn",),
+            extra="spiking",
+        ),
     ]
 }
 

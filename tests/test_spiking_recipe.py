@@ -49,3 +49,34 @@ def test_spiking_transformer_block(neuron):
     assert set(torch.unique(q).tolist()) <= {0.0, 1.0}
     with pytest.raises(ValueError, match="divisible"):
         SpikingSelfAttention(10, 3, neuron, {})
+
+
+def test_digits_presentation_and_split():
+    pytest.importorskip("sklearn")
+    import numpy as np
+
+    from datamodules.digits import DigitsFramesDataModule, present
+
+    img = np.arange(64, dtype=np.float32).reshape(8, 8) / 63
+    rows = present(img, 16, "rows")
+    for r in range(8):  # row r alone, for 2 steps
+        for t in (2 * r, 2 * r + 1):
+            assert np.array_equal(rows[t, 0, r], img[r]) and rows[t, 0].sum() == img[r].sum()
+    assert np.array_equal(present(img, 3, "static")[2, 0], img)
+    dm = DigitsFramesDataModule(steps=8)
+    dm.setup()
+    sizes = {k: len(v) for k, v in dm._splits.items()}
+    assert sum(sizes.values()) == 1797 and sizes["test"] == round(0.25 * 1797)
+    batch = next(iter(dm.val_dataloader()))
+    assert batch["frames"].shape == (32, 8, 1, 8, 8) and int(batch["label"].max()) <= 9
+    with pytest.raises(ValueError, match="multiple of 8"):
+        DigitsFramesDataModule(steps=12)
+
+
+def test_digits_recipe_trains():
+    pytest.importorskip("sklearn")
+    from recipes.api import build
+    from recipes.fit import run_stages
+
+    metrics = run_stages(build("spiking_digits", profiles=["tiny"]))
+    assert 0.0 <= metrics["test/acc"] <= 1.0
