@@ -23,7 +23,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-__all__ = ["stable_seed", "StreamPosition", "IndexBatchSampler", "ResumableDataLoader", "StreamDataModule"]
+__all__ = ["stable_seed", "StreamPosition", "IndexBatchSampler", "ResumableDataLoader", "LoaderConfig",
+           "StreamDataModule"]
 
 
 def stable_seed(*parts: Any) -> int:
@@ -143,6 +144,27 @@ class ResumableDataLoader(DataLoader):
     def load_state_dict(self, state: Dict[str, int]) -> None:
         self.batch_sampler.resume(int(state["epoch"]), int(state["consumed"]))
         self.position.epoch, self.position.consumed = self.batch_sampler.epoch, self.batch_sampler._skip
+
+
+@dataclass
+class LoaderConfig:
+    """How a finite labelled set is served (shared by the frame DataModules)."""
+
+    batch_size: int = 32
+    train_batches: Optional[int] = None
+    """Batches per epoch (None: one pass over the training set)."""
+    seed: int = 0
+    num_workers: int = 0
+
+    def loader_problems(self) -> List[str]:
+        problems = []
+        if self.batch_size < 1:
+            problems.append(f"batch_size={self.batch_size}: must be >= 1")
+        if self.train_batches is not None and self.train_batches < 1:
+            problems.append(f"train_batches={self.train_batches}: must be >= 1 or null")
+        if self.num_workers < 0:
+            problems.append(f"num_workers={self.num_workers}: must be >= 0")
+        return problems
 
 
 class StreamDataModule(pl.LightningDataModule):

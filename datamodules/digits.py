@@ -19,33 +19,27 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import StreamDataModule, stable_seed
+from datamodules.base import LoaderConfig, StreamDataModule, stable_seed
 
 __all__ = ["DigitsFramesConfig", "DigitsFramesDataModule", "present"]
 
 
 @dataclass
-class DigitsFramesConfig:
+class DigitsFramesConfig(LoaderConfig):
     steps: int = 16
     mode: str = "rows"
     """``rows`` (one row at a time) or ``static`` (the whole image every step)."""
     val_fraction: float = 0.15
     test_fraction: float = 0.25
-    batch_size: int = 32
-    train_batches: Optional[int] = None
-    seed: int = 0
-    num_workers: int = 0
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = self.loader_problems()
         if self.mode not in ("rows", "static"):
             problems.append(f"mode={self.mode!r}: expected 'rows' or 'static'")
         if self.steps < 1 or (self.mode == "rows" and self.steps % 8):
             problems.append(f"steps={self.steps}: must be >= 1 (a multiple of 8 for mode=rows)")
         if not (0 < self.val_fraction < 1 and 0 < self.test_fraction < 1 and self.val_fraction + self.test_fraction < 1):
             problems.append("val_fraction and test_fraction must be in (0, 1) and sum below 1")
-        if self.batch_size < 1:
-            problems.append(f"batch_size={self.batch_size}: must be >= 1")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -14,14 +14,14 @@ from typing import Dict, Optional
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import StreamDataModule, stable_seed
+from datamodules.base import LoaderConfig, StreamDataModule, stable_seed
 from datamodules.synth.events import TemporalOrderEvents, to_frames
 
 __all__ = ["EventFramesConfig", "EventFramesDataModule", "EventFrameSet"]
 
 
 @dataclass
-class EventFramesConfig:
+class EventFramesConfig(LoaderConfig):
     steps: int = 16
     """Frames T per one-second sample."""
     task: str = "order"
@@ -31,17 +31,12 @@ class EventFramesConfig:
     train_size: int = 1024
     val_size: int = 256
     test_size: int = 512
-    batch_size: int = 32
-    train_batches: Optional[int] = None
-    """Batches per epoch (None: one pass over the training set)."""
-    seed: int = 0
-    num_workers: int = 0
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = self.loader_problems()
         if self.steps < 1:
             problems.append(f"steps={self.steps}: must be >= 1")
-        for name in ("train_size", "val_size", "test_size", "batch_size"):
+        for name in ("train_size", "val_size", "test_size"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)}: must be >= 1")
         if self.task not in ("order", "xor"):
