@@ -78,7 +78,7 @@ def _input_gradient(neuron, steps, channels=4):
     x[0] = 0.3  # sub-threshold: the decay, not the reset, is measured
     x.requires_grad_(True)
     out = neuron.forward_with_state(x)
-    v_last = out[1]
+    v_last = out[1][0] if isinstance(out[1], tuple) else out[1]  # TS returns (V, M, n)
     (g,) = torch.autograd.grad(v_last.sum(), x)
     return g[0].abs().sum().item()
 
@@ -103,7 +103,7 @@ def test_ts_with_zero_gain_is_lif_exactly():
     x = torch.rand(24, 2, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 2.5
     for v_reset in (None, 0.0):
         s_lif, v_lif = LIF(v_reset=v_reset, implementation="loop").forward_with_state(x)
-        s_ts, v_ts = TSNeuron(channels=5, alpha_init=0.0, v_reset=v_reset).forward_with_state(x)
+        s_ts, (v_ts, _, _, _) = TSNeuron(channels=5, alpha_init=0.0, v_reset=v_reset).forward_with_state(x)
         assert torch.equal(s_lif, s_ts) and torch.equal(v_lif, v_ts)
 
 
@@ -145,3 +145,18 @@ def test_bad_configs_name_the_field():
         TSConfig(memory="both")
     with pytest.raises(ValueError, match=r"\[T, B, 3"):
         TSNeuron(channels=3)(torch.zeros(4, 2, 5))
+
+
+def test_ts_state_carries_across_chunks():
+    """Running a sequence in calls with the state passed on equals one call, also when a chunk boundary falls
+    inside a forgetting window and with the relative period (``total_steps``)."""
+    x = torch.rand(16, 2, 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64) * 2
+    for kw in ({"forget_period": 3}, {"forget_period": None, "forget_fraction": 0.25}):
+        ts = TSNeuron(channels=3, **kw)
+        whole, end = ts.forward_with_state(x)
+        parts, state = [], None
+        for start, stop in ((0, 5), (5, 11), (11, 16)):
+            out, state = ts.forward_with_state(x[start:stop], state, total_steps=16)
+            parts.append(out)
+        assert torch.equal(torch.cat(parts), whole)
+        assert torch.equal(end[0], state[0]) and torch.equal(end[1], state[1]) and end[2:] == state[2:]

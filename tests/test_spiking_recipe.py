@@ -80,3 +80,29 @@ def test_digits_recipe_trains():
 
     metrics = run_stages(build("spiking_digits", profiles=["tiny"]))
     assert 0.0 <= metrics["test/acc"] <= 1.0
+
+
+def test_tbptt_takes_one_optimizer_step_per_chunk_and_carries_state():
+    import lightning.pytorch as pl
+
+    from lightning_modules.spiking.models import SpikingConvNet, detach_state
+
+    # the chunked forward with carried states equals the whole-sequence forward (eval mode: fixed batch norm)
+    net = SpikingConvNet(2, 16, 2, 4, 8, "ts", {"tau": 2.0, "forget_period": 3}).eval()
+    frames = torch.rand(10, 3, 2, 16, 16)
+    whole, _ = net.forward_seq(frames, total_steps=10)
+    state, parts = None, []
+    for start in range(0, 10, 4):
+        out, state = net.forward_seq(frames[start:start + 4], state, total_steps=10)
+        parts.append(out)
+        state = detach_state(state)
+    assert torch.allclose(torch.cat(parts), whole, atol=1e-6)
+
+    dm = EventFramesDataModule(steps=8, train_size=32, val_size=16, test_size=16, batch_size=16)
+    model = SpikingClassifier({"neuron": "lif", "neuron_options": {"tau": 2.0}, "tbptt_steps": 3, "conv_channels": 4,
+                               "hidden": 8})
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                         limit_val_batches=0)
+    trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == 2 * 3  # 2 batches x ceil(8 / 3) chunks

@@ -9,14 +9,14 @@ at initialisation, measured 0.04% first-layer firing). The neuron is LIF or TS (
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 
 from lightning_modules.spiking.neurons import LIF, LIFConfig, TSConfig, TSNeuron
 
-__all__ = ["make_neuron", "SpikingConvNet", "SpikingSelfAttention", "SpikingTransformerBlock"]
+__all__ = ["make_neuron", "detach_state", "SpikingConvNet", "SpikingSelfAttention", "SpikingTransformerBlock"]
 
 
 def make_neuron(kind: str, channels: int, options: Dict[str, Any]) -> nn.Module:
@@ -47,13 +47,35 @@ class SpikingConvNet(nn.Module):
         self.readout = readout
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
-        t, b = frames.shape[:2]
-        h = self.bn1(self.conv(frames.flatten(0, 1)))  # [T*B, c, H/2, W/2]: one norm over time and batch
-        h = self.n1(h.view(t, b, *h.shape[1:]))
-        h = self.bn2(self.fc1(h.flatten(2)).flatten(0, 1))
-        h = self.n2(h.view(t, b, -1))
-        out = self.fc2(h)  # [T, B, classes]
+        out, _ = self.forward_seq(frames)  # [T, B, classes]
         return out.mean(0) if self.readout == "mean" else out[-1]
+
+    def forward_seq(self, frames: torch.Tensor, state: Optional[tuple] = None, total_steps: Optional[int] = None):
+        """``[T, B, C, H, W]`` -> ``(per-step outputs [T, B, classes], neuron states)``; pass the states back to
+        continue the sequence (truncated BPTT)."""
+        t, b = frames.shape[:2]
+        s1, s2 = state if state is not None else (None, None)
+        h = self.bn1(self.conv(frames.flatten(0, 1)))  # [T*B, c, H/2, W/2]: one norm over time and batch
+        h, s1 = _run(self.n1, h.view(t, b, *h.shape[1:]), s1, total_steps)
+        h = self.bn2(self.fc1(h.flatten(2)).flatten(0, 1))
+        h, s2 = _run(self.n2, h.view(t, b, -1), s2, total_steps)
+        return self.fc2(h), (s1, s2)
+
+
+def _run(neuron: nn.Module, x: torch.Tensor, state, total_steps: Optional[int]):
+    """``(spikes, state)`` of a LIF or TS neuron continuing from ``state``."""
+    if isinstance(neuron, TSNeuron):
+        return neuron.forward_with_state(x, state, total_steps=total_steps)
+    return neuron.forward_with_state(x, state)
+
+
+def detach_state(state):
+    """Detach every tensor of a (nested) neuron state (the truncation in truncated BPTT)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach()
+    if isinstance(state, tuple):
+        return tuple(detach_state(s) for s in state)
+    return state
 
 
 class _SpikingLinear(nn.Module):

@@ -7,14 +7,14 @@ training also logs ``train/spike_rate`` (mean firing of the first layer).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_modules.base import LongContextModule
-from lightning_modules.spiking.models import SpikingConvNet
+from lightning_modules.spiking.models import SpikingConvNet, detach_state
 
 __all__ = ["SpikingConfig", "SpikingClassifier"]
 
@@ -34,6 +34,9 @@ class SpikingConfig:
     """``mean`` over T or ``last`` step."""
     norm: bool = True
     """Batch norm over ``T x B`` before each neuron."""
+    tbptt_steps: Optional[int] = None
+    """Truncated BPTT: split each batch's T frames into chunks of this many steps; one optimiser step per chunk on
+    the read-out so far, neuron states carried across chunks without gradient (None: full BPTT)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -44,6 +47,8 @@ class SpikingConfig:
         for name in ("in_channels", "size", "classes", "conv_channels", "hidden"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.tbptt_steps is not None and self.tbptt_steps < 1:
+            problems.append(f"tbptt_steps={self.tbptt_steps}: must be >= 1 or null")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -57,6 +62,8 @@ class SpikingClassifier(LongContextModule):
         self.net = SpikingConvNet(c.in_channels, c.size, c.classes, c.conv_channels, c.hidden, c.neuron,
                                   dict(c.neuron_options), c.readout, c.norm)
         self.acc = self.stage_metrics(lambda: MulticlassAccuracy(num_classes=c.classes, average="micro"), "acc")
+        if c.tbptt_steps is not None:
+            self.automatic_optimization = False  # several optimiser steps per batch
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
         """``[B, T, C, H, W]`` -> logits ``[B, classes]``."""
@@ -73,7 +80,33 @@ class SpikingClassifier(LongContextModule):
         return loss
 
     def training_step(self, batch, batch_idx):
-        return self._step(batch, "fit")
+        if self.cfg.tbptt_steps is None:
+            return self._step(batch, "fit")
+        return self._tbptt_step(batch)
+
+    def _tbptt_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Chunks of ``tbptt_steps`` frames; after each, a loss on the read-out of the steps seen so far (the
+        running mean, or the chunk's last step), backward through the chunk only, one optimiser step."""
+        opt = self.optimizers()
+        frames = batch["frames"].transpose(0, 1)  # [T, B, ...]
+        steps = frames.shape[0]
+        state, running, loss = None, None, None
+        for start in range(0, steps, self.cfg.tbptt_steps):
+            out, state = self.net.forward_seq(frames[start:start + self.cfg.tbptt_steps], state, total_steps=steps)
+            total = out.sum(0) if running is None else running + out.sum(0)
+            logits = total / (start + out.shape[0]) if self.cfg.readout == "mean" else out[-1]
+            loss = F.cross_entropy(logits, batch["label"])
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            running, state = total.detach(), detach_state(state)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        self.acc["fit"].update(logits.detach(), batch["label"])
+        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=False)
+        self.log("train/acc", self.acc["fit"], on_step=False, on_epoch=True)
+        return loss.detach()
 
     def validation_step(self, batch, batch_idx):
         self._step(batch, "val")

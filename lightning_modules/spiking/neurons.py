@@ -243,8 +243,12 @@ class TSNeuron(nn.Module):
             return h
         return torch.sigmoid(self.cfg.gate_kappa * h) * h
 
-    def forward_with_state(self, x: torch.Tensor, trace: bool = False):
-        """``(spikes, V_T)``, or with ``trace`` ``(spikes, V_T, memory [T, ...] after each step's forgetting)``."""
+    def forward_with_state(self, x: torch.Tensor, state: Optional[tuple] = None, trace: bool = False,
+                           total_steps: Optional[int] = None):
+        """``(spikes, state)`` with ``state = (V, M, n, k)`` after the last step (``k`` = steps since the start
+        of the sequence); pass it back in to continue a sequence (detached, for truncated BPTT). With ``trace``
+        also the memory after every step ``[T, ...]``. ``total_steps`` is the whole sequence's length for the
+        relative forgetting period (default: this call's length)."""
         _check_seq(x)
         if x.dim() < 3 or x.shape[2] != self.cfg.channels:
             raise ValueError(f"TSNeuron(channels={self.cfg.channels}) expects [T, B, {self.cfg.channels}, ...], "
@@ -252,11 +256,12 @@ class TSNeuron(nn.Module):
         cfg = self.cfg
         a, b, c = cfg.coefficients
         steps = x.shape[0]
-        period = cfg.period(steps)
+        period = cfg.period(total_steps or steps)
         gain = self.gain.view(-1, *([1] * (x.dim() - 3)))
-        v = torch.full_like(x[0], cfg.v_init)
-        mem = torch.zeros_like(x[0])
-        n = 0
+        if state is None:
+            v, mem, n, k = torch.full_like(x[0], cfg.v_init), torch.zeros_like(x[0]), 0, 0
+        else:
+            v, mem, n, k = state
         spikes, traces = [], []
         for t in range(steps):
             mem_mean = mem / max(n, 1)
@@ -266,7 +271,8 @@ class TSNeuron(nn.Module):
             v = h - cfg.v_threshold * r if cfg.v_reset is None else h * (1.0 - r) + cfg.v_reset * r
             mem = cfg.memory_decay * mem + self._phi(h, s)
             n += 1
-            if period is not None and (t + 1) % period == 0:
+            k += 1
+            if period is not None and k % period == 0:
                 mem = torch.zeros_like(mem)
                 n = 0
                 if cfg.forget_detach:
@@ -274,7 +280,7 @@ class TSNeuron(nn.Module):
             spikes.append(s)
             if trace:
                 traces.append(mem)
-        out = (torch.stack(spikes), v)
+        out = (torch.stack(spikes), (v, mem, n, k))
         return out + (torch.stack(traces),) if trace else out
 
     def extra_repr(self) -> str:
