@@ -27,7 +27,8 @@ from typing import Dict
 from _report import REPO, save_json, write_section
 
 RECIPES = {"events": {"lif": "spiking_events", "ts": "spiking_events_ts"},
-           "digits": {"lif": "spiking_digits", "ts": "spiking_digits_ts"}}
+           "digits": {"lif": "spiking_digits", "ts": "spiking_digits_ts"},
+           "gunpoint": {"lif": "spiking_gunpoint", "ts": "spiking_gunpoint_ts"}}
 
 
 def parse_args(argv=None):
@@ -35,7 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--neurons", nargs="+", default=["lif", "ts"], choices=["lif", "ts"])
     p.add_argument("--dataset", default="events", choices=sorted(RECIPES),
-                   help="events (temporal order) or digits (scikit-learn digits, row by row; T multiple of 8)")
+                   help="events (temporal order), digits (scikit-learn digits, row by row; T multiple of 8) or "
+                        "gunpoint (aeon's GunPoint series resampled to T)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--train-size", type=int, default=1024)
@@ -45,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
     p.add_argument("--figure", type=Path, default=None, help="default docs/figures/timestep_scaling[_digits].png")
     args = p.parse_args(argv)
-    suffix = "" if args.dataset == "events" else "_digits"
+    suffix = "" if args.dataset == "events" else f"_{args.dataset}"
     args.cache = args.cache or REPO / "bench" / "results" / f"timestep_scaling{suffix}.json"
     args.figure = args.figure or REPO / "docs" / "figures" / f"timestep_scaling{suffix}.png"
     if args.dataset == "digits" and any(t % 8 for t in args.steps):
@@ -70,7 +72,8 @@ def train_and_test(args, neuron: str, steps: int, seed: int) -> Dict[str, float]
 
 
 def _key(args, neuron: str, steps: int, seed: int) -> str:
-    suffix = f"{args.epochs}|{args.task}|{args.train_size}" if args.dataset == "events" else f"{args.epochs}|digits"
+    suffix = (f"{args.epochs}|{args.task}|{args.train_size}" if args.dataset == "events"
+              else f"{args.epochs}|{args.dataset}")
     return f"{neuron}|{steps}|{seed}|{suffix}"
 
 
@@ -103,9 +106,12 @@ def report(args, cache) -> str:
     if args.dataset == "events":
         what = (f"task `{args.task}`, {args.train_size} training streams, the same {args.epochs} epochs = "
                 f"{args.epochs * args.train_size // 32} optimiser steps at every T, test on 512 streams")
-    else:
+    elif args.dataset == "digits":
         what = (f"scikit-learn digits row by row, 1,078 training images, the same {args.epochs} epochs at every T, "
                 "test on 449 images")
+    else:
+        what = (f"GunPoint (aeon's copy) resampled to T, 50 training series, the same {args.epochs} epochs at every T, "
+                "test on 105 series")
     lines = [f"Command: `python bench/timestep_scaling.py --dataset {args.dataset} --steps "
              f"{' '.join(map(str, args.steps))} --epochs {args.epochs}` ({what}; seeds "
              f"{', '.join(map(str, args.seeds))}; CPU, 2 cores).", "",
@@ -149,7 +155,7 @@ def plot(args, cache) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("frames per sample T (same one-second streams)")
     ax.set_ylabel("test accuracy")
-    title = "temporal-order events" if args.dataset == "events" else "digits, row by row"
+    title = {"events": "temporal-order events", "digits": "digits, row by row", "gunpoint": "GunPoint"}[args.dataset]
     ax.set_title(f"{title}, {args.epochs} epochs, {len(args.seeds)} seeds")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -181,7 +187,7 @@ def main(argv=None) -> int:
                     save_json(args.cache, cache)
                     r = cache["runs"][key]
                     print(f"[bench] {neuron} T={t} seed={seed}: acc {r['acc']:.3f} ({r['seconds']:.0f}s)", flush=True)
-    section = "timestep_scaling" if args.dataset == "events" else "timestep_scaling_digits"
+    section = "timestep_scaling" if args.dataset == "events" else f"timestep_scaling_{args.dataset}"
     text = write_section(section, report(args, cache),
                          f"Spiking: the timestep scaling paradox, {args.dataset} (`bench/timestep_scaling.py`)",
                          args.results)

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 __all__ = ["stable_seed", "StreamPosition", "IndexBatchSampler", "ResumableDataLoader", "LoaderConfig",
-           "StreamDataModule"]
+           "StreamDataModule", "SplitsDataModule"]
 
 
 def stable_seed(*parts: Any) -> int:
@@ -212,3 +212,25 @@ class StreamDataModule(pl.LightningDataModule):
         if trainer is not None and trainer.training:
             self._position.advance(trainer.current_epoch)
         return batch
+
+
+class SplitsDataModule(StreamDataModule):
+    """A DataModule over fixed ``train``/``val``/``test`` datasets in ``self._splits`` (filled by ``setup``),
+    served with a :class:`LoaderConfig` ``self.cfg``: resumable shuffled training batches, sharded evaluation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._splits: Dict[str, Dataset] = {}
+
+    def train_dataloader(self):
+        train = self._splits["train"]
+        n = len(train)  # type: ignore[arg-type]
+        batches = self.cfg.train_batches or max(1, n // self.cfg.batch_size)
+        return self.train_loader(train, self.cfg.batch_size, batches, self.cfg.seed, dataset_size=n,
+                                 num_workers=self.cfg.num_workers)
+
+    def val_dataloader(self):
+        return self.eval_loader(self._splits["val"], self.cfg.batch_size, self.cfg.num_workers)
+
+    def test_dataloader(self):
+        return self.eval_loader(self._splits["test"], self.cfg.batch_size, self.cfg.num_workers)

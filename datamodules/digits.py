@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import LoaderConfig, StreamDataModule, stable_seed
+from datamodules.base import LoaderConfig, SplitsDataModule, stable_seed
 
 __all__ = ["DigitsFramesConfig", "DigitsFramesDataModule", "present"]
 
@@ -68,11 +68,10 @@ class _DigitsSplit(Dataset):
         return {"frames": torch.from_numpy(frames), "label": torch.tensor(int(self.labels[i]))}
 
 
-class DigitsFramesDataModule(StreamDataModule):
+class DigitsFramesDataModule(SplitsDataModule):
     def __init__(self, cfg: Optional[DigitsFramesConfig] = None, **kwargs) -> None:
         super().__init__()
         self.cfg = cfg if cfg is not None else DigitsFramesConfig(**kwargs)
-        self._splits: Dict[str, _DigitsSplit] = {}
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self._splits:
@@ -88,15 +87,3 @@ class DigitsFramesDataModule(StreamDataModule):
         parts = {"test": order[:n_test], "val": order[n_test:n_test + n_val], "train": order[n_test + n_val:]}
         self._splits = {k: _DigitsSplit(images[idx], data.target[idx], self.cfg.steps, self.cfg.mode)
                         for k, idx in parts.items()}
-
-    def train_dataloader(self):
-        train = self._splits["train"]
-        batches = self.cfg.train_batches or max(1, len(train) // self.cfg.batch_size)
-        return self.train_loader(train, self.cfg.batch_size, batches, self.cfg.seed, dataset_size=len(train),
-                                 num_workers=self.cfg.num_workers)
-
-    def val_dataloader(self):
-        return self.eval_loader(self._splits["val"], self.cfg.batch_size, self.cfg.num_workers)
-
-    def test_dataloader(self):
-        return self.eval_loader(self._splits["test"], self.cfg.batch_size, self.cfg.num_workers)

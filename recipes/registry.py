@@ -193,6 +193,14 @@ DATAMODULES: Dict[str, DataSpec] = {
             requires=("sklearn",),
             extra="spiking",
         ),
+        DataSpec(
+            name="timeseries",
+            target="datamodules.timeseries:TimeSeriesDataModule",
+            config="datamodules.timeseries:TimeSeriesConfig",
+            description="UCR/UEA .ts classification sets (GunPoint, BasicMotions, ... shipped with aeon) over T frames",
+            tiny={"steps": 16, "batch_size": 8, "train_batches": 3},
+            paper=TS_PAPER,
+        ),
     ]
 }
 

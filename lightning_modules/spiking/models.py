@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_modules.spiking.neurons import LIF, LIFConfig, TSConfig, TSNeuron
 
-__all__ = ["make_neuron", "detach_state", "SpikingConvNet", "SpikingSelfAttention", "SpikingTransformerBlock"]
+__all__ = ["make_neuron", "detach_state", "SpikingConvNet", "SpikingMLP", "SpikingSelfAttention", "SpikingTransformerBlock"]
 
 
 def make_neuron(kind: str, channels: int, options: Dict[str, Any]) -> nn.Module:
@@ -60,6 +60,35 @@ class SpikingConvNet(nn.Module):
         h = self.bn2(self.fc1(h.flatten(2)).flatten(0, 1))
         h, s2 = _run(self.n2, h.view(t, b, -1), s2, total_steps)
         return self.fc2(h), (s1, s2)
+
+
+class SpikingMLP(nn.Module):
+    """``[T, B, C]`` inputs (time series) -> ``[B, classes]``: Linear -> BN -> neuron -> Linear -> BN -> neuron ->
+    Linear, read out as the mean over T (or the last step); ``forward_seq`` as in :class:`SpikingConvNet`."""
+
+    def __init__(self, in_features: int, classes: int, hidden: int, neuron: str, neuron_options: Dict[str, Any],
+                 readout: str = "mean", norm: bool = True) -> None:
+        super().__init__()
+        if readout not in ("mean", "last"):
+            raise ValueError(f"readout={readout!r}: expected 'mean' or 'last'")
+        self.fc1, self.fc2 = nn.Linear(in_features, hidden), nn.Linear(hidden, hidden)
+        self.bn1 = nn.BatchNorm1d(hidden) if norm else nn.Identity()
+        self.bn2 = nn.BatchNorm1d(hidden) if norm else nn.Identity()
+        self.n1 = make_neuron(neuron, hidden, neuron_options)
+        self.n2 = make_neuron(neuron, hidden, neuron_options)
+        self.out = nn.Linear(hidden, classes)
+        self.readout = readout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.forward_seq(x)
+        return out.mean(0) if self.readout == "mean" else out[-1]
+
+    def forward_seq(self, x: torch.Tensor, state: Optional[tuple] = None, total_steps: Optional[int] = None):
+        t, b = x.shape[:2]
+        s1, s2 = state if state is not None else (None, None)
+        h, s1 = _run(self.n1, self.bn1(self.fc1(x.flatten(2)).flatten(0, 1)).view(t, b, -1), s1, total_steps)
+        h, s2 = _run(self.n2, self.bn2(self.fc2(h).flatten(0, 1)).view(t, b, -1), s2, total_steps)
+        return self.out(h), (s1, s2)
 
 
 def _run(neuron: nn.Module, x: torch.Tensor, state, total_steps: Optional[int]):

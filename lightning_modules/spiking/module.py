@@ -1,6 +1,6 @@
 """``SpikingClassifier``: BPTT training of a spiking network on frame sequences (event streams).
 
-Batches: ``{"frames": [B, T, C, H, W], "label": [B]}``. Logged per stage: ``loss`` (cross-entropy), ``acc``;
+Batches: ``{"frames": [B, T, C, H, W] (conv) or [B, T, C] (mlp), "label": [B]}``. Logged per stage: ``loss`` (cross-entropy), ``acc``;
 training also logs ``train/spike_rate`` (mean firing of the first layer).
 """
 
@@ -14,13 +14,15 @@ import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_modules.base import LongContextModule
-from lightning_modules.spiking.models import SpikingConvNet, detach_state
+from lightning_modules.spiking.models import SpikingConvNet, SpikingMLP, detach_state
 
 __all__ = ["SpikingConfig", "SpikingClassifier"]
 
 
 @dataclass
 class SpikingConfig:
+    arch: str = "conv"
+    """``conv`` (frames ``[B, T, C, H, W]``) or ``mlp`` (series ``[B, T, C]``, ``in_channels`` features)."""
     neuron: str = "lif"
     """``lif`` or ``ts``."""
     neuron_options: Dict[str, Any] = field(default_factory=lambda: {"tau": 2.0})
@@ -40,6 +42,8 @@ class SpikingConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        if self.arch not in ("conv", "mlp"):
+            problems.append(f"arch={self.arch!r}: expected 'conv' or 'mlp'")
         if self.neuron not in ("lif", "ts"):
             problems.append(f"neuron={self.neuron!r}: expected 'lif' or 'ts'")
         if self.readout not in ("mean", "last"):
@@ -59,14 +63,18 @@ class SpikingClassifier(LongContextModule):
     def __init__(self, cfg: Any = None, optim: Any = None) -> None:
         super().__init__(cfg, optim)
         c = self.cfg
-        self.net = SpikingConvNet(c.in_channels, c.size, c.classes, c.conv_channels, c.hidden, c.neuron,
-                                  dict(c.neuron_options), c.readout, c.norm)
+        if c.arch == "conv":
+            self.net = SpikingConvNet(c.in_channels, c.size, c.classes, c.conv_channels, c.hidden, c.neuron,
+                                      dict(c.neuron_options), c.readout, c.norm)
+        else:
+            self.net = SpikingMLP(c.in_channels, c.classes, c.hidden, c.neuron, dict(c.neuron_options), c.readout,
+                                  c.norm)
         self.acc = self.stage_metrics(lambda: MulticlassAccuracy(num_classes=c.classes, average="micro"), "acc")
         if c.tbptt_steps is not None:
             self.automatic_optimization = False  # several optimiser steps per batch
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
-        """``[B, T, C, H, W]`` -> logits ``[B, classes]``."""
+        """``[B, T, C, H, W]`` (conv) or ``[B, T, C]`` (mlp) -> logits ``[B, classes]``."""
         return self.net(frames.transpose(0, 1))
 
     def _step(self, batch: Dict[str, torch.Tensor], stage: str) -> torch.Tensor:
