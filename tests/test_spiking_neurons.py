@@ -160,3 +160,25 @@ def test_ts_state_carries_across_chunks():
             parts.append(out)
         assert torch.equal(torch.cat(parts), whole)
         assert torch.equal(end[0], state[0]) and torch.equal(end[1], state[1]) and end[2:] == state[2:]
+
+
+@pytest.mark.parametrize("memory", ["spike", "potential", "gated"])
+@pytest.mark.parametrize("kw", [{"forget_period": 4}, {"forget_period": None},
+                                {"forget_period": 3, "forget_detach": True, "v_reset": 0.0},
+                                {"forget_period": None, "forget_fraction": 0.25, "detach_reset": True}])
+def test_fused_ts_equals_the_loop(memory, kw):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.rand(14, 2, 3, 5, generator=g, dtype=torch.float64) * 3 - 0.5).requires_grad_(True)
+    w = torch.randn(14, 2, 3, 5, generator=g, dtype=torch.float64)
+    wv, wm = torch.randn(2, 3, 5, generator=g, dtype=torch.float64), torch.randn(2, 3, 5, generator=g, dtype=torch.float64)
+    results = {}
+    for impl in ("loop", "fused"):
+        torch.manual_seed(0)
+        ts = TSNeuron(channels=3, memory=memory, implementation=impl, alpha_init=0.7, **kw).double()
+        s, (v, m, n, k) = ts.forward_with_state(x)
+        loss = (s * w).sum() + (v * wv).sum() + (m * wm).sum()
+        gx, gg = torch.autograd.grad(loss, (x, ts.gain))
+        results[impl] = (s, v, m, gx, gg, n, k)
+    for name, a, b in zip(("spikes", "v", "m", "dI", "dgain"), results["fused"][:5], results["loop"][:5]):
+        assert_close(a, b, ratio=1e-12, name=name)
+    assert results["fused"][5:] == results["loop"][5:]

@@ -23,7 +23,8 @@ TS neuron (the Timestep-Scalable neuron, reconstructed from the paper's abstract
 * every ``K`` steps (``forget_period``, or ``ceil(forget_fraction T)``): ``M <- 0``, ``n <- 0``; with
   ``forget_detach`` the membrane's gradient is cut there too (full truncation of the accumulation path).
 
-With ``alpha = 0`` the TS neuron is LIF exactly.
+With ``alpha = 0`` the TS neuron is LIF exactly. ``implementation="fused"`` (default) runs the TS scan as one
+autograd node too; ``"loop"`` builds the graph step by step (``trace=True`` always uses the loop).
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ class TSConfig(LIFConfig):
     forget_fraction: Optional[float] = None
     """Relative period: ``K = ceil(forget_fraction * T)`` (overrides ``forget_period``)."""
     forget_detach: bool = False
-    implementation: str = "loop"
+    implementation: str = "fused"
+    """``fused`` (one autograd node, hand-written reverse scan) or ``loop``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -209,8 +211,8 @@ class TSConfig(LIFConfig):
             problems.append(f"forget_fraction={self.forget_fraction}: must be in (0, 1]")
         if not 0 <= self.memory_decay <= 1:
             problems.append(f"memory_decay={self.memory_decay}: must be in [0, 1]")
-        if self.implementation != "loop":
-            problems.append("the TS neuron runs as implementation='loop' (its fused kernel is not built yet)")
+        if self.implementation not in ("loop", "fused"):
+            problems.append(f"implementation={self.implementation!r}: the TS neuron runs as 'loop' or 'fused'")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -218,6 +220,80 @@ class TSConfig(LIFConfig):
         if self.forget_fraction is not None:
             return max(1, math.ceil(self.forget_fraction * steps))
         return self.forget_period
+
+
+class _FusedTS(torch.autograd.Function):
+    """The TS scan as one autograd node (forward scan, hand-written reverse scan); gradients for the input,
+    the reconsolidation gain, and the initial ``V``/``M`` state. Same arithmetic as ``TSNeuron`` with
+    ``implementation='loop'``."""
+
+    @staticmethod
+    def forward(ctx, current, gain, v0, m0, cfg: "TSConfig", n0: int, k0: int, period: Optional[int]):
+        a, b, c = cfg.coefficients
+        th = cfg.v_threshold
+        steps = current.shape[0]
+        h_seq, s_seq, mbar_seq = torch.empty_like(current), torch.empty_like(current), torch.empty_like(current)
+        v, mem, n, k = v0, m0, n0, k0
+        ns, boundaries = [], []
+        gain_b = gain.view(-1, *([1] * (current.dim() - 3)))
+        for t in range(steps):
+            ns.append(max(n, 1))
+            mbar = mem / max(n, 1)
+            h = (a * v + b * current[t] + c) + gain_b * mbar
+            sp = (h - th >= 0).to(h.dtype)
+            v = h - th * sp if cfg.v_reset is None else h * (1.0 - sp) + cfg.v_reset * sp
+            phi = sp if cfg.memory == "spike" else (h if cfg.memory == "potential"
+                                                     else torch.sigmoid(cfg.gate_kappa * h) * h)
+            mem = cfg.memory_decay * mem + phi
+            n += 1
+            k += 1
+            boundary = period is not None and k % period == 0
+            if boundary:
+                mem = torch.zeros_like(mem)
+                n = 0
+            boundaries.append(boundary)
+            h_seq[t], s_seq[t], mbar_seq[t] = h, sp, mbar
+        ctx.save_for_backward(h_seq, s_seq, mbar_seq, gain)
+        ctx.cfg, ctx.ns, ctx.boundaries = cfg, ns, boundaries
+        return s_seq, v, mem, torch.tensor(n), torch.tensor(k)
+
+    @staticmethod
+    def backward(ctx, grad_s, grad_v, grad_m, _gn, _gk):
+        h_seq, s_seq, mbar_seq, gain = ctx.saved_tensors
+        cfg: TSConfig = ctx.cfg
+        a, b, _ = cfg.coefficients
+        th = cfg.v_threshold
+        sg = surrogate_grad(h_seq - th, cfg.surrogate, cfg.alpha)
+        if cfg.v_reset is None:
+            dv_dh = torch.ones_like(h_seq) if cfg.detach_reset else 1.0 - th * sg
+        else:
+            dv_dh = (1.0 - s_seq) if cfg.detach_reset else (1.0 - s_seq) + (cfg.v_reset - h_seq) * sg
+        if cfg.memory == "spike":
+            dphi = sg
+        elif cfg.memory == "potential":
+            dphi = torch.ones_like(h_seq)
+        else:
+            sig = torch.sigmoid(cfg.gate_kappa * h_seq)
+            dphi = sig + cfg.gate_kappa * h_seq * sig * (1.0 - sig)
+        g_v = torch.zeros_like(h_seq[0]) if grad_v is None else grad_v
+        g_m = torch.zeros_like(h_seq[0]) if grad_m is None else grad_m
+        g_s = torch.zeros_like(h_seq) if grad_s is None else grad_s
+        grad_i = torch.empty_like(h_seq)
+        g_gain_full = torch.zeros_like(h_seq[0])
+        gain_b = gain.view(-1, *([1] * (h_seq.dim() - 3)))
+        for t in range(h_seq.shape[0] - 1, -1, -1):
+            if ctx.boundaries[t]:
+                g_m = torch.zeros_like(g_m)  # M was replaced by zeros after this step
+                if cfg.forget_detach:
+                    g_v = torch.zeros_like(g_v)
+            g_h = g_s[t] * sg[t] + g_v * dv_dh[t] + g_m * dphi[t]
+            grad_i[t] = b * g_h
+            g_gain_full += g_h * mbar_seq[t]
+            g_v = a * g_h
+            g_m = cfg.memory_decay * g_m + g_h * gain_b / ctx.ns[t]
+        reduce_dims = [d for d in range(g_gain_full.dim()) if d != 1]
+        g_gain = g_gain_full.sum(dim=reduce_dims) if reduce_dims else g_gain_full
+        return grad_i, g_gain, g_v, g_m, None, None, None, None
 
 
 class TSNeuron(nn.Module):
@@ -262,6 +338,9 @@ class TSNeuron(nn.Module):
             v, mem, n, k = torch.full_like(x[0], cfg.v_init), torch.zeros_like(x[0]), 0, 0
         else:
             v, mem, n, k = state
+        if cfg.implementation == "fused" and not trace:
+            s_seq, v, mem, n_t, k_t = _FusedTS.apply(x, self.gain, v, mem, cfg, int(n), int(k), period)
+            return s_seq, (v, mem, int(n_t), int(k_t))
         spikes, traces = [], []
         for t in range(steps):
             mem_mean = mem / max(n, 1)
