@@ -137,6 +137,12 @@ TS_PAPER = Paper(
     code="no public code or full text found; the TS neuron's equations are reconstructed (configurable)",
 )
 
+PCFG_PAPER = Paper(
+    title="How Transformers Represent Hierarchies: A Local-to-Global Mechanism",
+    venue="ICML 2026",
+    code="no public code or full text found; grammars and exact conditionals are the classical algorithms",
+)
+
 METHODS: Dict[str, MethodSpec] = {
     spec.name: spec
     for spec in [
@@ -150,6 +156,17 @@ METHODS: Dict[str, MethodSpec] = {
             tiny={"d_model": 16, "n_layers": 1, "n_heads": 2, "rnn_hidden": 16},
             fsdp_wrap=("lightning_modules.layers.transformer:TransformerBlock",),
             tags=("benchmark", "synthetic", "long-context"),
+        ),
+        MethodSpec(
+            name="pcfg",
+            target="lightning_modules.pcfg.module:PCFGModule",
+            config="lightning_modules.pcfg.module:PCFGModelConfig",
+            paper=PCFG_PAPER,
+            description="causal transformer on fixed-depth PCFG strings, KL to the exact next-token conditionals",
+            default_data="pcfg",
+            tiny={"d_model": 16, "n_layers": 1, "n_heads": 2},
+            fsdp_wrap=("lightning_modules.layers.transformer:TransformerBlock",),
+            tags=("synthetic", "hierarchy"),
         ),
         MethodSpec(
             name="spiking",
@@ -174,6 +191,14 @@ DATAMODULES: Dict[str, DataSpec] = {
             description="hierarchical Gaussian sequences with exact conditionals (generated on the fly)",
             tiny={"length": 32, "batch_size": 8, "train_batches": 4, "val_sequences": 16, "test_sequences": 16},
             paper=LCUBE_PAPER,
+        ),
+        DataSpec(
+            name="pcfg",
+            target="datamodules.pcfg:PCFGDataModule",
+            config="datamodules.pcfg:PCFGDataConfig",
+            description="strings of a seeded fixed-depth binary PCFG, exact conditionals on the evaluation sets",
+            tiny={"depth": 3, "symbols": 4, "batch_size": 16, "train_batches": 4, "val_size": 32, "test_size": 32},
+            paper=PCFG_PAPER,
         ),
         DataSpec(
             name="event_frames",
