@@ -12,7 +12,7 @@ if str(REPO) not in sys.path:
 
 from lightning_modules.io import atomic_open  # noqa: E402
 
-__all__ = ["REPO", "markers", "write_section", "save_json"]
+__all__ = ["REPO", "markers", "write_section", "save_json", "save_figure"]
 
 
 def markers(name: str):
@@ -37,3 +37,16 @@ def write_section(name: str, body: str, heading: str, path: Path = REPO / "docs"
 def save_json(path: Path, data) -> None:
     with atomic_open(path, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> None:
+    """Write a matplotlib figure atomically (a temporary file in the same folder, then a rename) and close it."""
+    import os
+
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    fig.savefig(tmp, dpi=dpi)
+    os.replace(tmp, path)
+    plt.close(fig)

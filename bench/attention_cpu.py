@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from _report import REPO, save_json, write_section
+from _report import REPO, save_figure, save_json, write_section
 
 import kernels
 from kernels import BlockLayout
@@ -91,11 +91,7 @@ def plot(rows, figure: Path) -> None:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    figure.parent.mkdir(parents=True, exist_ok=True)
-    tmp = figure.with_name(figure.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, figure)
-    plt.close(fig)
+    save_figure(fig, figure)
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Dict, List
 
-from _report import REPO, save_json, write_section
+from _report import REPO, save_figure, save_json, write_section
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -198,10 +198,7 @@ def plot(args, cache: Dict) -> None:
     axes[0].legend(fontsize=8)
     fig.suptitle("L-CUBE at CPU scale: models vs exact oracles")
     fig.tight_layout()
-    args.figure.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.figure.with_name(args.figure.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, args.figure)
+    save_figure(fig, args.figure)
 
 
 def main(argv=None) -> int:

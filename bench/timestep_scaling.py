@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Dict
 
-from _report import REPO, save_json, write_section
+from _report import REPO, save_figure, save_json, write_section
 
 RECIPES = {"events": {"lif": "spiking_events", "ts": "spiking_events_ts"},
            "digits": {"lif": "spiking_digits", "ts": "spiking_digits_ts"},
@@ -163,10 +163,7 @@ def plot(args, cache) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    args.figure.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.figure.with_name(args.figure.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, args.figure)
+    save_figure(fig, args.figure)
 
 
 def main(argv=None) -> int:

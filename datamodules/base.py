@@ -222,15 +222,21 @@ class SplitsDataModule(StreamDataModule):
         super().__init__()
         self._splits: Dict[str, Dataset] = {}
 
+    def split(self, name: str) -> Dataset:
+        """The ``train``/``val``/``test`` dataset (``setup`` first, so direct use outside a Trainer works;
+        subclasses' ``setup`` fills ``_splits`` once)."""
+        self.setup()
+        return self._splits[name]
+
     def train_dataloader(self):
-        train = self._splits["train"]
+        train = self.split("train")
         n = len(train)  # type: ignore[arg-type]
         batches = self.cfg.train_batches or max(1, n // self.cfg.batch_size)
         return self.train_loader(train, self.cfg.batch_size, batches, self.cfg.seed, dataset_size=n,
                                  num_workers=self.cfg.num_workers)
 
     def val_dataloader(self):
-        return self.eval_loader(self._splits["val"], self.cfg.batch_size, self.cfg.num_workers)
+        return self.eval_loader(self.split("val"), self.cfg.batch_size, self.cfg.num_workers)
 
     def test_dataloader(self):
-        return self.eval_loader(self._splits["test"], self.cfg.batch_size, self.cfg.num_workers)
+        return self.eval_loader(self.split("test"), self.cfg.batch_size, self.cfg.num_workers)

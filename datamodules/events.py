@@ -14,7 +14,7 @@ from typing import Dict, Optional
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import LoaderConfig, StreamDataModule, stable_seed
+from datamodules.base import LoaderConfig, SplitsDataModule, stable_seed
 from datamodules.synth.events import TemporalOrderEvents, to_frames
 
 __all__ = ["EventFramesConfig", "EventFramesDataModule", "EventFrameSet"]
@@ -66,23 +66,13 @@ class EventFrameSet(Dataset):
         return {"frames": torch.from_numpy(frames), "label": torch.tensor(label, dtype=torch.long)}
 
 
-class EventFramesDataModule(StreamDataModule):
+class EventFramesDataModule(SplitsDataModule):
     def __init__(self, cfg: Optional[EventFramesConfig] = None, **kwargs) -> None:
         super().__init__()
         self.cfg = cfg if cfg is not None else EventFramesConfig(**kwargs)
         self.gen = self.cfg.generator()
 
-    def _set(self, split: str) -> EventFrameSet:
-        n = {"train": self.cfg.train_size, "val": self.cfg.val_size, "test": self.cfg.test_size}[split]
-        return EventFrameSet(self.gen, self.cfg.steps, n, self.cfg.seed, split)
-
-    def train_dataloader(self):
-        batches = self.cfg.train_batches or max(1, self.cfg.train_size // self.cfg.batch_size)
-        return self.train_loader(self._set("train"), self.cfg.batch_size, batches, self.cfg.seed,
-                                 dataset_size=self.cfg.train_size, num_workers=self.cfg.num_workers)
-
-    def val_dataloader(self):
-        return self.eval_loader(self._set("val"), self.cfg.batch_size, self.cfg.num_workers)
-
-    def test_dataloader(self):
-        return self.eval_loader(self._set("test"), self.cfg.batch_size, self.cfg.num_workers)
+    def setup(self, stage: Optional[str] = None) -> None:
+        if not self._splits:
+            sizes = {"train": self.cfg.train_size, "val": self.cfg.val_size, "test": self.cfg.test_size}
+            self._splits = {k: EventFrameSet(self.gen, self.cfg.steps, n, self.cfg.seed, k) for k, n in sizes.items()}

@@ -10,7 +10,7 @@ Batches: training ``{"x": [B, n] int64}``; evaluation adds ``"cond": [B, n, v]``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 from torch.utils.data import Dataset
@@ -60,9 +60,6 @@ class GrammarStrings(Dataset):
     def __getitem__(self, index: int) -> Dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(stable_seed(self.stream, self.seed, int(index)))
         return {"x": self.grammar.sample(1, g)[0]}
-
-    def __getitems__(self, indices: List[int]) -> List[Dict[str, torch.Tensor]]:
-        return [self[i] for i in indices]
 
 
 class ExactGrammarSet(Dataset):

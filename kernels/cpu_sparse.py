@@ -190,11 +190,9 @@ class _BlockSparseCPU(torch.autograd.Function):
                 ids = bucket.q_ids[sl]
                 n = ids.numel()
                 flat = bucket.kv_ids[sl].reshape(-1)
-                kg = torch.index_select(k_blocks, 0, flat, out=k_ws[: n * c * bk * d].view(n * c, bk, d))
-                vg = torch.index_select(v_blocks, 0, flat, out=v_ws[: n * c * bk * dv].view(n * c, bk, dv))
+                kg, vg = _gather_kv(k_blocks, v_blocks, flat, n, c, k_ws, v_ws)
                 qg = q_blocks.index_select(0, ids).unsqueeze(1)
-                og, lg = flash(qg, kg.view(n, 1, c * bk, d), vg.view(n, 1, c * bk, dv), 0.0, False,
-                               attn_mask=bucket.mask, scale=scale)
+                og, lg = flash(qg, kg, vg, 0.0, False, attn_mask=bucket.mask, scale=scale)
                 if bucket.empty_rows is not None:
                     lg = lg.masked_fill(bucket.empty_rows, float("-inf"))
                 o_blocks.index_copy_(0, ids, og.view(n, bq, dv))
@@ -224,31 +222,42 @@ class _BlockSparseCPU(torch.autograd.Function):
         # rows without keys: P = exp(s - (+inf)) = 0 gives them zero gradient
         lse_b = _pad_rows(lse.unsqueeze(-1), pq).squeeze(-1).reshape(-1, bq)
         lse_b = torch.where(torch.isneginf(lse_b), torch.full_like(lse_b, float("inf")), lse_b)
-        kv = torch.cat([_pad_rows(k, pk), _pad_rows(v, pk)], dim=-1).reshape(-1, bk, d + dv)
+        k_blocks = _pad_rows(k, pk).reshape(-1, bk, d)
+        v_blocks = _pad_rows(v, pk).reshape(-1, bk, dv)
         dq_blocks = torch.zeros_like(q_blocks)
-        dkv = torch.zeros(kv.shape[0], bk, d + dv, dtype=kv.dtype)
+        dk_blocks, dv_blocks = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
         flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        workspace = _workspace(plan, bk, d + dv, kv.dtype, limit)
+        k_ws = _workspace(plan, bk, d, k.dtype, limit, d + dv)
+        v_ws = _workspace(plan, bk, dv, v.dtype, limit, d + dv)
         for bucket in plan.buckets:
             c = bucket.kv_ids.shape[1]
-            for sl in _chunks(bucket, c * bk * (d + dv) * kv.element_size(), limit):
+            for sl in _chunks(bucket, c * bk * (d + dv) * k.element_size(), limit):
                 ids = bucket.q_ids[sl]
                 n = ids.numel()
                 flat = bucket.kv_ids[sl].reshape(-1)
-                g = workspace[: n * c * bk * (d + dv)].view(n * c, bk, d + dv)
-                torch.index_select(kv, 0, flat, out=g)
-                g = g.view(n, 1, c * bk, d + dv)
-                kg, vg = g[..., :d].contiguous(), g[..., d:].contiguous()
+                kg, vg = _gather_kv(k_blocks, v_blocks, flat, n, c, k_ws, v_ws)
                 dqg, dkg, dvg = flash_bwd(go_blocks.index_select(0, ids).unsqueeze(1),
                                           q_blocks.index_select(0, ids).unsqueeze(1), kg, vg,
                                           o_blocks.index_select(0, ids).unsqueeze(1),
                                           lse_b.index_select(0, ids).unsqueeze(1),
                                           0.0, False, attn_mask=bucket.mask, scale=scale)
                 dq_blocks.index_copy_(0, ids, dqg.view(n, bq, d))
-                dkv.index_add_(0, flat, torch.cat([dkg, dvg], -1).view(n * c, bk, d + dv))
+                dk_blocks.index_add_(0, flat, dkg.reshape(n * c, bk, d))  # GQA heads add into their kv head
+                dv_blocks.index_add_(0, flat, dvg.reshape(n * c, bk, dv))
         dq = dq_blocks.view(b, hq, pq, d)[:, :, :n_q]
-        dkv = dkv.view(b, k.shape[1], pk, d + dv)[:, :, : k.shape[2]]
-        return dq, dkv[..., :d], dkv[..., d:], None, None, None, None, None
+        hk, n_k = k.shape[1], k.shape[2]
+        dk = dk_blocks.view(b, hk, pk, d)[:, :, :n_k]
+        dvv = dv_blocks.view(b, hk, pk, dv)[:, :, :n_k]
+        return dq, dk, dvv, None, None, None, None, None
+
+
+def _gather_kv(k_blocks: torch.Tensor, v_blocks: torch.Tensor, flat: torch.Tensor, n: int, c: int,
+               k_ws: torch.Tensor, v_ws: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gather ``n x c`` key and value blocks into the workspaces -> ``[n, 1, c * bk, d]`` and ``[.., dv]``."""
+    bk, d, dv = k_blocks.shape[1], k_blocks.shape[2], v_blocks.shape[2]
+    kg = torch.index_select(k_blocks, 0, flat, out=k_ws[: n * c * bk * d].view(n * c, bk, d))
+    vg = torch.index_select(v_blocks, 0, flat, out=v_ws[: n * c * bk * dv].view(n * c, bk, dv))
+    return kg.view(n, 1, c * bk, d), vg.view(n, 1, c * bk, dv)
 
 
 def _workspace(plan: BucketPlan, bk: int, width: int, dtype: torch.dtype, limit: int,

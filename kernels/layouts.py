@@ -199,15 +199,6 @@ class BlockLayout:
         mask.scatter_(-1, idx, True)
         return mask[..., : self.num_k_blocks]
 
-    def token_mask(self, rows: slice, batch: int, head: int) -> torch.Tensor:
-        """Boolean ``[rows, N_k]`` element mask of this layout for query rows ``rows`` of one (batch, head);
-        used by the chunked references (never for all rows at once on long inputs)."""
-        start, stop, _ = rows.indices(self.seq_lens[0])
-        bm = self.to_block_mask()[min(batch, self.shape[0] - 1), min(head, self.shape[1] - 1)]
-        qb = torch.arange(start, stop, device=self.device) // self.block_q
-        kb = torch.arange(self.seq_lens[1], device=self.device) // self.block_k
-        return bm[qb][:, kb]
-
     def transpose(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(q_num_blocks [B, H, Mk], q_indices [B, H, Mk, Qmax])``: per key block, the query blocks that
         visit it (what a key-major backward iterates)."""

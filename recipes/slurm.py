@@ -104,8 +104,7 @@ def _check_world(run: RunConfig, job: SlurmJob) -> None:
     if run.trainer.num_nodes != job.nodes:
         raise ConfigError(f"trainer.num_nodes={run.trainer.num_nodes} but --nodes={job.nodes}")
     world = job.nodes * job.gpus_per_node
-    if world > 1 and run.trainer.strategy not in ("ddp", "fsdp") and not str(run.trainer.strategy).startswith(
-            ("ddp", "fsdp")):
+    if world > 1 and not str(run.trainer.strategy).startswith(("ddp", "fsdp")):
         raise ConfigError(f"{world} processes need trainer.strategy=ddp or fsdp, got {run.trainer.strategy!r}")
 
 
@@ -209,9 +208,7 @@ def _submit_sweep(args, job: SlurmJob, loaded, forced: List[str], overrides: Lis
     from lightning_modules.io import atomic_open
     from recipes import sweep as sw
 
-    spec = sw.load_spec(loaded, args.sweep_file)
-    block = loaded.sweep if not args.sweep_file else sw.yaml.safe_load(Path(args.sweep_file).read_text())
-    folder = sw.sweep_dir(loaded, spec, sw.sweep_key(loaded.run.recipe, block, args.profile, args.config, overrides))
+    spec, folder = sw.locate(loaded, args.sweep_file, args.profile, args.config, overrides)
     profiles = ["slurm"] + list(args.profile)
     trials = sw.materialize(args.recipe, overrides, profiles, args.config, spec, folder, write=not args.dry_run,
                             trial_prefix=forced)

@@ -42,14 +42,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
 from recipes.cli import config_parser, guarded, split_overrides
 from recipes.config import ConfigError, LoadedConfig, load_config, to_yaml
 
-__all__ = ["SweepSpec", "Trial", "expand", "materialize", "run_local", "collect", "main"]
+__all__ = ["SweepSpec", "Trial", "expand", "locate", "materialize", "run_local", "collect", "main"]
 
 _SPEC_KEYS = {"name", "grid", "zip", "seeds", "random", "metric", "mode"}
 _DISTRIBUTIONS = {"uniform", "log_uniform", "choice", "int_uniform"}
@@ -297,20 +297,21 @@ def format_table(rows: List[Dict[str, Any]], metric: Optional[str]) -> str:
     return "\n".join(lines)
 
 
-def load_spec(loaded: LoadedConfig, sweep_file: Optional[str]) -> SweepSpec:
+def locate(loaded: LoadedConfig, sweep_file: Optional[str], profiles: Sequence[str], config_files: Sequence[str],
+           overrides: Sequence[str]) -> Tuple[SweepSpec, Path]:
+    """The sweep (the recipe's block, or ``sweep_file``'s) and its folder (see :func:`sweep_dir`)."""
     if sweep_file:
         block = yaml.safe_load(Path(sweep_file).read_text())
         block = block.get("sweep", block) if isinstance(block, dict) else block
-        return SweepSpec.parse(block, where=f"--sweep {sweep_file}")
-    if not loaded.sweep:
+        where = f"--sweep {sweep_file}"
+    elif loaded.sweep:
+        block, where = loaded.sweep, f"recipe {loaded.run.recipe}: sweep"
+    else:
         raise ConfigError(f"recipe '{loaded.run.recipe}' has no sweep: block; add one or pass --sweep FILE")
-    return SweepSpec.parse(loaded.sweep, where=f"recipe {loaded.run.recipe}: sweep")
-
-
-def sweep_key(recipe: str, spec_block: Any, profiles: Sequence[str], config_files: Sequence[str],
-              overrides: Sequence[str]) -> str:
-    return json.dumps([recipe, spec_block, list(profiles), list(config_files), list(overrides)], sort_keys=True,
-                      default=str)
+    spec = SweepSpec.parse(block, where=where)
+    key = json.dumps([loaded.run.recipe, block, list(profiles), list(config_files), list(overrides)], sort_keys=True,
+                     default=str)
+    return spec, sweep_dir(loaded, spec, key)
 
 
 @guarded
@@ -324,9 +325,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     overrides = split_overrides(parser, args.overrides)
     loaded = load_config(args.recipe, overrides, args.profile, args.config)
-    spec = load_spec(loaded, args.sweep)
-    block = yaml.safe_load(Path(args.sweep).read_text()) if args.sweep else loaded.sweep
-    folder = sweep_dir(loaded, spec, sweep_key(loaded.run.recipe, block, args.profile, args.config, overrides))
+    spec, folder = locate(loaded, args.sweep, args.profile, args.config, overrides)
     trials = materialize(args.recipe, overrides, args.profile, args.config, spec, folder,
                          write=not args.dry_run and not args.collect)
     if args.dry_run:

@@ -52,7 +52,7 @@ def test_spiking_transformer_block(neuron):
 
 
 def test_digits_presentation_and_split():
-    pytest.importorskip("sklearn")
+    pytest.importorskip("sklearn", reason="scikit-learn is an optional extra (litctx[spiking]); CI installs it")
     import numpy as np
 
     from datamodules.digits import DigitsFramesDataModule, present
@@ -74,7 +74,7 @@ def test_digits_presentation_and_split():
 
 
 def test_digits_recipe_trains():
-    pytest.importorskip("sklearn")
+    pytest.importorskip("sklearn", reason="scikit-learn is an optional extra (litctx[spiking]); CI installs it")
     from recipes.api import build
     from recipes.fit import run_stages
 

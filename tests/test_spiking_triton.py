@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from tests.kernels._triton_env import triton_device
+
 pytestmark = pytest.mark.interpret
 
-if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    pytest.skip("needs TRITON_INTERPRET=1 (make test-interpret) or CUDA", allow_module_level=True)
+DEVICE = triton_device()
 
 from kernels.testing import assert_close  # noqa: E402
 from lightning_modules.spiking import LIF  # noqa: E402
-
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 
 @pytest.mark.parametrize("v_reset", [None, 0.0])
@@ -45,6 +42,6 @@ def test_triton_scan_matches_fused(v_reset, detach_reset, surrogate):
 def test_triton_needs_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     if torch.cuda.is_available():
-        pytest.skip("CUDA present")
+        pytest.skip("with CUDA present the call is valid: the CPU-only error path cannot be reached")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         LIF(implementation="triton")(torch.zeros(4, 2, 3))
