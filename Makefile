@@ -19,7 +19,7 @@ $(STAMP): setup.cfg pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)  ## the main job: train and test the default recipe
-	$(PY) -m recipes.fit --recipe lcube
+	$(PY) -m recipes.fit --recipe meg_xl
 
 test: $(STAMP)  ## the default suite, then the Triton kernels under the interpreter (their own process)
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; test $$rc -eq 0 || exit $$rc

@@ -13,7 +13,7 @@ import difflib
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Dict, Iterator, Mapping, Optional, Tuple
+from typing import IO, Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -65,6 +65,7 @@ def load_weights(
     path: Any,
     strict: bool = True,
     key_map: Optional[Mapping[str, str]] = None,
+    prefixes: Optional[Sequence[str]] = None,
 ) -> Tuple[list, list]:
     """Load only the weights of a checkpoint into ``module`` (``init_from``): no optimizer, no step.
 
@@ -73,6 +74,8 @@ def load_weights(
         path: a Lightning checkpoint (``state_dict`` inside) or a bare state-dict file.
         strict: require the key sets to match; the error lists the differences.
         key_map: optional prefix renames applied to checkpoint keys (``{"old.prefix.": "new.prefix."}``).
+        prefixes: load only the submodules under these paths (e.g. ``("backbone",)``: a pre-trained backbone
+            into a model with a new head); ``strict`` then applies to the keys under them.
 
     Returns:
         ``(missing_keys, unexpected_keys)`` (both empty when ``strict``).
@@ -89,6 +92,16 @@ def load_weights(
             renamed[key] = value
         state = renamed
     own = module.state_dict()
+    if prefixes:
+        paths = [p.rstrip(".") for p in prefixes]
+
+        def under(key: str) -> bool:
+            return any(key == p or key.startswith(p + ".") for p in paths)
+
+        own = {k: v for k, v in own.items() if under(k)}
+        state = {k: v for k, v in state.items() if under(k)}
+        if not state:
+            raise ValueError(f"init_from={path}: the checkpoint has no weights under {list(paths)}")
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     mismatched = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]

@@ -33,6 +33,9 @@ class OptimConfig:
     """``wsd`` only: the fraction of training spent decaying."""
     total_steps: Optional[int] = None
     """Schedule length in optimizer steps; default: the Trainer's estimate."""
+    lr_scale: Dict[str, float] = field(default_factory=dict)
+    """Learning-rate multipliers by submodule path, e.g. ``{encoder: 0.1}`` for every parameter under
+    ``encoder.`` (the longest matching path wins; other parameters get 1.0). A multiplier of 0 freezes them."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -50,6 +53,9 @@ class OptimConfig:
             problems.append(f"optim.decay_fraction={self.decay_fraction}: must be in (0, 1]")
         if self.warmup_steps < 0:
             problems.append(f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
+        for prefix, scale in self.lr_scale.items():
+            if not isinstance(scale, (int, float)) or scale < 0:
+                problems.append(f"optim.lr_scale[{prefix!r}]={scale!r}: must be a number >= 0")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -83,21 +89,48 @@ class LRSchedule:
         return 1.0 - (1 - self.min_ratio) * (progress - start) / self.decay_fraction
 
 
-def param_groups(named_parameters: Iterable[Tuple[str, Any]], weight_decay: float) -> List[Dict[str, Any]]:
-    """Split parameters into decayed (matrices) and non-decayed (biases, norms, embeddings' 1-d vectors)."""
-    decay, no_decay = [], []
-    for _, p in named_parameters:
+def _under(name: str, path: str) -> bool:
+    """Whether the parameter ``name`` lies under the submodule ``path`` (``encoder`` matches ``encoder.w``)."""
+    path = path.rstrip(".")
+    return name == path or name.startswith(path + ".")
+
+
+def param_groups(named_parameters: Iterable[Tuple[str, Any]], weight_decay: float, lr: Optional[float] = None,
+                 lr_scale: Optional[Dict[str, float]] = None) -> List[Dict[str, Any]]:
+    """Split parameters into decayed (matrices) and non-decayed (biases, norms, 1-d vectors) groups, one pair
+    per learning-rate multiplier of ``lr_scale`` (prefix -> multiplier; needs ``lr``). Parameters whose
+    multiplier is 0 are left out (frozen)."""
+    lr_scale = dict(lr_scale or {})
+    if lr_scale and lr is None:
+        raise ValueError("param_groups: lr_scale needs the base lr")
+    buckets: Dict[Tuple[float, bool], List[Any]] = {}
+    for name, p in named_parameters:
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+        matches = [prefix for prefix in lr_scale if _under(name, prefix)]
+        scale = float(lr_scale[max(matches, key=len)]) if matches else 1.0
+        if scale == 0.0:
+            p.requires_grad_(False)  # frozen: no gradient is computed for it at all
+            continue
+        buckets.setdefault((scale, p.dim() >= 2), []).append(p)
+    groups = []
+    for (scale, decayed), params in sorted(buckets.items(), key=lambda kv: (-kv[0][0], not kv[0][1])):
+        group: Dict[str, Any] = {"params": params, "weight_decay": weight_decay if decayed else 0.0}
+        if lr_scale:
+            group["lr"] = lr * scale
+        groups.append(group)
+    return groups
 
 
 def build_optimizer(cfg: OptimConfig, named_parameters: Iterable[Tuple[str, Any]]):
     import torch
 
-    groups = param_groups(named_parameters, cfg.weight_decay)
+    named_parameters = list(named_parameters)
+    unused = [prefix for prefix in cfg.lr_scale if not any(_under(name, prefix) for name, _ in named_parameters)]
+    if unused:
+        raise ValueError(f"optim.lr_scale: prefix(es) {unused} match no parameter; parameter names start with "
+                         f"{sorted({name.split('.')[0] for name, _ in named_parameters})}")
+    groups = param_groups(named_parameters, cfg.weight_decay, cfg.lr, cfg.lr_scale)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
     if cfg.name == "adam":

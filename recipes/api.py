@@ -310,7 +310,7 @@ def build(
     datamodule = registry.create_datamodule(run.data.name, run.data.args)
     model = registry.create_method(run.method.name, run.method.args, optim=run.optim)
     if run.init_from and resume_from is None and stage == "fit":
-        load_weights(model, run.init_from, strict=run.init_strict)
+        load_weights(model, run.init_from, strict=run.init_strict, prefixes=getattr(model, "init_prefixes", None))
 
     callbacks = _callbacks(run, run_dir) + list(extra_callbacks)
     _quiet_cloud_tips()

@@ -123,6 +123,21 @@ class LoggingConfig:
 
 
 @dataclass
+class FollowUpConfig:
+    """A recipe that ``recipes.fit`` runs after this one, starting from this run's checkpoint (e.g. fine-tuning
+    after pre-training). Its run directory is ``<this run>/then-<recipe>``."""
+
+    recipe: Optional[str] = None
+    """The follow-up recipe; null: none."""
+    init_from: str = "best"
+    """This run's checkpoint the follow-up starts from: ``best``, ``last`` or ``none``."""
+    inherit: List[str] = field(default_factory=list)
+    """Dotted keys copied from this run's resolved config into the follow-up's (e.g. ``seed``, ``data.args.path``)."""
+    overrides: List[str] = field(default_factory=list)
+    """``key=value`` overrides of the follow-up, applied after the inherited keys."""
+
+
+@dataclass
 class RunConfig:
     """Everything one run needs. Print a resolved one with ``python -m recipes.show RECIPE``."""
 
@@ -156,6 +171,8 @@ class RunConfig:
     """What ``recipes.fit`` runs, in order: ``fit``, ``validate``, ``test``."""
     test_ckpt: str = "best"
     """Checkpoint used by the stages after ``fit``: ``best`` or ``last``."""
+    then: FollowUpConfig = field(default_factory=FollowUpConfig)
+    """A follow-up recipe run by ``recipes.fit`` after this one (``then.recipe``)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -168,6 +185,8 @@ class RunConfig:
             problems.append(f"logging.progress={self.logging.progress!r}: expected auto, bar, log or none")
         if self.checkpoint.mode not in ("min", "max"):
             problems.append(f"checkpoint.mode={self.checkpoint.mode!r}: expected 'min' or 'max'")
+        if self.then.init_from not in ("best", "last", "none"):
+            problems.append(f"then.init_from={self.then.init_from!r}: expected 'best', 'last' or 'none'")
         if self.resume not in (None, "auto") and self.init_from is not None:
             problems.append("resume=<path> and init_from are mutually exclusive (resume restores everything)")
         if problems:

@@ -3,19 +3,23 @@
 Builds the DataModule, the method, callbacks, loggers and the Trainer from the config, runs the configured
 ``stages`` (``fit`` then ``test`` by default, the stages after ``fit`` on the best checkpoint), and writes
 ``DONE`` or ``FAILED`` (with the traceback) in the run directory. ``resume=auto`` continues an interrupted run
-of the same config from its last checkpoint.
+of the same config from its last checkpoint. A recipe with ``then.recipe`` (e.g. pre-training, then
+fine-tuning) runs that recipe next, from this run's checkpoint, in ``<run dir>/then-<recipe>``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import traceback
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import List, Optional, Sequence
 
 from recipes.cli import config_parser, guarded, split_overrides
-from recipes.config import load_config, to_yaml
+from recipes.config import ConfigError, load_config, to_yaml
 
-__all__ = ["main", "run_stages"]
+__all__ = ["main", "run_stages", "follow_up_overrides"]
 
 
 def run_stages(run) -> dict:
@@ -45,6 +49,38 @@ def run_stages(run) -> dict:
     return metrics
 
 
+def follow_up_overrides(loaded, run_dir: Path, checkpoint: Optional[str]) -> List[str]:
+    """The overrides of ``loaded.run.then``'s recipe: the inherited keys, ``init_from``, its run directory
+    (``<run_dir>/then-<recipe>``), then ``then.overrides``. An inherited key inside a component's free-form
+    ``args`` that this run does not set is not copied (the follow-up keeps its own value); any other unknown
+    key is an error."""
+    from omegaconf import OmegaConf
+
+    from recipes.config import ConfigError
+
+    then = loaded.run.then
+    out = []
+    for key in then.inherit:
+        value = OmegaConf.select(loaded.tree, key, default="__missing__")
+        if isinstance(value, str) and value == "__missing__":
+            if ".args." in f".{key}." and key.split(".")[0] in ("method", "data", "callbacks"):
+                continue
+            raise ConfigError(f"then.inherit: key {key!r} is not in the config of recipe {loaded.run.recipe!r}")
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+        out.append(f"{key}={json.dumps(value)}")
+    if checkpoint is not None:
+        out.append(f"init_from={checkpoint}")
+    out.append(f"run_dir={run_dir / ('then-' + str(then.recipe))}")
+    return out + list(then.overrides)
+
+
+def _print_metrics(metrics: dict) -> None:
+    if metrics:
+        width = max(len(k) for k in metrics)
+        print("\n".join(f"  {k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items()) if k.count("/") == 1))
+
+
 @guarded
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = config_parser("python -m recipes.fit", __doc__.split("\n\n")[0], recipe_required=False)
@@ -58,17 +94,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from recipes.api import _is_rank_zero, build, export_run_dir
 
-    run = build(loaded=loaded, stage="fit")
-    export_run_dir(run)  # DDP ranks that re-execute this command and SLURM requeues land in the same directory
-    if _is_rank_zero():
-        print(run.plan(), flush=True)
-    metrics = run_stages(run)
-    if _is_rank_zero():
-        if metrics:
-            width = max(len(k) for k in metrics)
-            print("\n".join(f"  {k:<{width}}  {v:.6g}" for k, v in sorted(metrics.items()) if k.count("/") == 1))
-        print(f"[litctx] done: config, logs and checkpoints in {run.run_dir}", flush=True)
-    return 0
+    chain = []  # validate every follow-up's config before anything trains
+    current = loaded
+    while current.run.then.recipe:
+        if len(chain) >= 8 or current.run.then.recipe in [c.run.recipe for c in chain] + [loaded.run.recipe]:
+            raise ConfigError(f"then.recipe: the chain {loaded.run.recipe} -> ... -> {current.run.then.recipe} "
+                              "repeats a recipe or is longer than 8")
+        probe = follow_up_overrides(current, Path("runs"), None if current.run.then.init_from == "none" else "ckpt")
+        current = load_config(current.run.then.recipe, probe, args.profile)
+        chain.append(current)
+
+    while True:
+        run = build(loaded=loaded, stage="fit")
+        export_run_dir(run)  # DDP ranks that re-execute this command and SLURM requeues land in the same directory
+        if _is_rank_zero():
+            print(run.plan(), flush=True)
+        metrics = run_stages(run)
+        if _is_rank_zero():
+            _print_metrics(metrics)
+            print(f"[litctx] done: config, logs and checkpoints in {run.run_dir}", flush=True)
+        then = loaded.run.then
+        if not then.recipe:
+            return 0
+        checkpoint = None if then.init_from == "none" else run._ckpt(then.init_from)
+        if then.init_from != "none" and checkpoint is None:
+            raise ConfigError(f"then.init_from={then.init_from}: run {run.run_dir} saved no checkpoint")
+        next_overrides = follow_up_overrides(loaded, run.run_dir, checkpoint)
+        if _is_rank_zero():
+            print(f"[litctx] then: recipe {then.recipe} from {checkpoint or 'scratch'}", flush=True)
+        from recipes.rundir import ENV_RUN_DIR
+
+        os.environ.pop(ENV_RUN_DIR, None)  # the follow-up names its own run directory
+        loaded = load_config(then.recipe, next_overrides, args.profile)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,8 @@ class MethodSpec:
     description: str = ""
     kind: str = "pretrain"
     default_data: Optional[str] = None
+    default_data_args: Mapping[str, Any] = field(default_factory=dict)
+    """Arguments the method needs from its default data (e.g. ``{"task": "words"}``)."""
     tiny: Mapping[str, Any] = field(default_factory=dict)
     requires: Tuple[str, ...] = ()
     extra: Optional[str] = None
@@ -143,6 +145,16 @@ PCFG_PAPER = Paper(
     code="no public code or full text found; grammars and exact conditionals are the classical algorithms",
 )
 
+MEGXL_PAPER = Paper(
+    title="MEG-XL: Data-Efficient Brain-to-Text via Long-Context Pre-Training",
+    venue="ICML 2026",
+    arxiv="2602.02494",
+    code="https://github.com/neural-processing-lab/MEG-XL (re-implemented; BioCodec replaced by a k-means RVQ)",
+)
+
+MEG_TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "levels": 2, "codes": 8, "code_dim": 4,
+            "fourier_features": 8, "tokenizer_fit_samples": 2}
+
 METHODS: Dict[str, MethodSpec] = {
     spec.name: spec
     for spec in [
@@ -167,6 +179,34 @@ METHODS: Dict[str, MethodSpec] = {
             tiny={"d_model": 16, "n_layers": 1, "n_heads": 2},
             fsdp_wrap=("lightning_modules.layers.transformer:TransformerBlock",),
             tags=("synthetic", "hierarchy"),
+        ),
+        MethodSpec(
+            name="meg_xl",
+            target="lightning_modules.meg.module:MEGXLPretrainModule",
+            config="lightning_modules.meg.module:MEGXLConfig",
+            paper=MEGXL_PAPER,
+            description="criss-cross transformer over MEG channels x time, masked-token pre-training on RVQ codes",
+            default_data="meg",
+            tiny=MEG_TINY,
+            requires=("mne",),
+            extra="meg",
+            fsdp_wrap=("lightning_modules.meg.model:CrissCrossBlock",),
+            tags=("neuro", "long-context", "pretrain"),
+        ),
+        MethodSpec(
+            name="meg_xl_words",
+            target="lightning_modules.meg.module:MEGXLWordDecoder",
+            config="lightning_modules.meg.module:MEGXLWordConfig",
+            paper=MEGXL_PAPER,
+            description="MEG-XL word decoding: pooled word windows -> MLP, SigLIP loss, top-k retrieval",
+            kind="finetune",
+            default_data="meg",
+            default_data_args={"task": "words"},
+            tiny={**MEG_TINY, "head_hidden": 16, "target_dim": 8},
+            requires=("mne",),
+            extra="meg",
+            fsdp_wrap=("lightning_modules.meg.model:CrissCrossBlock",),
+            tags=("neuro", "long-context", "finetune"),
         ),
         MethodSpec(
             name="spiking",
@@ -199,6 +239,19 @@ DATAMODULES: Dict[str, DataSpec] = {
             description="strings of a seeded fixed-depth binary PCFG, exact conditionals on the evaluation sets",
             tiny={"depth": 3, "symbols": 4, "batch_size": 16, "train_batches": 4, "val_size": 32, "test_size": 32},
             paper=PCFG_PAPER,
+        ),
+        DataSpec(
+            name="meg",
+            target="datamodules.meg:MEGDataModule",
+            config="datamodules.meg:MEGDataConfig",
+            description="MEG through MNE (FIF/CTF/KIT/BTi), 50-Hz cache, long contexts or word windows; "
+                        "synthetic Neuromag study by default",
+            tiny={"context_s": 6.0, "stride_s": None, "words_per_sample": 4, "subjects": None, "val_subjects": None,
+                  "test_subjects": None, "val_fraction": 0.1, "test_fraction": 0.1,
+                  "synthetic": {"subjects": 2, "duration_s": 120.0, "locations": 3, "vocab": 12}},
+            requires=("mne",),
+            extra="meg",
+            paper=MEGXL_PAPER,
         ),
         DataSpec(
             name="event_frames",
@@ -249,6 +302,13 @@ CALLBACKS: Dict[str, CallbackSpec] = {
             target="lightning_modules.callbacks.eval_timer:EvalTimer",
             description="seconds per evaluation batch, logged as <stage>/seconds_per_batch",
             stages=("validate", "test", "predict"),
+        ),
+        CallbackSpec(
+            name="meg_word_report",
+            target="lightning_modules.meg.report:WordDecodingReport",
+            description="figure of a MEG word decoder's per-word and per-epoch retrieval accuracy (at test end)",
+            stages=("fit", "test"),
+            paper=MEGXL_PAPER,
         ),
         CallbackSpec(
             name="log_lines",

@@ -13,10 +13,18 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+@pytest.fixture(scope="session")
+def session_cache(tmp_path_factory) -> Path:
+    """One data cache (synthetic studies, preprocessed arrays) for the whole session, never the user's."""
+    return tmp_path_factory.mktemp("litctx-cache")
+
+
 @pytest.fixture(autouse=True)
-def isolated_runs(tmp_path, monkeypatch):
-    """Point LITCTX_RUNS_DIR at a temporary folder and drop any inherited LITCTX_RUN_DIR."""
+def isolated_runs(tmp_path, monkeypatch, session_cache):
+    """Point LITCTX_RUNS_DIR at a temporary folder, LITCTX_CACHE_DIR at the session's cache, and drop any
+    inherited LITCTX_RUN_DIR."""
     monkeypatch.setenv("LITCTX_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("LITCTX_CACHE_DIR", str(session_cache))
     monkeypatch.delenv("LITCTX_RUN_DIR", raising=False)
     monkeypatch.delenv("LITCTX_CONFIG_DIR", raising=False)
     yield tmp_path / "runs"

@@ -41,3 +41,29 @@ def test_optimizer_choice_and_validation():
     assert isinstance(build_optimizer(OptimConfig(), model.named_parameters()), torch.optim.AdamW)
     with pytest.raises(ValueError, match="scheduler"):
         OptimConfig(scheduler="step")
+
+
+def test_lr_scale_groups_by_submodule_and_freezes_zero():
+    import torch
+
+    model = torch.nn.ModuleDict({"encoder": torch.nn.Linear(3, 3), "head": torch.nn.Linear(3, 2),
+                                 "encoder_extra": torch.nn.Linear(3, 3)})
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, lr_scale={"encoder": 0.1, "head.bias": 0.0})
+    opt = build_optimizer(cfg, model.named_parameters())
+    by_param = {id(p): g for g in opt.param_groups for p in g["params"]}
+    assert by_param[id(model["encoder"].weight)]["lr"] == pytest.approx(1e-3)
+    assert by_param[id(model["encoder"].bias)]["lr"] == pytest.approx(1e-3)
+    assert by_param[id(model["encoder"].bias)]["weight_decay"] == 0.0
+    assert by_param[id(model["encoder_extra"].weight)]["lr"] == pytest.approx(1e-2)  # a sibling, not under it
+    assert by_param[id(model["head"].weight)]["lr"] == pytest.approx(1e-2)
+    assert id(model["head"].bias) not in by_param  # multiplier 0: frozen
+
+
+def test_lr_scale_unknown_prefix_is_named():
+    import torch
+
+    model = torch.nn.ModuleDict({"encoder": torch.nn.Linear(3, 3)})
+    with pytest.raises(ValueError, match="'backbone'.*encoder"):
+        build_optimizer(OptimConfig(lr_scale={"backbone": 0.1}), model.named_parameters())
+    with pytest.raises(ValueError, match="lr_scale"):
+        OptimConfig(lr_scale={"encoder": -1.0})

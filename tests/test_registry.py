@@ -45,12 +45,14 @@ def test_tiny_method_runs_one_forward_on_its_tiny_data(name):
     spec = registry.method_spec(name)
     dspec = registry.datamodule_spec(spec.default_data)
     args = dict(spec.tiny)
-    data_args = dict(dspec.tiny)
+    data_args = {**dspec.tiny, **spec.default_data_args}
     if "dim" in registry.import_target(dspec.config).__dataclass_fields__:
         args.setdefault("dim", registry.import_target(dspec.config)(**data_args).dim)
     model = registry.create_method(name, args)
     dm = registry.create_datamodule(spec.default_data, data_args)
     dm.setup("fit")
+    if hasattr(model, "prepare_from_datamodule"):  # data-dependent state (e.g. MEG-XL's fitted tokenizer)
+        model.prepare_from_datamodule(dm)
     batch = next(iter(dm.train_dataloader()))
     with torch.no_grad():
         out = model.training_step(batch, 0)  # no trainer attached: self.log only warns

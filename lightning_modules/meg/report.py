@@ -1,0 +1,81 @@
+"""``WordDecodingReport``: a figure of a MEG word decoder's retrieval accuracy, written when testing ends.
+
+Left panel: each retrieval-set word's test top-k accuracy against how often it occurred in training (the chance
+level as a line). Right panel: validation top-k accuracy over the epochs of the run. Saved atomically to
+``<run dir>/<path>`` (default ``plots/word_decoding.png``); the path is printed and kept in :attr:`written`.
+Needs matplotlib (``pip install 'litctx[viz]'``); without it the callback warns once and does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import lightning.pytorch as pl
+
+__all__ = ["WordDecodingReport"]
+
+
+class WordDecodingReport(pl.Callback):
+    def __init__(self, path: str = "plots/word_decoding.png") -> None:
+        self.path = path
+        self.history: List[Tuple[int, float]] = []
+        self.written: Optional[Path] = None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after the module's epoch-end hook, which logs the retrieval metrics
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        key = f"val/top{pl_module.cfg.top_k}_acc"
+        if key in trainer.callback_metrics:
+            self.history.append((trainer.current_epoch, float(trainer.callback_metrics[key])))
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        per_class = getattr(pl_module, "last_retrieval", {}).get("test")
+        if per_class is None:
+            return
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError:
+            warnings.warn("WordDecodingReport: matplotlib is not installed; no figure written", stacklevel=2)
+            return
+        hits, counts = (t.cpu().numpy() for t in per_class)
+        dm = trainer.datamodule
+        vocab = list(getattr(pl_module, "vocab", []))[: len(counts)]
+        train_counts = [getattr(dm, "word_counts", {}).get(w, 0) for w in vocab]
+        k, K = pl_module.cfg.top_k, min(pl_module.cfg.retrieval_size, len(vocab) or 1)
+        seen = counts[: len(vocab)] > 0
+        acc = hits[: len(vocab)] / counts[: len(vocab)].clip(min=1)
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        ax = axes[0]
+        ax.scatter([c for c, s in zip(train_counts, seen) if s], acc[seen], s=18)
+        ax.axhline(min(1.0, k / K), color="grey", ls="--", label=f"chance ({k}/{K})")
+        ax.set_xlabel("training occurrences of the word")
+        ax.set_ylabel(f"test top-{k} accuracy")
+        total = hits.sum() / max(1.0, counts.sum())
+        ax.set_title(f"per word (overall {total:.3f}, {int(counts.sum())} test words)")
+        ax.legend(loc="lower right")
+        ax = axes[1]
+        if self.history:
+            epochs, values = zip(*self.history)
+            ax.plot(epochs, values, marker="o")
+        ax.axhline(min(1.0, k / K), color="grey", ls="--")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(f"validation top-{k} accuracy")
+        ax.set_title("validation during fine-tuning")
+        fig.tight_layout()
+        target = Path(trainer.default_root_dir) / self.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, target)
+        plt.close(fig)
+        self.written = target
+        print(f"[litctx] word-decoding figure: {target}", flush=True)
