@@ -101,6 +101,10 @@ class MEGXLWordConfig(MEGXLConfig):
     pool_chunks: int = 1
     """1: mean-pool each word's tokens over time (MEG-XL); k > 1: mean over k consecutive parts of the word's
     window, concatenated (keeps the time course at CPU scale, where a tiny backbone cannot learn to)."""
+    head_norm: str = "none"
+    """``none`` (MEG-XL) or ``batch``: standardise each input feature of the head over the words of the batch
+    (batch norm without affine parameters). The pooled features carry large word-independent offsets (sensor
+    embeddings); at CPU scale the head only learns the word frequencies without it."""
     head_hidden: int = 256
     head_dropout: float = 0.1
     target_dim: int = 32
@@ -127,6 +131,8 @@ class MEGXLWordConfig(MEGXLConfig):
             problems.append(f"retrieval_size={self.retrieval_size}, top_k={self.top_k}: need >= 2 and >= 1")
         if self.loss not in ("siglip", "clip"):
             problems.append(f"loss={self.loss!r}: expected 'siglip' or 'clip'")
+        if self.head_norm not in ("none", "batch"):
+            problems.append(f"head_norm={self.head_norm!r}: expected 'none' or 'batch'")
         if self.pool_chunks < 1:
             problems.append(f"pool_chunks={self.pool_chunks}: must be >= 1")
         if self.n_channels is not None and self.n_channels < 1:
@@ -230,6 +236,17 @@ class RetrievalTopK(Metric):
 
 
 # ---------------------------------------------------------------------------------------------- modules
+class _FeatureBatchNorm(nn.Module):
+    """Batch norm without affine parameters over the last dimension of ``[..., F]`` (all leading dims pooled)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(features, affine=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
 class _MEGXLBase(LongContextModule):
     """Tokenizer + backbone, tokenizer fitting, batch encoding."""
 
@@ -363,6 +380,8 @@ class MEGXLWordDecoder(_MEGXLBase):
 
     def _build_head(self, n_channels: int) -> None:
         c = self.cfg
+        width = c.pool_chunks * n_channels * c.d_model
+        self.head_norm = _FeatureBatchNorm(width) if c.head_norm == "batch" else nn.Identity()
         self.word_head = nn.Sequential(nn.Linear(c.pool_chunks * n_channels * c.d_model, c.head_hidden), nn.LayerNorm(c.head_hidden),
                                        nn.GELU(), nn.Dropout(c.head_dropout), nn.Linear(c.head_hidden, c.target_dim))
         self.n_channels = n_channels
@@ -412,7 +431,7 @@ class MEGXLWordDecoder(_MEGXLBase):
         if self.word_head is None:
             raise RuntimeError("the word head is not built: set method.args.n_channels or run inside a Trainer")
         pooled = pool_spans(self.features(batch), batch["word_spans"], self.cfg.stride, self.cfg.pool_chunks)
-        return self.word_head(pooled.flatten(2))  # [B, W, (chunks *) C * d] -> [B, W, target_dim]
+        return self.word_head(self.head_norm(pooled.flatten(2)))  # [B, W, (chunks*) C*d] -> [B, W, target_dim]
 
     def _loss(self, batch):
         pred = self(batch).flatten(0, 1)
