@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric, Metric
 
-from datamodules.base import stable_seed
 from lightning_modules.base import LongContextModule
 from lightning_modules.meg.model import BackboneConfig, MEGBackbone, block_time_mask, masking_plan
 from lightning_modules.meg.tokenizer import RVQTokenizer
@@ -142,6 +141,15 @@ class MEGXLWordConfig(MEGXLConfig):
 
 
 # ---------------------------------------------------------------------------------------------- pieces
+def stable_seed(*parts: Any) -> int:
+    """A 63-bit seed from ``parts``, the same on every machine and run (``lightning_modules`` may not import
+    ``datamodules``, which has its own)."""
+    import hashlib
+
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 def word_targets(words: Sequence[str], dim: int, seed: int = 0, path: Optional[str] = None) -> torch.Tensor:
     """Unit-norm target vectors ``[len(words), dim]``: seeded random per word string (independent of the
     vocabulary's order), or rows of ``path`` (``.npz`` with ``words`` and ``vectors``)."""
