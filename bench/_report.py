@@ -12,7 +12,7 @@ if str(REPO) not in sys.path:
 
 from lightning_modules.io import atomic_open  # noqa: E402
 
-__all__ = ["REPO", "markers", "write_section", "save_json", "save_figure"]
+__all__ = ["REPO", "markers", "write_section", "save_json", "save_figure", "pyplot"]
 
 
 def markers(name: str):
@@ -37,6 +37,19 @@ def write_section(name: str, body: str, heading: str, path: Path = REPO / "docs"
 def save_json(path: Path, data) -> None:
     with atomic_open(path, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (with a message) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no figure")
+        return None
+    return plt
 
 
 def save_figure(fig, path: Path, dpi: int = 120) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, save_figure, save_json, write_section  # noqa: E402
+from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
 
 PRE = {"long": {"context_s": 150.0, "stride_s": 15.0, "batch_size": 1, "mask_s": 3.0},
        "short": {"context_s": 5.0, "stride_s": 0.625, "batch_size": 30, "mask_s": 2.0}}
@@ -270,13 +270,8 @@ def report(args, cache) -> str:
 
 
 def plot(args, cache) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no figure")
+    plt = pyplot()
+    if plt is None:
         return
     fractions = args.label_fractions
     fig, axes = plt.subplots(len(fractions), len(args.contexts), figsize=(4.5 * len(args.contexts),

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, save_figure, save_json, write_section  # noqa: E402
+from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
 
 ORDERS = {1: "unigram", 2: "bigram", 3: "trigram"}
 
@@ -138,13 +138,8 @@ def report(args, cache) -> str:
 
 
 def plot(args, cache) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no figure")
+    plt = pyplot()
+    if plt is None:
         return
     runs = [cache["runs"][str(s)] for s in args.seeds if str(s) in cache["runs"]]
     if not runs:
