@@ -5,7 +5,8 @@ For each seed: train the ``pcfg`` recipe (depth 4 = 16 tokens, 8 symbols per lev
 transformer, 1,500 steps of 64 fresh strings), reading its validation KL after every epoch; fit unigram, bigram
 and trigram models on the same number of fresh strings the transformer had seen at each point, and score them on
 the same validation set; then probe the final model: a logistic regression per (layer, level) on 2,000 strings,
-scored on 1,000 others, for the argmax-inside label of each span (``lightning_modules/pcfg/probes.py``).
+scored on 1,000 others, for the argmax-inside label of each span (``lightning_modules/pcfg/probes.py``). The
+hand-set log-depth construction (``lightning_modules/pcfg/construction.py``) is scored on the same strings.
 
     python bench/pcfg.py                 # 3 seeds, about 5 minutes on 2 cores
     python bench/pcfg.py --report-only   # rewrite the table and figure from bench/results/pcfg.json
@@ -93,6 +94,18 @@ def run_seed(args, seed: int) -> Dict[str, object]:
             "probes": {f"{layer}|{level}": v for (layer, level), v in acc.items()}}
 
 
+def construction_kl() -> float:
+    """KL (float64) of the hand-set log-depth construction on the recipe's 512 validation strings."""
+    from datamodules.pcfg import PCFGDataConfig, PCFGDataModule
+    from lightning_modules.pcfg.construction import LogDepthParser
+
+    dm = PCFGDataModule(PCFGDataConfig(depth=4, symbols=8, productions=3))
+    val = dm._set("val")
+    exact = dm.grammar.next_token_logprobs(val.x)
+    built = LogDepthParser(dm.grammar)(val.x)
+    return float((exact.exp() * (exact - built)).nan_to_num(0.0).sum(-1).mean())
+
+
 def _mean_sd(values: List[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.4f}"
@@ -117,6 +130,8 @@ def report(args, cache) -> str:
         f = [r["ngram"][name][0][1] for r in runs]
         e = [r["ngram"][name][-1][1] for r in runs]
         lines.append(f"| {name} | {_mean_sd(f)} | {_mean_sd(e)} | {', '.join(f'{v:.4f}' for v in e)} |")
+    if "construction_kl" in cache:
+        lines.append(f"| log-depth construction (hand-set, 8 layers, no training) | - | {cache['construction_kl']:.1e} | - |")
     test = [r["test_kl"] for r in runs]
     lines += ["", f"Transformer test KL (1,024 strings, best checkpoint): {_mean_sd(test)}; trigram/transformer ratio at "
               f"the end: {statistics.mean(e) / statistics.mean(last):.1f}x.", ""]
@@ -185,6 +200,9 @@ def main(argv=None) -> int:
                 cache["runs"][str(seed)] = run_seed(args, seed)
                 save_json(args.cache, cache)
             print(f"[pcfg] seed {seed}: test KL {cache['runs'][str(seed)]['test_kl']:.4f}", flush=True)
+    if "construction_kl" not in cache:
+        cache["construction_kl"] = construction_kl()
+        save_json(args.cache, cache)
     body = report(args, cache)
     print(body)
     write_section("pcfg", body + "\n\n![PCFG](figures/pcfg.png)", "PCFG study: KL against n-grams, and probes",

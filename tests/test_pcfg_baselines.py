@@ -85,3 +85,34 @@ def test_layer_states_match_the_model_and_probes_find_tokens():
     assert acc[(0, 0)]["acc"] == pytest.approx(1.0)
     assert all(0 <= v["acc"] <= 1 and 0 < v["majority"] <= 1 for v in acc.values())
     assert not math.isnan(acc[(2, 2)]["acc"])
+
+
+@pytest.mark.parametrize("depth,symbols,productions,seed", [(2, 3, 2, 0), (3, 4, 3, 1), (4, 5, 3, 2), (5, 3, 2, 3)])
+def test_log_depth_construction_reproduces_the_exact_conditionals(depth, symbols, productions, seed):
+    from lightning_modules.pcfg.construction import LogDepthParser
+
+    g = FixedDepthPCFG(depth=depth, symbols=symbols, productions=productions, seed=seed)
+    x = g.sample(64, torch.Generator().manual_seed(seed))
+    exact = g.next_token_logprobs(x)
+    built = LogDepthParser(g)(x)
+    assert built.shape == exact.shape
+    kl = (exact.exp() * (exact - built)).nan_to_num(0.0).sum(-1)  # KL(p || q) per position, in float64
+    assert float(kl.abs().max()) < 1e-12
+    torch.testing.assert_close(built.exp(), exact.exp(), atol=1e-12, rtol=1e-9)
+
+
+def test_log_depth_construction_slots_are_normalised_inside_vectors():
+    from lightning_modules.pcfg.construction import LogDepthParser, hard_attention
+
+    g = FixedDepthPCFG(depth=3, symbols=4, productions=2, seed=5)
+    x = g.sample(8, torch.Generator().manual_seed(0))
+    slots = LogDepthParser(g).parse(x)
+    betas = g.inside(x)
+    for k in range(1, 4):
+        ends = [(j + 1) * 2 ** k - 1 for j in range(8 // 2 ** k)]
+        expected = torch.softmax(betas[k], dim=-1)  # normalised inside vector of each level-k span
+        torch.testing.assert_close(slots[k][:, ends], expected)
+        others = [p for p in range(8) if p not in ends]
+        assert not slots[k][:, others].any()
+    with pytest.raises(ValueError, match="earlier positions"):
+        hard_attention(torch.zeros(1, 3, 2), torch.tensor([1, 0, 2]))  # query 0 may not read key 1
