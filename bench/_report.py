@@ -12,7 +12,7 @@ if str(REPO) not in sys.path:
 
 from lightning_modules.io import atomic_open  # noqa: E402
 
-__all__ = ["REPO", "markers", "write_section", "save_json", "save_figure", "pyplot"]
+__all__ = ["REPO", "markers", "write_section", "load_cache", "save_json", "save_figure", "pyplot"]
 
 
 def markers(name: str):
@@ -32,6 +32,13 @@ def write_section(name: str, body: str, heading: str, path: Path = REPO / "docs"
     with atomic_open(path, "w") as f:
         f.write(new)
     return section
+
+
+def load_cache(path: Path) -> dict:
+    """A benchmark's results cache: ``{"runs": {...}, ...}`` read from ``path``, or an empty one."""
+    cache = json.loads(path.read_text()) if path.is_file() else {}
+    cache.setdefault("runs", {})
+    return cache
 
 
 def save_json(path: Path, data) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
+from _report import REPO, load_cache, pyplot, save_figure, save_json, write_section  # noqa: E402
 
 PRE = {"long": {"context_s": 150.0, "stride_s": 15.0, "batch_size": 1, "mask_s": 3.0},
        "short": {"context_s": 5.0, "stride_s": 0.625, "batch_size": 30, "mask_s": 2.0}}
@@ -110,13 +110,16 @@ def finetune(args, context: str, init: str, seed: int, ckpt) -> Dict[str, float]
 
 
 def _word_data(args, context: str, seed: int):
-    from recipes.api import build
+    """The fine-tuning recipe's DataModule (set up) and method config, without building a model or Trainer."""
+    from lightning_modules.meg.module import MEGXLWordConfig
+    from recipes import registry
+    from recipes.config import load_config
 
-    run = build("meg_xl_finetune", _common(args, context, seed) + [f"data.args.train_fraction={args.label_fraction}"],
-                write=False)
-    dm = run.datamodule
+    run = load_config("meg_xl_finetune", _common(args, context, seed)
+                      + [f"data.args.train_fraction={args.label_fraction}"]).run
+    dm = registry.create_datamodule(run.data.name, run.data.args)
     dm.setup("fit")
-    return dm, run.model.cfg
+    return dm, MEGXLWordConfig(**run.method.args)
 
 
 def _pooled(model, dataset, chunks: int, stride: int):
@@ -297,7 +300,7 @@ def plot(args, cache) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cache = json.loads(args.cache.read_text()) if args.cache.is_file() else {"runs": {}}
+    cache = load_cache(args.cache)
     if not args.report_only:
         run_all(args, cache)
     body = report(args, cache)

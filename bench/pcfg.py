@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
+from _report import REPO, load_cache, pyplot, save_figure, save_json, write_section  # noqa: E402
 
 ORDERS = {1: "unigram", 2: "bigram", 3: "trigram"}
 
@@ -64,7 +64,7 @@ def run_seed(args, seed: int) -> Dict[str, object]:
     curve = _val_curve(run.run_dir)
     seconds = time.time() - start
     dm, cfg = run.datamodule, run.datamodule.cfg
-    val = dm._set("val")
+    val = dm.eval_set("val")
     batch_strings = cfg.batch_size
     ngram = {}
     gen = torch.Generator().manual_seed(10_000 + seed)
@@ -78,14 +78,7 @@ def run_seed(args, seed: int) -> Dict[str, object]:
                 seen += chunk
             points.append((step, float(conditional_kl(val.cond.double(), model.log_probs(val.x)).mean())))
         ngram[ORDERS[order]] = points
-    # probes on the best checkpoint's weights (the module in memory is the last one; reload the best)
-    best = run._ckpt("best")
-    model = run.model
-    if best:
-        from lightning_modules.io import load_weights
-
-        load_weights(model, best)
-    model.eval()
+    model = run.model.eval()  # holds the best checkpoint's weights: the test stage restored them
     g = torch.Generator().manual_seed(20_000 + seed)
     xtr, xte = dm.grammar.sample(args.probe_train, g), dm.grammar.sample(args.probe_test, g)
     acc = probe_accuracy(probe_dataset(layer_states(model, xtr), span_labels(dm.grammar, xtr)),
@@ -100,7 +93,7 @@ def construction_kl() -> float:
     from lightning_modules.pcfg.construction import LogDepthParser
 
     dm = PCFGDataModule(PCFGDataConfig(depth=4, symbols=8, productions=3))
-    val = dm._set("val")
+    val = dm.eval_set("val")
     exact = dm.grammar.next_token_logprobs(val.x)
     built = LogDepthParser(dm.grammar)(val.x)
     return float((exact.exp() * (exact - built)).nan_to_num(0.0).sum(-1).mean())
@@ -190,10 +183,8 @@ def plot(args, cache) -> None:
 
 
 def main(argv=None) -> int:
-    import json
-
     args = parse_args(argv)
-    cache = json.loads(args.cache.read_text()) if args.cache.is_file() else {"runs": {}}
+    cache = load_cache(args.cache)
     if not args.report_only:
         for seed in args.seeds:
             if str(seed) not in cache["runs"]:

@@ -16,7 +16,6 @@ table goes to ``docs/results.md`` and the plot to ``docs/figures/timestep_scalin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -24,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Dict
 
-from _report import REPO, save_figure, save_json, write_section
+from _report import REPO, load_cache, save_figure, save_json, write_section
 
 RECIPES = {"events": {"lif": "spiking_events", "ts": "spiking_events_ts"},
            "digits": {"lif": "spiking_digits", "ts": "spiking_digits_ts"},
@@ -170,8 +169,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LITCTX_RUNS_DIR", str(REPO / "runs" / "bench"))
-    cache = json.loads(args.cache.read_text()) if args.cache.exists() else {}
-    cache.setdefault("runs", {})
+    cache = load_cache(args.cache)
     if not args.report_only:
         cache.pop("speed", None)  # an older layout ([64, 32, 4096], LIF only)
         for neuron in ("lif", "ts"):

@@ -317,19 +317,24 @@ def preprocess_recording(path: str | os.PathLike, cfg: PreprocessConfig, cache_d
 
 def robust_scale(x: np.ndarray, segment: int, baseline: int, clip: Optional[float] = 5.0) -> np.ndarray:
     """MEG-XL's per-segment scaling of ``x [C, S]``: for each ``segment``-sample piece of each channel, subtract
-    the mean of its first ``baseline`` samples, then ``(x - median) / IQR`` (IQR floored at 1e-20 of the
-    signal's scale), then clip to ``[-clip, clip]``. A trailing partial piece is scaled on its own."""
+    the mean of its first ``baseline`` samples, then ``(x - median) / IQR`` (IQR floored at 1e-12 of the piece's
+    largest value), then clip to ``[-clip, clip]``. A trailing partial piece is scaled on its own."""
     x = np.asarray(x, dtype=np.float64)
-    out = np.empty_like(x)
-    for start in range(0, x.shape[1], segment):
-        piece = x[:, start:start + segment]
-        piece = piece - piece[:, : max(1, min(baseline, piece.shape[1]))].mean(1, keepdims=True)
-        q25, med, q75 = np.percentile(piece, [25, 50, 75], axis=1, keepdims=True)
-        iqr = np.maximum(q75 - q25, 1e-20 + 1e-12 * np.abs(piece).max(1, keepdims=True))
-        out[:, start:start + segment] = (piece - med) / iqr
+    C, S = x.shape
+    full = (S // segment) * segment
+    parts = [x[:, :full].reshape(C, -1, segment)] if full else []
+    if full < S:
+        parts.append(x[:, full:].reshape(C, 1, S - full))
+    out = []
+    for piece in parts:  # [C, pieces, length]
+        piece = piece - piece[..., : max(1, min(baseline, piece.shape[-1]))].mean(-1, keepdims=True)
+        q25, med, q75 = np.percentile(piece, [25, 50, 75], axis=-1, keepdims=True)
+        iqr = np.maximum(q75 - q25, 1e-20 + 1e-12 * np.abs(piece).max(-1, keepdims=True))
+        out.append(((piece - med) / iqr).reshape(C, -1))
+    scaled = np.concatenate(out, axis=1)
     if clip is not None:
-        np.clip(out, -clip, clip, out=out)
-    return out.astype(np.float32)
+        np.clip(scaled, -clip, clip, out=scaled)
+    return scaled.astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------- datasets
@@ -486,7 +491,7 @@ class MEGDataConfig(LoaderConfig):
 class MEGDataModule(SplitsDataModule):
     """MEG recordings through MNE; see the module docstring for files, preprocessing and batches.
 
-    After ``setup``: ``recordings`` (memory-mapped), ``vocab`` (``task=words``: words by their frequency in the
+    After ``setup``: ``recordings`` (memory-mapped), ``n_channels`` (the padded channel count), ``vocab`` (``task=words``: words by their frequency in the
     training part of the recordings, before ``train_fraction``, most frequent first; ``word_ids`` index it)
     and ``word_counts``.
     """
@@ -495,6 +500,7 @@ class MEGDataModule(SplitsDataModule):
         super().__init__()
         self.cfg = cfg or MEGDataConfig(**kwargs)
         self.recordings: List[Recording] = []
+        self.n_channels = 0
         self.vocab: List[str] = []
         self.word_counts: Dict[str, int] = {}
 
@@ -515,15 +521,23 @@ class MEGDataModule(SplitsDataModule):
             raise ValueError(f"data.args.synthetic: {err}; valid keys: {', '.join(valid)}") from None
         return self.cache_dir / "meg" / f"synthetic-{synth.fingerprint()}"
 
-    def prepare_data(self) -> None:
-        """Write the synthetic study if it is the data source, and preprocess every selected recording
-        (rank 0 only; both are cached and idempotent)."""
+    def _ensure_synthetic(self) -> None:
+        """Write the synthetic study when it is the data source (skips recordings that exist)."""
         if not self.cfg.path:
             from datamodules.synth.meg import SyntheticMEGConfig, generate_meg_dataset
 
             generate_meg_dataset(self.data_root(), SyntheticMEGConfig(**self.cfg.synthetic), progress=True)
-        for path in find_recordings(self.data_root(), self.cfg.subjects):
-            preprocess_recording(path, self._pre_cfg(), self.cache_dir / "meg" / "preprocessed")
+
+    def _load_recordings(self) -> List[Recording]:
+        """Every selected recording, preprocessed into the cache on first use, memory-mapped."""
+        return [preprocess_recording(p, self._pre_cfg(), self.cache_dir / "meg" / "preprocessed")
+                for p in find_recordings(self.data_root(), self.cfg.subjects)]
+
+    def prepare_data(self) -> None:
+        """Write the synthetic study if it is the data source, and preprocess every selected recording
+        (Lightning calls this on one process per node; both steps are cached and idempotent)."""
+        self._ensure_synthetic()
+        self._load_recordings()
 
     def _pre_cfg(self) -> PreprocessConfig:
         return PreprocessConfig(sfreq=self.cfg.sfreq, l_freq=self.cfg.l_freq, h_freq=self.cfg.h_freq)
@@ -548,16 +562,13 @@ class MEGDataModule(SplitsDataModule):
         if self._splits:
             return
         c = self.cfg
-        self.prepare_data()  # a no-op once cached; makes setup() work outside a Trainer
-        paths = find_recordings(self.data_root(), c.subjects)
-        self.recordings = [preprocess_recording(p, self._pre_cfg(), self.cache_dir / "meg" / "preprocessed")
-                           for p in paths]
+        self._ensure_synthetic()  # a no-op once written; makes setup() work outside a Trainer
+        self.recordings = self._load_recordings()
         rates = {r.sfreq for r in self.recordings}
         if rates != {c.sfreq}:
             raise ValueError(f"preprocessed rates {sorted(rates)} differ from data.args.sfreq={c.sfreq}")
-        most = max(len(r.ch_names) for r in self.recordings)
-        max_channels = c.max_channels or most
-        kw = dict(max_channels=max_channels, segment=int(round(c.subsegment_s * c.sfreq)),
+        self.n_channels = c.max_channels or max(len(r.ch_names) for r in self.recordings)
+        kw = dict(max_channels=self.n_channels, segment=int(round(c.subsegment_s * c.sfreq)),
                   baseline=int(round(c.baseline_s * c.sfreq)), clip=c.clip)
         if c.task == "pretrain":
             self._splits = {name: ContextWindows(self.recordings, self._windows(name), c.context_samples, **kw)
@@ -629,12 +640,3 @@ class MEGDataModule(SplitsDataModule):
         g = torch.Generator().manual_seed(stable_seed("meg-train-fraction", self.cfg.seed))
         chosen = sorted(torch.randperm(len(items), generator=g)[:keep].tolist())
         return [items[i] for i in chosen]
-
-    def train_dataloader(self):
-        train = self.split("train")
-        n = len(train)
-        batches = self.cfg.train_batches or max(1, n // self.cfg.batch_size)
-        if n < self.cfg.batch_size:
-            raise ValueError(f"data.args.batch_size={self.cfg.batch_size} exceeds the {n} training samples")
-        return self.train_loader(train, self.cfg.batch_size, batches, self.cfg.seed, dataset_size=n,
-                                 num_workers=self.cfg.num_workers)

@@ -84,7 +84,8 @@ class PCFGDataModule(StreamDataModule):
         self.grammar = FixedDepthPCFG(self.cfg.grammar_config())
         self._eval: Dict[str, ExactGrammarSet] = {}
 
-    def _set(self, split: str) -> ExactGrammarSet:
+    def eval_set(self, split: str) -> ExactGrammarSet:
+        """The fixed ``val`` or ``test`` strings with their exact conditionals (built once)."""
         if split not in self._eval:
             n = self.cfg.val_size if split == "val" else self.cfg.test_size
             self._eval[split] = ExactGrammarSet(self.grammar, n, self.cfg.seed, split)
@@ -95,7 +96,7 @@ class PCFGDataModule(StreamDataModule):
                                  self.cfg.train_batches, self.cfg.seed, num_workers=self.cfg.num_workers)
 
     def val_dataloader(self):
-        return self.eval_loader(self._set("val"), self.cfg.batch_size, self.cfg.num_workers)
+        return self.eval_loader(self.eval_set("val"), self.cfg.batch_size, self.cfg.num_workers)
 
     def test_dataloader(self):
-        return self.eval_loader(self._set("test"), self.cfg.batch_size, self.cfg.num_workers)
+        return self.eval_loader(self.eval_set("test"), self.cfg.batch_size, self.cfg.num_workers)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-mne = pytest.importorskip("mne")
+mne = pytest.importorskip("mne", reason="MEG needs mne>=1.12 (litctx[meg]); CI installs it through the dev extra")
 
 from datamodules.meg import (  # noqa: E402
     MEGDataConfig,

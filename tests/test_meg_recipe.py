@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-pytest.importorskip("mne")
+pytest.importorskip("mne", reason="MEG needs mne>=1.12 (litctx[meg]); CI installs it through the dev extra")
 
 from recipes.config import ConfigError, load_config  # noqa: E402
 from recipes.fit import follow_up_overrides, main  # noqa: E402

@@ -104,13 +104,12 @@ class SensorEmbedding(nn.Module):
 class _HalfAttention(nn.Module):
     """Multi-head self-attention on ``[N, L, width]`` sequences, optionally with RoPE and a key mask."""
 
-    def __init__(self, width: int, heads: int, rope: Optional[RotaryEmbedding], dropout: float) -> None:
+    def __init__(self, width: int, heads: int, rope: Optional[RotaryEmbedding]) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, width // heads
         self.qkv = nn.Linear(width, 3 * width, bias=False)
         self.out = nn.Linear(width, width, bias=False)
         self.rope = rope
-        self.dropout = dropout
 
     def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         N, L, _ = x.shape
@@ -118,12 +117,10 @@ class _HalfAttention(nn.Module):
         if self.rope is not None:
             cos, sin = self.rope(L, dtype=q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if key_mask is None and not (self.training and self.dropout > 0):
+        if key_mask is None:
             o, _ = attention(q, k, v, causal=False)
-        else:
-            mask = None if key_mask is None else key_mask[:, None, None, :]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                               dropout_p=self.dropout if self.training else 0.0)
+        else:  # the shared kernels have no key-padding mask: SDPA with a boolean mask
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :])
         return self.out(o.transpose(1, 2).reshape(N, L, -1))
 
 
@@ -135,9 +132,8 @@ class CrissCrossBlock(nn.Module):
         d, half_heads = cfg.d_model, cfg.n_heads // 2
         self.half = d // 2
         self.norm1 = nn.RMSNorm(d)
-        self.temporal = _HalfAttention(self.half, half_heads, RotaryEmbedding(self.half // half_heads, cfg.rope_base),
-                                       0.0)
-        self.spatial = _HalfAttention(d - self.half, half_heads, None, 0.0)
+        self.temporal = _HalfAttention(self.half, half_heads, RotaryEmbedding(self.half // half_heads, cfg.rope_base))
+        self.spatial = _HalfAttention(d - self.half, half_heads, None)
         self.drop = nn.Dropout(cfg.dropout)
         self.norm2 = nn.RMSNorm(d)
         hidden = int(round(cfg.mlp_ratio * d))

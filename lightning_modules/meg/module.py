@@ -402,8 +402,7 @@ class MEGXLWordDecoder(_MEGXLBase):
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if dm is not None:
-            dm.setup(stage)
+        if dm is not None:  # Lightning has set the DataModule up already
             self._adopt_vocab(dm)
 
     def prepare_from_datamodule(self, dm: Any) -> None:
@@ -415,7 +414,7 @@ class MEGXLWordDecoder(_MEGXLBase):
         if not getattr(dm, "vocab", None):
             raise ValueError("MEGXLWordDecoder needs word labels: use data.args.task=words")
         self.set_vocab(dm.vocab)
-        channels = int(dm.split("train")[0]["sensor_mask"].shape[0])
+        channels = int(dm.n_channels)
         if self.word_head is None:
             self._build_head(channels)
         elif channels != self.n_channels:
