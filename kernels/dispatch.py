@@ -140,7 +140,12 @@ def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout) -> Tuple[t
     off = resolve_q_offset(n_q, n_k, q_offset)
     if layout is not None and _layout_covers_mask(layout, causal, off, window):
         layout = None
-    if layout is None and window is None and q.shape[1] == k.shape[1] and (not causal or off == 0):
+    if causal and window is None and off >= n_k - 1:
+        causal = False  # every query sees every key (e.g. one decode step): the causal mask is all ones
+    if layout is None and window is None and (not causal or off == 0):
+        if q.shape[1] != k.shape[1]:  # GQA: the CPU flash kernel needs one head count; expanding is cheap
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         _log_once("attention", "torch", "cpu: dense flash kernel")
         return _flash_cpu(q, k, v, scale=scale, causal=causal)
     if layout is None:
@@ -194,9 +199,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
               causal: bool = True, q_offset: Optional[int] = None, window: Optional[int] = None,
               layout: Optional[BlockLayout] = None, q_index: Optional[QueryIndex] = None,
               score_mode: str = "softmax", lssar_power: float = 15.0, lssar_offset_rows: int = 3,
+              key_mask: Optional[torch.Tensor] = None,
               backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Hq, Nq, d]`` over ``k [B, Hk, Nk, d]``, ``v [B, Hk, Nk, dv]`` (GQA when
     ``Hq > Hk``), with a causal/window element mask, an optional block layout and an optional query subset.
+
+    ``key_mask`` (boolean ``[B, 1|Hk|Hq, Nk]``, True = attend) removes keys per batch row and head on top of
+    the element mask: padding, or entries a KV-cache policy masked. Calls with a key mask run the chunked
+    reference (no fused kernel takes one).
 
     Semantics are those of :func:`kernels.reference.attention_reference`; returns ``(o, lse)`` with
     ``o [B, Hq, Nq|Nc, dv]`` and a natural-log ``lse [B, Hq, Nq|Nc]``. ``backend`` overrides the dispatcher.
@@ -206,7 +216,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
         raise ValueError(f"score_mode must be one of {SCORE_MODES}, got {score_mode!r}")
     if window is not None and (not causal or window < 1):
         raise ValueError(f"window={window} needs causal=True and window >= 1")
-    chosen = select_backend("attention", q, backend, score_mode=score_mode)
+    if key_mask is not None:
+        key_mask = expand_key_mask(key_mask, q, k)
+    chosen = select_backend("attention", q, backend, score_mode=score_mode, key_mask=key_mask)
+    if key_mask is not None:
+        return attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
+                                   layout=layout, q_index=q_index, score_mode=score_mode, lssar_power=lssar_power,
+                                   lssar_offset_rows=lssar_offset_rows, key_mask=key_mask)
     if chosen == "triton":
         from kernels.triton.attention import triton_attention
 
@@ -220,6 +236,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     return attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
                                layout=layout, q_index=q_index, score_mode=score_mode, lssar_power=lssar_power,
                                lssar_offset_rows=lssar_offset_rows)
+
+
+def expand_key_mask(key_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """A boolean key mask ``[B, 1|Hk|Hq, Nk]`` as ``[B, Hq, Nk]`` (kv head ``j`` serves query heads
+    ``j*g .. j*g+g-1``)."""
+    b, hq, hk, n_k = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
+    if key_mask.dim() != 3 or key_mask.shape[0] != b or key_mask.shape[2] != n_k or key_mask.shape[1] not in (1, hk, hq):
+        raise ValueError(f"key_mask must be [B, 1|Hk|Hq, Nk] = [{b}, 1|{hk}|{hq}, {n_k}], got {list(key_mask.shape)}")
+    key_mask = key_mask.to(device=q.device, dtype=torch.bool)
+    if key_mask.shape[1] == hq:
+        return key_mask
+    if key_mask.shape[1] == 1:
+        return key_mask.expand(b, hq, n_k)
+    return key_mask.repeat_interleave(hq // hk, dim=1)
 
 
 @_eager_only

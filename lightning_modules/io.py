@@ -18,7 +18,12 @@ from typing import IO, Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-__all__ = ["atomic_open", "AtomicCheckpointIO", "load_checkpoint", "load_weights"]
+__all__ = ["atomic_open", "default_cache_dir", "AtomicCheckpointIO", "load_checkpoint", "load_weights"]
+
+
+def default_cache_dir() -> Path:
+    """Where prepared data and converted models are cached: ``$LITCTX_CACHE_DIR`` or ``~/.cache/litctx``."""
+    return Path(os.environ.get("LITCTX_CACHE_DIR") or Path.home() / ".cache" / "litctx")
 
 
 @contextlib.contextmanager

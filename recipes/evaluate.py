@@ -2,6 +2,7 @@
 
     python -m recipes.evaluate --run runs/lcube/<name> [--stage test] [--ckpt best|last|PATH] [key=value ...]
     python -m recipes.evaluate --recipe lcube --ckpt path/to/model.ckpt [--profile ...] [key=value ...]
+    python -m recipes.evaluate --recipe longctx_smollm2 [key=value ...]   (pretrained: no checkpoint needed)
 
 Inference-only callbacks attach through the config (``callbacks.<label>={name: ..., args: {...}}``), so the
 same checkpoint can be evaluated under different inference methods. Metrics are printed and written to
@@ -56,9 +57,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError("pass either --run DIR or --recipe NAME, not both")
         run = load_run(args.run, overrides, args.profile, stage=args.stage)
     else:
-        if not args.recipe or not args.ckpt or args.ckpt in ("best", "last"):
-            raise ConfigError("without --run, pass --recipe NAME and --ckpt PATH")
+        if not args.recipe:
+            raise ConfigError("pass --run DIR, or --recipe NAME (with --ckpt PATH unless the method is pretrained)")
         loaded = load_config(args.recipe, overrides, args.profile, args.config)
+        from recipes.registry import method_spec
+
+        pretrained = method_spec(loaded.run.method.name).kind == "inference"
+        if not pretrained and (not args.ckpt or args.ckpt in ("best", "last")):
+            raise ConfigError(f"method '{loaded.run.method.name}' is trained: pass --ckpt PATH (or --run DIR)")
         run = build(loaded=loaded, stage=args.stage, write=True)
     result = evaluate(run, args.stage, args.ckpt)
     for key, value in sorted(result.items()):

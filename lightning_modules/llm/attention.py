@@ -1,0 +1,122 @@
+"""The ``litctx`` attention implementation for Hugging Face models.
+
+``ensure_registered()`` adds ``litctx`` to transformers' ``AttentionInterface`` (the attention call) and
+``AttentionMaskInterface`` (it takes SDPA's boolean masks), so any Llama, Qwen2 or OLMo-2 model loaded with
+``attn_implementation="litctx"`` (or switched with ``model.set_attn_implementation("litctx")``) runs every
+layer's attention through :func:`kernels.attention`. Registration is explicit (no import-time side effects)
+and idempotent.
+
+Per layer, the function first looks for a policy runner installed on the attention module by
+:func:`lightning_modules.llm.session.install_policy`; with none installed it computes plain causal attention:
+
+* no mask (no padding) -> ``kernels.attention(q, k, v, causal=True)`` with bottom-right alignment, which is
+  also right for decoding with a cache (the new queries are the last ``Nq`` of ``Nk`` positions);
+* a boolean ``[B, 1, Nq, Nk]`` mask that is "causal and a per-key mask" (left or right padding) -> the same
+  call with ``key_mask``;
+* any other mask (sliding windows of some layers, packed sequences) -> an exact masked softmax on the
+  dense scores, logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Optional, Tuple
+
+import torch
+
+import kernels
+
+__all__ = ["ATTN_NAME", "ensure_registered", "litctx_attention", "mask_to_key_mask", "dense_masked_attention",
+           "RUNNER_ATTR"]
+
+ATTN_NAME = "litctx"
+RUNNER_ATTR = "_litctx_layer_runner"
+"""Attribute of an attention module that holds its installed policy runner (see ``session.py``)."""
+
+log = logging.getLogger("litctx.llm")
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    log.info(message)
+
+
+def ensure_registered() -> None:
+    """Register ``litctx`` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, litctx_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def mask_to_key_mask(mask: torch.Tensor, n_q: int, n_k: int) -> Optional[torch.Tensor]:
+    """``[B, 1|H, Nq, Nk]`` boolean mask -> per-key mask ``[B, 1|H, Nk]`` when the mask equals
+    ``causal (bottom-right) & key_mask``; ``None`` when it does not factor that way."""
+    if mask.dtype != torch.bool:
+        mask = mask == 0  # additive float masks: 0 = attend
+    key_mask = mask.any(dim=-2)  # a key is live if some query may read it
+    causal = torch.ones(n_q, n_k, dtype=torch.bool, device=mask.device).tril(diagonal=n_k - n_q)
+    rebuilt = causal & key_mask.unsqueeze(-2)
+    # rows with no live key are padding queries: their output is never read, any factorisation is fine there
+    rows_live = mask.any(dim=-1, keepdim=True)
+    if not bool(((rebuilt == mask) | ~rows_live).all()):
+        return None
+    return key_mask
+
+
+def dense_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Exact softmax attention under an arbitrary boolean/additive ``[B, 1|H, Nq, Nk]`` mask (GQA by head
+    mapping); rows with no live key give zeros. Returns ``[B, Hq, Nq, dv]``."""
+    g = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(g, dim=1)
+    v = value.repeat_interleave(g, dim=1)
+    scores = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    live = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    probs = torch.softmax(torch.where(live, scores, torch.zeros_like(scores)), dim=-1) * live
+    return torch.matmul(probs, v.float()).to(query.dtype)
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """Causal attention of ``query [B, Hq, Nq, d]`` over the cache view ``key, value [B, Hk, Nk, d]`` under
+    transformers' mask (``None`` or boolean ``[B, 1, Nq, Nk]``). Returns ``[B, Hq, Nq, dv]``."""
+    n_q, n_k = query.shape[2], key.shape[2]
+    key_mask = None
+    if attention_mask is not None:
+        key_mask = mask_to_key_mask(attention_mask, n_q, n_k)
+        if key_mask is None:
+            _log_once("litctx attention: a mask that is not causal x per-key (sliding window or packed "
+                      "sequences) runs as exact dense masked softmax")
+            return dense_masked_attention(query, key, value, attention_mask, scale)
+        if bool(key_mask.all()):
+            key_mask = None
+    o, _ = kernels.attention(query, key, value, scale=scale, causal=True, key_mask=key_mask)
+    return o
+
+
+def litctx_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                     is_causal: Optional[bool] = None, **kwargs: Any) -> Tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``query [B, Hq, Nq, d]`` (RoPE applied), ``key, value
+    [B, Hk, Nk, d]`` (the whole cache view after this step's update). Returns ``(out [B, Nq, Hq, dv], None)``."""
+    if dropout:
+        raise ValueError(f"litctx attention has no dropout (got dropout={dropout}); call model.eval() or set "
+                         f"the config's attention_dropout to 0")
+    if is_causal is False or not getattr(module, "is_causal", True):
+        raise ValueError(f"litctx attention serves causal decoder layers; {type(module).__name__} is not causal")
+    if kwargs.get("sliding_window") is not None:
+        _log_once("litctx attention: sliding-window layers are applied through their mask")
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    runner = getattr(module, RUNNER_ATTR, None)
+    if runner is not None:
+        out = runner.attend(module, query, key, value, attention_mask, scale)
+    else:
+        out = causal_attention(query, key, value, attention_mask, scale)
+    return out.transpose(1, 2).contiguous(), None

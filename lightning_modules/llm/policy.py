@@ -1,0 +1,414 @@
+"""The KV-cache policy protocol: scorer -> selector -> action (+ optional compensator), under a budget and a
+schedule.
+
+A policy decides, per layer and per KV head, which cache entries stay readable. Its parts:
+
+* :class:`Scorer` - reads a :class:`KVObservation` (what it declares in ``requires``) and returns scores
+  ``[B, Hk, N]``, higher = keep; ``update`` accumulates state at every attention call (H2O-style) and
+  ``reset`` clears it when a new sequence starts.
+* :class:`Budget` - how many entries each KV head keeps: absolute (``keep``) or as a compression ratio, scaled
+  per layer and per head; the ``sink`` first and ``window`` most recent entries are protected and counted
+  **inside** the budget.
+* :class:`Selector` - scores + capacities + protected set -> a keep mask ``[B, Hk, N]`` (per-head top-k, or one
+  layer-shared set).
+* :class:`Action` - what happens to the rest: ``evict`` (physically removed from the cache: memory saved),
+  ``mask`` (kept in memory, never read again), ``sparse_read`` (read only for this step; the cache stays
+  whole), ``recompute`` (handed to a driver that recomputes them).
+* :class:`Compensator` - optional: receives evicted entries (``write``) and adds its own attention part at
+  every later call (``read``), merged by log-sum-exp.
+* :class:`Schedule` - when the policy acts: once after the first prefill, every N decode steps, or (sparse
+  reads) before every decode step.
+
+:func:`lightning_modules.llm.session.install_policy` runs a policy inside the ``litctx`` attention function.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Tuple, runtime_checkable
+
+import torch
+
+import kernels
+
+__all__ = [
+    "Action",
+    "Budget",
+    "Schedule",
+    "KVObservation",
+    "Scorer",
+    "RecentScorer",
+    "RandomScorer",
+    "Selector",
+    "TopKSelector",
+    "SharedTopKSelector",
+    "Compensator",
+    "OffloadCompensator",
+    "KVPolicy",
+    "protected_mask",
+    "SCORERS",
+    "SELECTORS",
+]
+
+
+class Action(str, Enum):
+    """What happens to the entries a policy does not keep."""
+
+    EVICT = "evict"
+    MASK = "mask"
+    SPARSE_READ = "sparse_read"
+    RECOMPUTE = "recompute"
+
+
+@dataclass
+class Budget:
+    """Entries kept per KV head.
+
+    Attributes:
+        keep: absolute capacity per KV head (before scaling), or ``None``.
+        compression_ratio: fraction of a head's valid entries removed (kvpress convention): capacity
+            ``floor(n * (1 - ratio))``. Exactly one of ``keep`` and ``compression_ratio`` is set, or neither
+            (unlimited: the policy never removes anything).
+        sink: the first ``sink`` entries of each sequence are protected (inside the budget).
+        window: the ``window`` most recent entries are protected (inside the budget).
+        layer_scale: optional per-layer multipliers of the capacity (PyramidKV-style curves).
+        head_scale: optional per-KV-head multipliers, one list shared by all layers or one list per layer.
+    """
+
+    keep: Optional[int] = None
+    compression_ratio: Optional[float] = None
+    sink: int = 0
+    window: int = 0
+    layer_scale: Optional[List[float]] = None
+    head_scale: Optional[List[Any]] = None
+
+    def __post_init__(self) -> None:
+        if self.keep is not None and self.compression_ratio is not None:
+            raise ValueError("budget: set either keep or compression_ratio, not both")
+        if self.keep is not None and self.keep < 1:
+            raise ValueError(f"budget.keep must be >= 1, got {self.keep}")
+        if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
+            raise ValueError(f"budget.compression_ratio must be in [0, 1), got {self.compression_ratio}")
+        if self.sink < 0 or self.window < 0:
+            raise ValueError(f"budget.sink and budget.window must be >= 0, got {self.sink}, {self.window}")
+        if self.layer_scale is not None and any(s <= 0 for s in self.layer_scale):
+            raise ValueError(f"budget.layer_scale entries must be > 0, got {self.layer_scale}")
+
+    @property
+    def unlimited(self) -> bool:
+        return self.keep is None and self.compression_ratio is None
+
+    def _head_scale(self, layer: int, n_heads: int) -> List[float]:
+        if self.head_scale is None:
+            return [1.0] * n_heads
+        scale = self.head_scale
+        if scale and not isinstance(scale[0], (int, float)):
+            if layer >= len(scale):
+                raise ValueError(f"budget.head_scale has {len(scale)} layer rows; layer {layer} has none")
+            scale = scale[layer]
+        if len(scale) != n_heads:
+            raise ValueError(f"budget.head_scale needs {n_heads} entries (one per KV head), got {len(scale)}")
+        return [float(s) for s in scale]
+
+    def capacity(self, n_valid: torch.Tensor, layer: int, n_heads: int) -> torch.Tensor:
+        """Capacity ``[B, Hk]`` (long) for ``n_valid [B, Hk]`` valid entries; never above ``n_valid``."""
+        n = n_valid.to(torch.float64)
+        if self.unlimited:
+            return n_valid.long()
+        base = torch.full_like(n, float(self.keep)) if self.keep is not None else n * (1.0 - self.compression_ratio)
+        if self.layer_scale is not None:
+            if layer >= len(self.layer_scale):
+                raise ValueError(f"budget.layer_scale has {len(self.layer_scale)} entries; layer {layer} has none")
+            base = base * self.layer_scale[layer]
+        base = base * torch.tensor(self._head_scale(layer, n_heads), dtype=torch.float64, device=n.device)
+        cap = torch.floor(base + 1e-9).long().clamp_min(1)
+        return torch.minimum(cap, n_valid.long())
+
+
+@dataclass
+class Schedule:
+    """When a policy acts.
+
+    Attributes:
+        prefill: act once, right after the attention of the first prefill (the cache was empty): kvpress's
+            query-agnostic protocol when the prefill holds only the context.
+        decode_every: act after every ``decode_every``-th decode step (0 = never); H2O/TOVA use 1.
+        append: also act after later multi-token calls on a non-empty cache (e.g. an appended question).
+    """
+
+    prefill: bool = True
+    decode_every: int = 0
+    append: bool = False
+
+    def __post_init__(self) -> None:
+        if self.decode_every < 0:
+            raise ValueError(f"schedule.decode_every must be >= 0, got {self.decode_every}")
+
+
+def protected_mask(valid: torch.Tensor, sink: int, window: int, capacity: torch.Tensor) -> torch.Tensor:
+    """Entries protected by the budget: the first ``sink`` and last ``window`` valid entries of each
+    ``[B, Hk]`` row (entries are in sequence order), trimmed so they fit ``capacity`` (sinks first)."""
+    rank = valid.long().cumsum(-1) - 1  # position among the valid entries
+    count = valid.long().sum(-1, keepdim=True)
+    from_end = count - 1 - rank
+    sink_eff = torch.clamp(capacity, max=sink).unsqueeze(-1)
+    window_eff = torch.clamp(capacity.unsqueeze(-1) - sink_eff, min=0, max=window)
+    return valid & ((rank < sink_eff) | (from_end < window_eff))
+
+
+@dataclass
+class KVObservation:
+    """What a policy may read at one attention call of one layer.
+
+    Attributes:
+        layer: layer index.
+        phase: ``prefill`` (first call, empty cache), ``append`` (more tokens on a non-empty cache) or
+            ``decode`` (one token).
+        q: queries ``[B, Hq, Nq, d]`` after RoPE (the last ``Nq`` positions of the cache view).
+        k, v: the cache view ``[B, Hk, N, d]`` (this step's entries included, last).
+        slots: ``[B, Hk, N]`` index of each entry in the uncompressed token stream.
+        valid: ``[B, Hk, N]`` entries that may be read (not padding, not masked).
+        scale: the softmax scale.
+        out, lse: this call's attention output ``[B, Hq, Nq, dv]`` and LSE ``[B, Hq, Nq]`` (None before the
+            attention ran, i.e. for sparse reads).
+    """
+
+    layer: int
+    phase: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    slots: torch.Tensor
+    valid: torch.Tensor
+    scale: float
+    out: Optional[torch.Tensor] = None
+    lse: Optional[torch.Tensor] = None
+    _cache: Dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.k.shape[1]
+
+    def _key_mask(self) -> Optional[torch.Tensor]:
+        return None if bool(self.valid.all()) else self.valid
+
+    def window_logits(self, window: int) -> torch.Tensor:
+        """Scaled logits ``[B, Hq, w, N]`` of the last ``w`` queries (masked entries and the causal future at
+        ``-inf``); ``w = min(window, Nq)``."""
+        key = ("logits", window)
+        if key not in self._cache:
+            w = min(window, self.q.shape[2])
+            qw = self.q[:, :, -w:].float()
+            k = self.k.float().repeat_interleave(self.group, dim=1)
+            s = torch.matmul(qw, k.transpose(-1, -2)) * self.scale
+            n = self.k.shape[2]
+            causal = torch.ones(w, n, dtype=torch.bool, device=s.device).tril(diagonal=n - w)
+            live = causal & self.valid.repeat_interleave(self.group, dim=1).unsqueeze(-2)
+            self._cache[key] = s.masked_fill(~live, float("-inf"))
+        return self._cache[key]
+
+    def window_probs(self, window: int) -> torch.Tensor:
+        """Attention probabilities ``[B, Hq, w, N]`` of the last ``w`` queries (rows with no key are zero)."""
+        key = ("probs", window)
+        if key not in self._cache:
+            s = self.window_logits(window)
+            live = torch.isfinite(s).any(-1, keepdim=True)
+            self._cache[key] = torch.softmax(torch.where(live, s, torch.zeros_like(s)), dim=-1) * live
+        return self._cache[key]
+
+    def colstats(self, window: int) -> kernels.ColStats:
+        """Per-key statistics of the last ``window`` queries from :func:`kernels.attention_colstats`
+        (no N x N matrix)."""
+        key = ("colstats", window)
+        if key not in self._cache:
+            if self._key_mask() is not None:
+                raise ValueError("colstats runs on an unmasked cache view; this layer has masked entries")
+            self._cache[key] = kernels.attention_colstats(self.q, self.k, self.v, scale=self.scale, causal=True,
+                                                          q_window=min(window, self.q.shape[2]))
+        return self._cache[key]
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Scores ``[B, Hk, N]`` (higher = keep) from an observation."""
+
+    requires: FrozenSet[str]
+
+    def score(self, obs: KVObservation) -> torch.Tensor: ...
+
+    def update(self, obs: KVObservation) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class _StatelessScorer:
+    requires: FrozenSet[str] = frozenset()
+
+    def update(self, obs: KVObservation) -> None:
+        return None
+
+    def reset(self) -> None:
+        return None
+
+
+class RecentScorer(_StatelessScorer):
+    """Keep the most recent entries (with ``Budget.sink`` this is StreamingLLM's rule)."""
+
+    requires = frozenset({"slots"})
+
+    def score(self, obs: KVObservation) -> torch.Tensor:
+        return obs.slots.to(torch.float32)
+
+
+class RandomScorer(_StatelessScorer):
+    """Uniform random scores (a control); seeded per (layer, call) so runs repeat."""
+
+    requires = frozenset()
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = int(seed)
+        self._calls = 0
+
+    def score(self, obs: KVObservation) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + obs.layer * 7919 + self._calls)
+        self._calls += 1
+        return torch.rand(obs.slots.shape, generator=gen).to(obs.slots.device)
+
+    def reset(self) -> None:
+        self._calls = 0
+
+
+class Selector(Protocol):
+    """Scores ``[B, Hk, N]``, capacities ``[B, Hk]``, protected and valid masks ``[B, Hk, N]`` -> keep mask."""
+
+    def select(self, scores: torch.Tensor, capacity: torch.Tensor, protected: torch.Tensor,
+               valid: torch.Tensor) -> torch.Tensor: ...
+
+
+def _top_capacity(scores: torch.Tensor, capacity: torch.Tensor, protected: torch.Tensor,
+                  valid: torch.Tensor) -> torch.Tensor:
+    s = scores.float().masked_fill(~valid, float("-inf"))
+    s = torch.where(protected, torch.full_like(s, float("inf")), s)
+    order = torch.argsort(s, dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(s.shape[-1], device=s.device).expand_as(order))
+    return valid & (ranks < capacity.unsqueeze(-1))
+
+
+class TopKSelector:
+    """Each KV head keeps its own top-``capacity`` entries (protected ones first)."""
+
+    def select(self, scores, capacity, protected, valid):
+        return _top_capacity(scores, capacity, protected, valid)
+
+
+class SharedTopKSelector:
+    """One set per layer (TOVA-style): scores averaged over the KV heads, the smallest head capacity used."""
+
+    def select(self, scores, capacity, protected, valid):
+        live = valid.float()
+        mean = (scores.float().masked_fill(~valid, 0.0) * live).sum(1, keepdim=True) / live.sum(1, keepdim=True).clamp_min(1)
+        shared_valid = valid.any(1, keepdim=True)
+        keep = _top_capacity(mean, capacity.min(1, keepdim=True).values, protected.any(1, keepdim=True),
+                             shared_valid)
+        return keep.expand_as(valid) & valid
+
+
+@runtime_checkable
+class Compensator(Protocol):
+    """Holds what a policy evicted and contributes its own attention part at later calls."""
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+              evicted: torch.Tensor) -> None:
+        """``keys, values [B, Hk, N, d]`` of the cache view before eviction, ``evicted [B, Hk, N]``."""
+
+    def read(self, layer: int, q: torch.Tensor, scale: float) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(o [B, Hq, Nq, dv], lse [B, Hq, Nq])`` for queries ``q [B, Hq, Nq, d]`` (None: nothing held)."""
+
+    def reset(self) -> None: ...
+
+
+class OffloadCompensator:
+    """Keeps every evicted entry (optionally on another device, e.g. CPU memory next to a GPU cache) and
+    attends to it exactly at later calls: eviction plus this compensator reproduces the full cache. The
+    reference point for learned compensators (IndexMem's latent memory), and KV offloading in its own right."""
+
+    def __init__(self, device: Optional[str] = None) -> None:
+        self.device = device
+        self._store: Dict[int, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def write(self, layer, keys, values, slots, evicted):
+        dev = self.device or keys.device
+        k, v, m = keys.to(dev), values.to(dev), evicted.to(dev)
+        if layer in self._store:
+            k0, v0, m0 = self._store[layer]
+            k, v, m = torch.cat([k0, k], 2), torch.cat([v0, v], 2), torch.cat([m0, m], 2)
+        keep = m.any(dim=(0, 1))  # drop columns no row/head evicted
+        self._store[layer] = (k[:, :, keep], v[:, :, keep], m[:, :, keep])
+
+    def read(self, layer, q, scale):
+        if layer not in self._store:
+            return None
+        k, v, m = (t.to(q.device) for t in self._store[layer])
+        return kernels.attention(q, k, v, scale=scale, causal=False, key_mask=m)
+
+    def held_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in self._store.values())
+
+    def reset(self) -> None:
+        self._store.clear()
+
+
+SCORERS: Dict[str, Any] = {"recent": RecentScorer, "random": RandomScorer}
+"""Scorer names usable from config (later methods register theirs here through their own modules)."""
+SELECTORS: Dict[str, Any] = {"topk": TopKSelector, "shared_topk": SharedTopKSelector}
+
+
+@dataclass
+class KVPolicy:
+    """A scorer, selector, budget, action and schedule (and optional compensator); ``layers`` limits the
+    layers it acts on (None = all). A policy with no scorer or an unlimited budget never changes anything."""
+
+    scorer: Optional[Any] = None
+    selector: Any = field(default_factory=TopKSelector)
+    budget: Budget = field(default_factory=Budget)
+    action: Action = Action.EVICT
+    schedule: Schedule = field(default_factory=Schedule)
+    compensator: Optional[Any] = None
+    layers: Optional[List[int]] = None
+    name: str = "policy"
+
+    def __post_init__(self) -> None:
+        self.action = Action(self.action)
+        if self.compensator is not None and self.action is not Action.EVICT:
+            raise ValueError(f"a compensator receives evicted entries; action must be 'evict', got "
+                             f"{self.action.value!r}")
+        if self.scorer is not None and not isinstance(self.scorer, Scorer):
+            raise TypeError(f"scorer {type(self.scorer).__name__} lacks requires/score/update/reset")
+
+    @property
+    def is_noop(self) -> bool:
+        return self.scorer is None or self.budget.unlimited
+
+    def acts_on(self, layer: int) -> bool:
+        return not self.is_noop and (self.layers is None or layer in self.layers)
+
+    def decide(self, obs: KVObservation) -> torch.Tensor:
+        """Keep mask ``[B, Hk, N]``: at most ``capacity`` valid entries per head, protected ones included."""
+        n_heads = obs.k.shape[1]
+        capacity = self.budget.capacity(obs.valid.sum(-1), obs.layer, n_heads)
+        protected = protected_mask(obs.valid, self.budget.sink, self.budget.window, capacity)
+        scores = self.scorer.score(obs)
+        if tuple(scores.shape) != tuple(obs.valid.shape):
+            raise ValueError(f"scorer {type(self.scorer).__name__} returned {list(scores.shape)}; expected "
+                             f"[B, Hk, N] = {list(obs.valid.shape)}")
+        keep = self.selector.select(scores, capacity, protected, obs.valid)
+        return keep & obs.valid
+
+
+def kept_fraction(keep: torch.Tensor, valid: torch.Tensor) -> float:
+    """Fraction of valid entries kept (for logs)."""
+    total = int(valid.sum())
+    return float(keep.sum()) / total if total else math.nan

@@ -1,0 +1,273 @@
+"""Install a :class:`~lightning_modules.llm.policy.KVPolicy` on a Hugging Face model, and always remove it.
+
+``with install_policy(model, policy) as session:`` switches the model to the ``litctx`` attention function,
+puts a :class:`LayerRunner` on every attention module (attribute + a forward pre-hook that hands it the
+layer's cache object) and restores everything on exit, also when the body raises.
+
+Each runner keeps the bookkeeping of its layer's cache: ``slots [B, Hk, N]`` (index of each entry in the
+uncompressed token stream) and ``valid [B, Hk, N]`` (readable: not padding, not masked). A call on an empty
+cache starts a new sequence (the scorer and compensator are reset). Attention is computed by
+:func:`kernels.attention` with ``key_mask = valid`` and bottom-right causal alignment (new entries are
+appended last, and kept entries stay in sequence order), then the policy acts according to its schedule:
+
+* ``evict`` gathers the kept entries into the cache's ``keys``/``values`` (memory really shrinks; heads with
+  fewer kept entries are padded with invalid slots up to the largest head);
+* ``mask`` only clears ``valid``; ``sparse_read`` masks entries for the current decode step only;
+* ``recompute`` records the entries a driver should recompute (:meth:`PolicySession.recompute_sets`).
+
+Padding: in the first prefill the per-key validity comes from transformers' mask (causal x padding); after
+that the runner's ``valid`` is authoritative for old entries and new single tokens are always valid, so a
+driver passes a mask of ones over the (possibly compressed) cache plus the new tokens' own padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+import kernels
+from lightning_modules.llm.attention import ATTN_NAME, RUNNER_ATTR, ensure_registered, mask_to_key_mask
+from lightning_modules.llm.policy import Action, KVObservation, KVPolicy
+
+__all__ = ["LayerRunner", "PolicySession", "install_policy", "active_session", "attention_modules",
+           "cache_bytes", "SESSION_ATTR"]
+
+SESSION_ATTR = "_litctx_kv_session"
+
+
+def attention_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The self-attention modules of a Hugging Face decoder (modules with ``layer_idx`` and q/k/v
+    projections), in layer order."""
+    found = [m for m in model.modules()
+             if hasattr(m, "layer_idx") and all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj"))]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes held by the keys and values of a transformers cache (all layers)."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+@dataclass
+class LayerState:
+    slots: Optional[torch.Tensor] = None  # [B, Hk, N] long
+    valid: Optional[torch.Tensor] = None  # [B, Hk, N] bool
+    seen: int = 0  # tokens of the uncompressed stream so far
+    decode_steps: int = 0
+    recompute: Optional[torch.Tensor] = None  # [B, Hk, N] bool, the last RECOMPUTE decision
+
+
+class LayerRunner:
+    """Runs one layer's attention under a policy (see the module docstring)."""
+
+    def __init__(self, layer: int, policy: KVPolicy, session: "PolicySession") -> None:
+        self.layer = layer
+        self.policy = policy
+        self.scorer = copy.deepcopy(policy.scorer)  # stateful scorers keep per-layer state
+        self.session = session
+        self.state = LayerState()
+        self.cache: Any = None
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _start(self, device: torch.device) -> None:
+        self.state = LayerState()
+        if self.scorer is not None:
+            self.scorer.reset()
+        if self.policy.compensator is not None and self.layer == self.session.first_layer:
+            self.policy.compensator.reset()
+
+    def _new_entries(self, attention_mask: Optional[torch.Tensor], b: int, hk: int, n_q: int, n_k: int,
+                     device: torch.device):
+        n_old = n_k - n_q
+        new_valid = torch.ones(b, hk, n_q, dtype=torch.bool, device=device)
+        if attention_mask is not None and n_q > 1:
+            key_mask = mask_to_key_mask(attention_mask, n_q, n_k)
+            if key_mask is None:
+                raise ValueError(f"layer {self.layer}: a KV policy needs a causal x per-key (padding) mask; got "
+                                 f"a mask of shape {list(attention_mask.shape)} that does not factor that way")
+            # transformers' masks are shared by the heads ([B, 1, Nq, Nk]); entries are per KV head here
+            new_valid = key_mask[:, 0, n_old:].unsqueeze(1).expand(b, hk, n_q).clone()
+        slots = (self.state.seen + torch.arange(n_q, device=device)).view(1, 1, n_q).expand(b, hk, n_q)
+        return slots, new_valid
+
+    # ------------------------------------------------------------------ the attention call
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        b, hk, n_k = key.shape[0], key.shape[1], key.shape[2]
+        n_q = query.shape[2]
+        n_old = n_k - n_q
+        st = self.state
+        if n_old == 0:
+            self._start(key.device)
+            st = self.state
+        elif st.slots is None or st.slots.shape[-1] != n_old or st.slots.shape[0] != b:
+            have = None if st.slots is None else list(st.slots.shape)
+            raise RuntimeError(f"layer {self.layer}: the cache holds {n_old} entries for batch {b} but the policy "
+                               f"tracked {have}; a cache that was filled before the policy was installed, or edited "
+                               f"outside it, cannot be served (start from an empty cache)")
+        phase = "prefill" if n_old == 0 else ("decode" if n_q == 1 else "append")
+        new_slots, new_valid = self._new_entries(attention_mask, b, hk, n_q, n_k, key.device)
+        slots = new_slots if n_old == 0 else torch.cat([st.slots, new_slots], dim=-1)
+        valid = new_valid if n_old == 0 else torch.cat([st.valid, new_valid], dim=-1)
+        pol = self.policy
+        acting = pol.acts_on(self.layer)
+
+        read = valid
+        if acting and pol.action is Action.SPARSE_READ and phase == "decode":
+            obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale)
+            read = pol.decide(obs)
+            self.session.record(self.layer, phase, read, valid)
+
+        key_mask = None if bool(read.all()) else read
+        o, lse = kernels.attention(query, key, value, scale=scale, causal=True, key_mask=key_mask)
+        comp = pol.compensator
+        if comp is not None:
+            extra = comp.read(self.layer, query, scale)
+            if extra is not None:
+                o, lse = kernels.merge_lse(o, lse, extra[0].to(o.dtype), extra[1].to(lse.dtype))
+
+        obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, out=o, lse=lse)
+        if acting:
+            self.scorer.update(obs)
+        st.seen += n_q
+        if phase == "decode":
+            st.decode_steps += 1
+        if acting and pol.action is not Action.SPARSE_READ and self._due(phase):
+            keep = pol.decide(obs)
+            self.session.record(self.layer, phase, keep, valid)
+            slots, valid = self._apply(keep, key, value, slots, valid)
+        st.slots, st.valid = slots, valid
+        return o
+
+    def _due(self, phase: str) -> bool:
+        sched = self.policy.schedule
+        if phase == "prefill":
+            return sched.prefill
+        if phase == "append":
+            return sched.append
+        return sched.decode_every > 0 and self.state.decode_steps % sched.decode_every == 0
+
+    def _apply(self, keep: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+               valid: torch.Tensor):
+        action = self.policy.action
+        if action is Action.MASK:
+            return slots, valid & keep
+        if action is Action.RECOMPUTE:
+            self.state.recompute = valid & ~keep
+            return slots, valid
+        # EVICT: gather the kept entries (in sequence order) of every head into the cache
+        if self.cache is None or not hasattr(self.cache, "layers"):
+            raise RuntimeError(f"layer {self.layer}: eviction needs a transformers Cache with .layers (pass "
+                               f"use_cache=True / past_key_values=DynamicCache()); got {type(self.cache).__name__}")
+        layer_cache = self.cache.layers[self.layer]
+        if not (isinstance(getattr(layer_cache, "keys", None), torch.Tensor)
+                and layer_cache.keys.shape == key.shape):
+            raise RuntimeError(f"layer {self.layer}: cache layer {type(layer_cache).__name__} does not hold the "
+                               f"full key view {list(key.shape)}; eviction supports DynamicCache layers")
+        if self.policy.compensator is not None:
+            self.policy.compensator.write(self.layer, key, value, slots, valid & ~keep)
+        n_keep = int(keep.sum(-1).max())
+        # kept entries first (in order), then the rest; the first n_keep columns hold every kept entry
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :n_keep]
+        idx = order.unsqueeze(-1)
+        layer_cache.keys = torch.gather(key, 2, idx.expand(-1, -1, -1, key.shape[-1])).contiguous()
+        layer_cache.values = torch.gather(value, 2, idx.expand(-1, -1, -1, value.shape[-1])).contiguous()
+        return torch.gather(slots, 2, order), torch.gather(keep, 2, order)
+
+
+@dataclass
+class PolicySession:
+    """The installed policy of one model: runners per layer and what they decided."""
+
+    model: torch.nn.Module
+    policy: KVPolicy
+    runners: Dict[int, LayerRunner] = field(default_factory=dict)
+    first_layer: int = 0
+    decisions: List[Dict[str, Any]] = field(default_factory=list)
+    keep_log: bool = False
+
+    def record(self, layer: int, phase: str, keep: torch.Tensor, valid: torch.Tensor) -> None:
+        if self.keep_log:
+            total = int(valid.sum())
+            self.decisions.append({"layer": layer, "phase": phase, "kept": int((keep & valid).sum()),
+                                   "valid": total})
+
+    def kept_fraction(self) -> float:
+        """Kept / valid over every decision recorded (``keep_log=True``)."""
+        valid = sum(d["valid"] for d in self.decisions)
+        return sum(d["kept"] for d in self.decisions) / valid if valid else math.nan
+
+    def readable_entries(self) -> Dict[int, torch.Tensor]:
+        """Per layer, the number of readable entries ``[B, Hk]`` now."""
+        return {i: r.state.valid.sum(-1) for i, r in self.runners.items() if r.state.valid is not None}
+
+    def recompute_sets(self) -> Dict[int, torch.Tensor]:
+        """Per layer, ``(slots, mask)`` pairs' mask of entries a ``recompute`` policy selected, by slot
+        ``[B, Hk, N]`` (entries where ``True`` should be recomputed by the driver)."""
+        return {i: r.state.recompute for i, r in self.runners.items() if r.state.recompute is not None}
+
+    def slots(self, layer: int) -> Optional[torch.Tensor]:
+        return self.runners[layer].state.slots
+
+
+def active_session(model: torch.nn.Module) -> Optional[PolicySession]:
+    """The session installed on ``model`` (or on its ``.model`` wrapper attribute), if any."""
+    return getattr(model, SESSION_ATTR, None)
+
+
+@contextlib.contextmanager
+def install_policy(model: torch.nn.Module, policy: KVPolicy, keep_log: bool = False) -> Iterator[PolicySession]:
+    """Run ``model`` under ``policy`` inside the block; hooks, attributes and the attention implementation
+    are restored on exit, whatever happens."""
+    if active_session(model) is not None:
+        raise RuntimeError("a KV-cache policy is already installed on this model; remove it first (one policy at "
+                           "a time; compose scorers inside one policy instead)")
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no attention layer a KV policy can drive (looked for "
+                         f"modules with layer_idx and q_proj/k_proj/v_proj, as in Llama, Qwen2 and OLMo-2)")
+    ensure_registered()
+    config = getattr(model, "config", None)
+    previous_impl = getattr(config, "_attn_implementation", None)
+    session = PolicySession(model=model, policy=policy, first_layer=modules[0].layer_idx, keep_log=keep_log)
+    handles = []
+
+    def grab_cache(runner: LayerRunner):
+        def hook(module, args, kwargs):
+            runner.cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        return hook
+
+    try:
+        if previous_impl != ATTN_NAME:
+            if not hasattr(model, "set_attn_implementation"):
+                raise ValueError(f"{type(model).__name__} cannot switch to the litctx attention implementation")
+            model.set_attn_implementation(ATTN_NAME)
+        for m in modules:
+            runner = LayerRunner(m.layer_idx, policy, session)
+            session.runners[m.layer_idx] = runner
+            setattr(m, RUNNER_ATTR, runner)
+            handles.append(m.register_forward_pre_hook(grab_cache(runner), with_kwargs=True))
+        setattr(model, SESSION_ATTR, session)
+        yield session
+    finally:
+        for h in handles:
+            h.remove()
+        for m in modules:
+            if hasattr(m, RUNNER_ATTR):
+                delattr(m, RUNNER_ATTR)
+        if getattr(model, SESSION_ATTR, None) is session:
+            delattr(model, SESSION_ATTR)
+        if previous_impl is not None and previous_impl != ATTN_NAME:
+            model.set_attn_implementation(previous_impl)
+        for r in session.runners.values():
+            r.cache = None

@@ -1,0 +1,86 @@
+"""Scoring and summaries of long-context suite records (one dict per evaluated sample).
+
+A record holds at least ``task``, ``length``, ``depth`` (NaN for tasks without a needle), ``score`` in
+``[0, 1]`` and ``prediction``; :func:`summarise` turns a list of them into per-task accuracy by length and a
+depth x length grid over the needle tasks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Dict, List, Mapping, Sequence
+
+__all__ = ["score_prediction", "summarise", "markdown_table", "depth_grid"]
+
+
+def score_prediction(prediction: str, answers: Sequence[str], metric: str) -> float:
+    """RULER's string match: ``any`` -> 1.0 if some reference occurs in ``prediction``; ``all`` -> the
+    fraction of references that occur (case-insensitive)."""
+    pred = prediction.lower()
+    hits = [str(a).lower() in pred for a in answers]
+    if metric == "any":
+        return float(any(hits))
+    if metric == "all":
+        return sum(hits) / len(hits) if hits else 0.0
+    raise ValueError(f"metric must be 'any' or 'all', got {metric!r}")
+
+
+def _mean_sd(values: Sequence[float]) -> Dict[str, float]:
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return {"mean": mean, "n": n, "sem": math.sqrt(var / n) if n > 1 else 0.0}
+
+
+def summarise(records: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """``{"cells": {task: {length: {mean, n, sem}}}, "tasks": {task: {mean, n, sem}}, "lengths": {...},
+    "overall": {...}}`` (accuracy in [0, 1]; ``sem`` = standard error of the mean over samples)."""
+    if not records:
+        raise ValueError("no records to summarise")
+    cells: Dict[str, Dict[int, List[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        cells[str(r["task"])][int(r["length"])].append(float(r["score"]))
+    out = {"cells": {t: {n: _mean_sd(v) for n, v in sorted(by.items())} for t, by in sorted(cells.items())}}
+    out["tasks"] = {t: _mean_sd([s for v in by.values() for s in v]) for t, by in sorted(cells.items())}
+    lengths: Dict[int, List[float]] = defaultdict(list)
+    for by in cells.values():
+        for n, v in by.items():
+            lengths[n].extend(v)
+    out["lengths"] = {n: _mean_sd(v) for n, v in sorted(lengths.items())}
+    out["overall"] = _mean_sd([float(r["score"]) for r in records])
+    return out
+
+
+def depth_grid(records: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Mean score per (depth, length) over records with a depth: ``{"depths": [...], "lengths": [...],
+    "grid": [[mean or NaN per length] per depth], "counts": [[n ...] ...]}``."""
+    acc: Dict[tuple, List[float]] = defaultdict(list)
+    for r in records:
+        d = r.get("depth")
+        if d is None or (isinstance(d, float) and math.isnan(d)):
+            continue
+        acc[(round(float(d), 4), int(r["length"]))].append(float(r["score"]))
+    depths = sorted({k[0] for k in acc})
+    lengths = sorted({k[1] for k in acc})
+    grid = [[(sum(acc[(d, n)]) / len(acc[(d, n)])) if acc.get((d, n)) else math.nan for n in lengths] for d in depths]
+    counts = [[len(acc.get((d, n), [])) for n in lengths] for d in depths]
+    return {"depths": depths, "lengths": lengths, "grid": grid, "counts": counts}
+
+
+def markdown_table(summary: Mapping[str, Any], percent: bool = True) -> str:
+    """Task x length accuracy table (mean +- sem, n) in Markdown."""
+    lengths = list(summary["lengths"])
+    scale = 100.0 if percent else 1.0
+
+    def cell(c: Mapping[str, float]) -> str:
+        return f"{scale * c['mean']:.1f} ± {scale * c['sem']:.1f} (n={c['n']})"
+
+    head = "| task | " + " | ".join(f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in lengths) + " | all |"
+    rows = [head, "|" + "---|" * (len(lengths) + 2)]
+    for task, by in summary["cells"].items():
+        rows.append(f"| {task} | " + " | ".join(cell(by[n]) if n in by else "-" for n in lengths)
+                    + f" | {cell(summary['tasks'][task])} |")
+    rows.append("| **mean** | " + " | ".join(cell(summary["lengths"][n]) for n in lengths)
+                + f" | {cell(summary['overall'])} |")
+    return "\n".join(rows)
