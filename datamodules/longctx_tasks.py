@@ -114,16 +114,17 @@ class Haystack:
         if len(words) < 200:
             raise ValueError(f"the haystack has only {len(words)} distinct words; need at least 200")
 
-    def run(self, rng: random.Random, n_tokens: int) -> List[str]:
-        """Consecutive sentences (wrapping around) from a random start with about ``n_tokens`` tokens."""
+    def run(self, rng: random.Random, n_tokens: int) -> Tuple[List[str], List[int]]:
+        """Consecutive sentences (wrapping around) from a random start with about ``n_tokens`` tokens, and
+        their token counts."""
         out: List[str] = []
+        counts: List[int] = []
         i = rng.randrange(len(self.sentences))
-        total = 0
-        while total < n_tokens:
+        while sum(counts) < n_tokens:
             out.append(self.sentences[i])
-            total += self.tokens[i]
+            counts.append(self.tokens[i])
             i = (i + 1) % len(self.sentences)
-        return out
+        return out, counts
 
 
 _CONS = "bcdfghjklmnprstvz"
@@ -246,11 +247,17 @@ def _qa_facts(rng: random.Random, depth: float) -> TaskText:
                     [values[0]], "any", 16)
 
 
-def _insert(sentences: List[str], needles: Sequence[Tuple[float, str]]) -> str:
+def _insert(sentences: List[str], counts: Sequence[int], needles: Sequence[Tuple[float, str]]) -> str:
+    """Insert each needle at the sentence boundary nearest to its depth, measured in haystack tokens."""
+    total = max(1, sum(counts))
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)  # tokens before boundary i
     out = list(sentences)
     # insert from the deepest so earlier positions stay valid; equal depths keep their order
     for depth, text in sorted(needles, key=lambda x: x[0], reverse=True):
-        out.insert(int(round(depth * len(sentences))), text)
+        where = min(range(len(bounds)), key=lambda i: abs(bounds[i] - depth * total))
+        out.insert(where, text)
     return " ".join(out)
 
 
@@ -291,14 +298,17 @@ def build_sample(task: str, length: int, index: int, haystack: Haystack, tokeniz
     if task == "common_words":
         probe = _common_words(random.Random(0), haystack.words, 50)
         head, tail = _format(tokenizer, probe.instruction, "", probe.question, probe.answer_prefix, use_chat_template)
-        per_item = count(probe.context) / 50
-        n_items = max(20, int((length - count(head) - count(tail)) / per_item))
+        room = length - count(head) - count(tail)
+        n_items = max(20, int(room / (count(probe.context) / 50)))
+        for _ in range(3):  # item numbers grow longer with the list: refine the count on the real list
+            trial = _common_words(random.Random(stable_seed(seed, index)), haystack.words, n_items)
+            n_items = max(20, int(n_items * room / max(1, count(trial.context))))
         spec = _common_words(rng, haystack.words, n_items)
         context = spec.context
     else:
         head, tail = _format(tokenizer, spec.instruction, "", spec.question, spec.answer_prefix, use_chat_template)
         budget = length - count(head) - count(tail) - sum(count(t) + 1 for _, t in spec.needles)
-        context = _insert(haystack.run(rng, max(0, budget)), spec.needles)
+        context = _insert(*haystack.run(rng, max(0, budget)), spec.needles)
     ctx_text, q_text = _format(tokenizer, spec.instruction, context, spec.question, spec.answer_prefix,
                                use_chat_template)
     ctx_ids = tokenizer(ctx_text, add_special_tokens=False)["input_ids"]

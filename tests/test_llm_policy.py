@@ -1,0 +1,116 @@
+"""The KV-policy protocol's parts against brute force: budgets, protected sets, selectors, the observation's
+lazy window statistics."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from lightning_modules.llm.policy import (
+    Budget,
+    KVObservation,
+    KVPolicy,
+    RandomScorer,
+    RecentScorer,
+    SharedTopKSelector,
+    TopKSelector,
+    protected_mask,
+)
+
+
+def _random_valid(b, h, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    pads = torch.randint(0, n // 2, (b,), generator=gen)
+    valid = torch.arange(n).view(1, 1, n) >= pads.view(b, 1, 1)
+    return valid.expand(b, h, n).clone()
+
+
+@pytest.mark.parametrize("keep,ratio", [(5, None), (None, 0.5), (None, 0.9), (40, None)])
+def test_capacity_matches_its_definition(keep, ratio):
+    budget = Budget(keep=keep, compression_ratio=ratio, layer_scale=[1.0, 0.5], head_scale=[[1.0, 2.0], [1.0, 1.0]])
+    n_valid = torch.tensor([[20, 20], [7, 7]])
+    for layer in (0, 1):
+        cap = budget.capacity(n_valid, layer, 2)
+        for b, h in itertools.product(range(2), range(2)):
+            base = keep if keep is not None else int(n_valid[b, h]) * (1 - ratio)
+            want = math.floor(base * [1.0, 0.5][layer] * budget.head_scale[layer][h] + 1e-9)
+            assert int(cap[b, h]) == min(max(want, 1), int(n_valid[b, h]))
+
+
+def test_budget_rejects_bad_values_with_the_key_named():
+    with pytest.raises(ValueError, match="either keep or compression_ratio"):
+        Budget(keep=3, compression_ratio=0.5)
+    with pytest.raises(ValueError, match="compression_ratio"):
+        Budget(compression_ratio=1.0)
+    with pytest.raises(ValueError, match="head_scale needs 3"):
+        Budget(keep=4, head_scale=[1.0, 1.0]).capacity(torch.tensor([[9, 9, 9]]), 0, 3)
+
+
+def test_protected_mask_brute_force():
+    valid = _random_valid(3, 2, 12, seed=1)
+    for sink, window, capv in itertools.product((0, 2, 4), (0, 3), (1, 3, 6, 12)):
+        cap = torch.full((3, 2), capv)
+        got = protected_mask(valid, sink, window, cap)
+        for b, h in itertools.product(range(3), range(2)):
+            idx = [j for j in range(12) if valid[b, h, j]]
+            s = min(sink, capv)
+            w = max(0, min(window, capv - s))
+            want = set(idx[:s]) | (set(idx[-w:]) if w else set())
+            assert {j for j in range(12) if got[b, h, j]} == want
+
+
+@pytest.mark.parametrize("selector", [TopKSelector(), SharedTopKSelector()])
+def test_selectors_keep_protected_then_best_and_never_exceed(selector):
+    gen = torch.Generator().manual_seed(0)
+    valid = _random_valid(2, 3, 16, seed=2)
+    scores = torch.randn(2, 3, 16, generator=gen)
+    cap = torch.tensor([[5, 5, 5], [9, 9, 9]])
+    protected = protected_mask(valid, 1, 2, cap)
+    keep = selector.select(scores, cap, protected, valid)
+    assert (keep <= valid).all() and (keep.sum(-1) <= cap).all()
+    assert (keep | ~protected).all()  # every protected entry kept
+    for b, h in itertools.product(range(2), range(3)):
+        s = scores[b, h] if isinstance(selector, TopKSelector) else (scores[b] * valid[b]).sum(0) / valid[b].sum(0).clamp_min(1)
+        free = [j for j in range(16) if valid[b, h, j] and not protected[b, h, j]]
+        n_free = int(cap[b, h]) - int(protected[b, h].sum())
+        want = set(sorted(free, key=lambda j: -float(s[j]))[:n_free]) | set(protected[b, h].nonzero().flatten().tolist())
+        assert set(keep[b, h].nonzero().flatten().tolist()) == want
+    if isinstance(selector, SharedTopKSelector):
+        assert torch.equal(keep[:, 0], keep[:, 1]) and torch.equal(keep[:, 1], keep[:, 2])
+
+
+def test_policy_decide_with_recent_scorer_is_streaming_llm():
+    n = 20
+    slots = torch.arange(n).view(1, 1, n).expand(1, 2, n)
+    valid = torch.ones(1, 2, n, dtype=torch.bool)
+    q = torch.randn(1, 4, 3, 8)
+    k = v = torch.randn(1, 2, n, 8)
+    obs = KVObservation(0, "prefill", q, k, v, slots, valid, 8 ** -0.5)
+    keep = KVPolicy(scorer=RecentScorer(), budget=Budget(keep=7, sink=4)).decide(obs)
+    assert keep[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 17, 18, 19]
+    random_keep = KVPolicy(scorer=RandomScorer(0), budget=Budget(keep=7, sink=4)).decide(obs)
+    assert int(random_keep[0, 0].sum()) == 7 and random_keep[0, 0, :4].all()
+
+
+def test_observation_window_statistics_match_float64_brute_force():
+    gen = torch.Generator().manual_seed(3)
+    b, hq, hk, nq, n, d = 2, 4, 2, 5, 11, 8
+    q = torch.randn(b, hq, nq, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, hk, n, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, hk, n, d, generator=gen, dtype=torch.float64)
+    valid = torch.ones(b, hk, n, dtype=torch.bool)
+    valid[1, :, :3] = False
+    obs = KVObservation(0, "prefill", q, k, v, torch.arange(n).expand(b, hk, n), valid, d ** -0.5)
+    probs = obs.window_probs(3)
+    for bb, h, i in itertools.product(range(b), range(hq), range(3)):
+        qi = q[bb, h, nq - 3 + i]
+        pos = n - 3 + i  # bottom-right aligned query position
+        logits = [float(qi @ k[bb, h // 2, j]) * d ** -0.5 if (j <= pos and valid[bb, h // 2, j]) else -math.inf
+                  for j in range(n)]
+        m = max(logits)
+        z = sum(math.exp(x - m) for x in logits if x > -math.inf)
+        want = [math.exp(x - m) / z if x > -math.inf else 0.0 for x in logits]
+        assert torch.allclose(probs[bb, h, i].double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
