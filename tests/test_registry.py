@@ -53,6 +53,12 @@ def test_tiny_method_runs_one_forward_on_its_tiny_data(name):
     dm.setup("fit")
     if hasattr(model, "prepare_from_datamodule"):  # data-dependent state (e.g. MEG-XL's fitted tokenizer)
         model.prepare_from_datamodule(dm)
+    if spec.kind == "inference":  # pretrained, evaluation only: one predict step on its evaluation data
+        batch = next(iter(dm.predict_dataloader()))
+        with torch.no_grad():
+            records = model.predict_step(batch, 0)
+        assert len(records) == len(batch["id"]) and all(0.0 <= r["score"] <= 1.0 for r in records)
+        return
     batch = next(iter(dm.train_dataloader()))
     with torch.no_grad():
         out = model.training_step(batch, 0)  # no trainer attached: self.log only warns

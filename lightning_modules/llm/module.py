@@ -65,6 +65,7 @@ class LanguageModel(LongContextModule):
         super().__init__(cfg, optim)
         self.model, self.tokenizer = load_causal_lm(self.cfg.model, dtype=self.cfg.dtype, seed=self.cfg.seed,
                                                     tiny=self.cfg.tiny or None)
+        self.model.train()  # the loader returns eval mode; Lightning switches modes per stage from here
         if self.cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self._sums: Dict[str, torch.Tensor] = {}
