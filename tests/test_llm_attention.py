@@ -213,3 +213,22 @@ def test_recompute_records_the_selection_and_shared_selector_picks_one_set_per_l
         assert chosen.sum(-1).eq(12 - 5).all()  # 7 entries to recompute per head
         assert torch.equal(chosen[:, 0], chosen[:, 1])  # one set shared by the KV heads
     assert lm.cache.layers[0].keys.shape[2] == 12  # recompute does not evict
+
+
+@pytest.mark.parametrize("policy", [None, KVPolicy(scorer=RecentScorer(), budget=Budget(keep=10, sink=2)),
+                                    KVPolicy(scorer=RandomScorer(2), budget=Budget(keep=12, window=4),
+                                             schedule=Schedule(decode_every=1))])
+def test_hf_generate_and_our_driver_agree_with_and_without_a_policy(policy):
+    """transformers' ``generate`` (its own positions and masks) and :class:`CachedLM` give the same greedy
+    tokens at batch 2 with left padding, also while a policy evicts at prefill or at every decode step."""
+    import contextlib
+
+    from lightning_modules.llm.generation import greedy_generate
+
+    model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=1)
+    ids, mask = _batch(seed=5, n=30, pad=6)
+    ctx = install_policy(model, policy) if policy is not None else contextlib.nullcontext()
+    with ctx:
+        hf = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        ours = greedy_generate(model, ids, mask, 8)
+    assert hf[:, 30:].tolist() == ours.tokens

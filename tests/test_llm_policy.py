@@ -114,3 +114,20 @@ def test_observation_window_statistics_match_float64_brute_force():
         z = sum(math.exp(x - m) for x in logits if x > -math.inf)
         want = [math.exp(x - m) / z if x > -math.inf else 0.0 for x in logits]
         assert torch.allclose(probs[bb, h, i].double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
+
+
+def test_observation_colstats_come_from_the_kernels_and_match_the_window_probabilities():
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 6, 8, generator=gen)
+    k = torch.randn(1, 2, 9, 8, generator=gen)
+    v = torch.randn(1, 2, 9, 8, generator=gen)
+    obs = KVObservation(0, "prefill", q, k, v, torch.arange(9).expand(1, 2, 9), torch.ones(1, 2, 9, dtype=torch.bool),
+                        8 ** -0.5)
+    stats = obs.colstats(4)
+    probs = obs.window_probs(4)
+    torch.testing.assert_close(stats.p_sum, probs.sum(-2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats.p2_sum, (probs ** 2).sum(-2), atol=1e-5, rtol=1e-5)
+    obs.valid[0, 0, 0] = False
+    obs._cache.clear()
+    with pytest.raises(ValueError, match="unmasked"):
+        obs.colstats(4)

@@ -395,14 +395,16 @@ class KVPolicy:
     def acts_on(self, layer: int) -> bool:
         return not self.is_noop and (self.layers is None or layer in self.layers)
 
-    def decide(self, obs: KVObservation) -> torch.Tensor:
-        """Keep mask ``[B, Hk, N]``: at most ``capacity`` valid entries per head, protected ones included."""
+    def decide(self, obs: KVObservation, scorer: Optional[Any] = None) -> torch.Tensor:
+        """Keep mask ``[B, Hk, N]``: at most ``capacity`` valid entries per head, protected ones included.
+        ``scorer`` overrides ``self.scorer`` (the installer passes each layer its own stateful copy)."""
+        scorer = scorer if scorer is not None else self.scorer
         n_heads = obs.k.shape[1]
         capacity = self.budget.capacity(obs.valid.sum(-1), obs.layer, n_heads)
         protected = protected_mask(obs.valid, self.budget.sink, self.budget.window, capacity)
-        scores = self.scorer.score(obs)
+        scores = scorer.score(obs)
         if tuple(scores.shape) != tuple(obs.valid.shape):
-            raise ValueError(f"scorer {type(self.scorer).__name__} returned {list(scores.shape)}; expected "
+            raise ValueError(f"scorer {type(scorer).__name__} returned {list(scores.shape)}; expected "
                              f"[B, Hk, N] = {list(obs.valid.shape)}")
         keep = self.selector.select(scores, capacity, protected, obs.valid)
         return keep & obs.valid

@@ -125,7 +125,7 @@ class LayerRunner:
         read = valid
         if acting and pol.action is Action.SPARSE_READ and phase == "decode":
             obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale)
-            read = pol.decide(obs)
+            read = pol.decide(obs, self.scorer)
             self.session.record(self.layer, phase, read, valid)
 
         key_mask = None if bool(read.all()) else read
@@ -143,7 +143,7 @@ class LayerRunner:
         if phase == "decode":
             st.decode_steps += 1
         if acting and pol.action is not Action.SPARSE_READ and self._due(phase):
-            keep = pol.decide(obs)
+            keep = pol.decide(obs, self.scorer)
             self.session.record(self.layer, phase, keep, valid)
             slots, valid = self._apply(keep, key, value, slots, valid)
         st.slots, st.valid = slots, valid
