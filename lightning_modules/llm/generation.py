@@ -13,7 +13,7 @@ been evicted), so the model gets ones over the physical cache plus the new token
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
 import torch
@@ -32,7 +32,6 @@ class GenerationResult:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     cache_bytes: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def decode_tokens_per_second(self) -> float:

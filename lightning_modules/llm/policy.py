@@ -24,7 +24,6 @@ A policy decides, per layer and per KV head, which cache entries stay readable. 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Tuple, runtime_checkable
@@ -408,9 +407,3 @@ class KVPolicy:
                              f"[B, Hk, N] = {list(obs.valid.shape)}")
         keep = self.selector.select(scores, capacity, protected, obs.valid)
         return keep & obs.valid
-
-
-def kept_fraction(keep: torch.Tensor, valid: torch.Tensor) -> float:
-    """Fraction of valid entries kept (for logs)."""
-    total = int(valid.sum())
-    return float(keep.sum()) / total if total else math.nan

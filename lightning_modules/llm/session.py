@@ -79,7 +79,7 @@ class LayerRunner:
         self.cache: Any = None
 
     # ------------------------------------------------------------------ bookkeeping
-    def _start(self, device: torch.device) -> None:
+    def _start(self) -> None:
         self.state = LayerState()
         if self.scorer is not None:
             self.scorer.reset()
@@ -108,7 +108,7 @@ class LayerRunner:
         n_old = n_k - n_q
         st = self.state
         if n_old == 0:
-            self._start(key.device)
+            self._start()
             st = self.state
         elif st.slots is None or st.slots.shape[-1] != n_old or st.slots.shape[0] != b:
             have = None if st.slots is None else list(st.slots.shape)
@@ -207,17 +207,10 @@ class PolicySession:
         valid = sum(d["valid"] for d in self.decisions)
         return sum(d["kept"] for d in self.decisions) / valid if valid else math.nan
 
-    def readable_entries(self) -> Dict[int, torch.Tensor]:
-        """Per layer, the number of readable entries ``[B, Hk]`` now."""
-        return {i: r.state.valid.sum(-1) for i, r in self.runners.items() if r.state.valid is not None}
-
     def recompute_sets(self) -> Dict[int, torch.Tensor]:
-        """Per layer, ``(slots, mask)`` pairs' mask of entries a ``recompute`` policy selected, by slot
-        ``[B, Hk, N]`` (entries where ``True`` should be recomputed by the driver)."""
+        """Per layer, the entries ``[B, Hk, N]`` (over the cache view) that the last ``recompute`` decision
+        selected for recomputation by a driver."""
         return {i: r.state.recompute for i, r in self.runners.items() if r.state.recompute is not None}
-
-    def slots(self, layer: int) -> Optional[torch.Tensor]:
-        return self.runners[layer].state.slots
 
 
 def active_session(model: torch.nn.Module) -> Optional[PolicySession]:
