@@ -170,6 +170,21 @@ RULER_PAPER = Paper(
 
 LLM_TINY = {"model": "tiny-llama"}
 
+EMFORMER_PAPER = Paper(
+    title="EMFormer: Efficient Multi-Scale Transformer for Accumulative Context Weather Forecasting",
+    venue="ICML 2026",
+    arxiv="2602.01194",
+    code="https://github.com/chenhao-zju/emformer (re-implemented; depthwise multi-scale conv by default)",
+)
+
+EMFORMER_TINY = {"model_args": {"embed_dim": 16, "num_heads": 2, "mid_depth": 2, "levels": [[1, 1]]},
+                 "in_chans": 3, "img_size": [8, 16], "report_channels": ["geopotential@500"]}
+ERA5_TINY = {"variables": ["geopotential", "2m_temperature"], "levels": [500, 850], "batch_size": 4,
+             "train_batches": 2, "eval_rollout": 2,
+             "train_period": ["2000-01-01", "2000-01-20"], "val_period": ["2000-01-21", "2000-01-25"],
+             "test_period": ["2000-01-26", "2000-01-30"],
+             "synthetic": {"days": 30, "n_lat": 8, "n_lon": 16}}
+
 MEG_TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "levels": 2, "codes": 8, "code_dim": 4,
             "fourier_features": 8, "tokenizer_fit_samples": 2}
 
@@ -255,6 +270,35 @@ METHODS: Dict[str, MethodSpec] = {
             tags=("llm", "long-context", "evaluation"),
         ),
         MethodSpec(
+            name="emformer",
+            target="lightning_modules.emformer.module:EMFormerModule",
+            config="lightning_modules.emformer.module:EMFormerConfig",
+            paper=EMFORMER_PAPER,
+            description="hourglass transformer with merged multi-scale convolutions, one-step pre-training on "
+                        "ERA5 (WB2 layout), latitude-weighted RMSE/ACC by lead",
+            default_data="era5",
+            tiny=EMFORMER_TINY,
+            requires=("timm", "xarray", "zarr"),
+            extra="weather",
+            tags=("weather", "multi-scale", "pretrain"),
+        ),
+        MethodSpec(
+            name="emformer_rollout",
+            target="lightning_modules.emformer.module:EMFormerModule",
+            config="lightning_modules.emformer.module:EMFormerConfig",
+            paper=EMFORMER_PAPER,
+            description="EMFormer accumulative-context fine-tuning: detached autoregressive rollout, one "
+                        "optimiser step per forecast step",
+            kind="finetune",
+            default_data="era5",
+            default_data_args={"rollout": 2},
+            tiny={**EMFORMER_TINY, "mode": "rollout", "rollout_steps": 2},
+            requires=("timm", "xarray", "zarr"),
+            extra="weather",
+            manual_optimization=True,
+            tags=("weather", "multi-scale", "finetune"),
+        ),
+        MethodSpec(
             name="spiking",
             target="lightning_modules.spiking.module:SpikingClassifier",
             config="lightning_modules.spiking.module:SpikingConfig",
@@ -322,6 +366,17 @@ DATAMODULES: Dict[str, DataSpec] = {
             extra="llm",
             paper=RULER_PAPER,
             tokenizer_arg="tokenizer",
+        ),
+        DataSpec(
+            name="era5",
+            target="datamodules.era5:ERA5DataModule",
+            config="datamodules.era5:ERA5DataConfig",
+            description="ERA5 in WeatherBench2 layout (Zarr/NetCDF, CDS names normalised) through xarray; a "
+                        "synthetic advection-diffusion ERA5 with an exact climatology by default",
+            tiny=ERA5_TINY,
+            requires=("xarray", "zarr"),
+            extra="weather",
+            paper=EMFORMER_PAPER,
         ),
         DataSpec(
             name="event_frames",
