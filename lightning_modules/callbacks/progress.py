@@ -62,7 +62,8 @@ class LogLines(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
-        total = trainer.estimated_stepping_batches
+        # modules that take several optimizer steps per batch (manual rollouts) say how many
+        total = trainer.estimated_stepping_batches * getattr(pl_module, "optimizer_steps_per_batch", 1)
         last = math.isfinite(total) and step >= total
         if step == 0 or (step % self.every_n_steps and not last):
             return
@@ -71,6 +72,8 @@ class LogLines(pl.Callback):
         parts = [f"step {step}" + (f"/{int(total)} ({100 * step / total:.0f}%)" if math.isfinite(total) else "")]
         parts[0] += f" epoch {trainer.current_epoch}"
         loss = _scalar(outputs.get("loss")) if isinstance(outputs, dict) else _scalar(outputs)
+        if loss is None:  # manual optimization returns nothing; its logged loss stands in
+            loss = _scalar(trainer.callback_metrics.get("train/loss"))
         if loss is not None:
             parts.append(f"loss {loss:.4f}")
         for key, value in trainer.callback_metrics.items():

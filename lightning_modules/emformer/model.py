@@ -28,8 +28,8 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
+from timm.models import register_model
 from torch import nn
 
 import kernels
@@ -294,31 +294,26 @@ def _create(variant: str, defaults: dict, pretrained: bool = False, **kwargs):
     return EMFormer(**{**defaults, **kwargs})
 
 
-def _register() -> None:
-    from timm.models import register_model
-
-    def emformer_tiny(pretrained: bool = False, **kwargs):
-        """CPU-scale: 32x64 grid, patch 2, embed 64, 4 heads, two levels (512 -> 256 -> 128 tokens), 4 middle
-        layers alternating window/global multi-conv attention, depthwise multi-scale convolution."""
-        return _create("emformer_tiny", dict(embed_dim=64, num_heads=4, levels=((1, 1), (1, 1)), mid_depth=4,
-                                             alternate_min_depth=0), pretrained, **kwargs)
-
-    def emformer_small(pretrained: bool = False, **kwargs):
-        """embed 256, 8 heads, three levels, 8 middle layers."""
-        return _create("emformer_small", dict(embed_dim=256, num_heads=8, levels=((2, 2), (2, 2), (2, 2)),
-                                              mid_depth=8, alternate_min_depth=0), pretrained, **kwargs)
-
-    def emformer_base(pretrained: bool = False, **kwargs):
-        """The released configuration: 128x256 input, 70 channels, embed 768, 8 heads, depth spec
-        (2, (2, (2, (2, 24, 2), 2), 2), 2), dense multi-scale convolution, windows (8,8), (16,4), (4,16)."""
-        return _create("emformer_base", dict(img_size=(128, 256), in_chans=70, embed_dim=768, num_heads=8,
-                                             levels=((2, 2), (2, 2), (2, 2), (2, 2)), mid_depth=24,
-                                             windows=((8, 8), (16, 4), (4, 16)), alternate_min_depth=10,
-                                             conv_groups="dense", residual=False), pretrained, **kwargs)
-
-    for fn in (emformer_tiny, emformer_small, emformer_base):
-        fn.__module__ = __name__
-        globals()[fn.__name__] = register_model(fn)
+@register_model
+def emformer_tiny(pretrained: bool = False, **kwargs) -> EMFormer:
+    """CPU-scale: 32x64 grid, patch 2, embed 64, 4 heads, two levels (512 -> 256 -> 128 tokens), 4 middle
+    layers alternating window/global multi-conv attention, depthwise multi-scale convolution."""
+    return _create("emformer_tiny", dict(embed_dim=64, num_heads=4, levels=((1, 1), (1, 1)), mid_depth=4,
+                                         alternate_min_depth=0), pretrained, **kwargs)
 
 
-_register()
+@register_model
+def emformer_small(pretrained: bool = False, **kwargs) -> EMFormer:
+    """embed 256, 8 heads, three levels, 8 middle layers."""
+    return _create("emformer_small", dict(embed_dim=256, num_heads=8, levels=((2, 2), (2, 2), (2, 2)),
+                                          mid_depth=8, alternate_min_depth=0), pretrained, **kwargs)
+
+
+@register_model
+def emformer_base(pretrained: bool = False, **kwargs) -> EMFormer:
+    """The released configuration: 128x256 input, 70 channels, embed 768, 8 heads, depth spec
+    (2, (2, (2, (2, 24, 2), 2), 2), 2), dense multi-scale convolution, windows (8,8), (16,4), (4,16)."""
+    return _create("emformer_base", dict(img_size=(128, 256), in_chans=70, embed_dim=768, num_heads=8,
+                                         levels=((2, 2), (2, 2), (2, 2), (2, 2)), mid_depth=24,
+                                         windows=((8, 8), (16, 4), (4, 16)), alternate_min_depth=10,
+                                         conv_groups="dense", residual=False), pretrained, **kwargs)

@@ -110,6 +110,11 @@ class EMFormerModule(LongContextModule):
         self.last_scores: Dict[str, Dict[str, torch.Tensor]] = {}
         self._metrics: Dict[str, Any] = {}
 
+    @property
+    def optimizer_steps_per_batch(self) -> int:
+        """Optimizer steps per training batch (progress lines use it)."""
+        return self.cfg.rollout_steps if self.cfg.mode == "rollout" else 1
+
     # ------------------------------------------------------------------ data-dependent state
     def setup(self, stage: Optional[str] = None) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
