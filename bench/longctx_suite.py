@@ -24,7 +24,7 @@ from lightning_modules.llm.report import plot_depth_grid  # noqa: E402
 from lightning_modules.llm.suite_metrics import depth_grid, markdown_table, summarise  # noqa: E402
 
 
-def read_records(path: Path, samples: int, lengths) -> list:
+def read_records(path: Path, samples: int, lengths, model: str) -> list:
     out = {}
     if path.is_file():
         for line in path.read_text().splitlines():
@@ -33,7 +33,7 @@ def read_records(path: Path, samples: int, lengths) -> list:
             except json.JSONDecodeError:
                 continue
             task, length, index = rec["id"].rsplit("-", 2)
-            if int(length) in lengths and int(index) < samples:
+            if int(length) in lengths and int(index) < samples and rec.get("model") == model and rec.get("seed") == 0:
                 out[rec["id"]] = rec
     return list(out.values())
 
@@ -55,7 +55,7 @@ def main() -> int:
                                         f"method.args.results_file={results}", f"data.args.lengths={lengths}",
                                         f"data.args.samples_per_cell={args.samples}"], stage="test")
         run.test()
-    records = read_records(results, args.samples, set(args.lengths))
+    records = read_records(results, args.samples, set(args.lengths), args.model)
     if not records:
         print(f"no records in {results}")
         return 1

@@ -16,15 +16,22 @@ The Trainer is built with ``use_distributed_sampler=False``: these samplers shar
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-__all__ = ["stable_seed", "StreamPosition", "IndexBatchSampler", "ResumableDataLoader", "LoaderConfig",
+__all__ = ["stable_seed", "default_cache_dir", "StreamPosition", "IndexBatchSampler", "ResumableDataLoader", "LoaderConfig",
            "StreamDataModule", "SplitsDataModule"]
+
+
+def default_cache_dir() -> Path:
+    """Where DataModules cache prepared data: ``$LITCTX_CACHE_DIR`` or ``~/.cache/litctx``."""
+    return Path(os.environ.get("LITCTX_CACHE_DIR") or Path.home() / ".cache" / "litctx")
 
 
 def stable_seed(*parts: Any) -> int:

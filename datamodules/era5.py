@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import LoaderConfig, SplitsDataModule
+from datamodules.base import LoaderConfig, SplitsDataModule, default_cache_dir
 from datamodules.synth.era5 import SURFACE_VARIABLES, SyntheticERA5Config, write_era5
 
 __all__ = ["ERA5DataConfig", "ERA5DataModule", "normalize_era5", "open_era5", "channel_names", "SHORT_NAMES"]
@@ -44,10 +44,6 @@ SHORT_NAMES = {"z": "geopotential", "t": "temperature", "u": "u_component_of_win
                "sp": "surface_pressure", "tp": "total_precipitation"}
 _DIM_NAMES = {"valid_time": "time", "pressure_level": "level", "isobaricInhPa": "level", "plev": "level",
               "lat": "latitude", "lon": "longitude"}
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("LITCTX_CACHE_DIR") or Path.home() / ".cache" / "litctx")
 
 
 @dataclass

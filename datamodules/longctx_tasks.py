@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.base import StreamDataModule, stable_seed
-from datamodules.text import _load_tokenizer_folder, read_documents
+from datamodules.text import load_tokenizer_folder, read_documents
 
 __all__ = ["TASKS", "SuiteConfig", "LongContextSuite", "LongContextSuiteDataModule", "Haystack", "collate_suite",
            "build_sample"]
@@ -313,7 +313,7 @@ def build_sample(task: str, length: int, index: int, haystack: Haystack, tokeniz
                                use_chat_template)
     ctx_ids = tokenizer(ctx_text, add_special_tokens=False)["input_ids"]
     q_ids = tokenizer(q_text, add_special_tokens=False)["input_ids"]
-    return {"task": task, "length": int(length), "index": int(index), "depth": depth,
+    return {"task": task, "length": int(length), "index": int(index), "depth": depth, "seed": int(seed),
             "id": f"{task}-{length}-{index}", "context_ids": torch.tensor(ctx_ids, dtype=torch.long),
             "question_ids": torch.tensor(q_ids, dtype=torch.long), "answers": list(spec.answers),
             "metric": spec.metric, "max_new_tokens": spec.max_new_tokens, "n_tokens": len(ctx_ids) + len(q_ids),
@@ -375,7 +375,7 @@ class LongContextSuiteDataModule(StreamDataModule):
     def suite(self) -> LongContextSuite:
         if self._suite is None:
             if self.tokenizer is None:
-                self.tokenizer = _load_tokenizer_folder(self.cfg.tokenizer)
+                self.tokenizer = load_tokenizer_folder(self.cfg.tokenizer)
             docs = read_documents(self.cfg.haystack)
             self._suite = LongContextSuite(self.cfg, self.tokenizer, Haystack(docs, self.tokenizer))
         return self._suite

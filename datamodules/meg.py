@@ -58,7 +58,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import LoaderConfig, SplitsDataModule, stable_seed
+from datamodules.base import LoaderConfig, SplitsDataModule, default_cache_dir, stable_seed
 
 __all__ = [
     "MEGDataConfig",
@@ -78,11 +78,6 @@ __all__ = [
 RAW_PATTERNS = ("*_meg.fif", "*_meg.fif.gz", "*raw.fif", "*raw.fif.gz", "*raw_sss.fif", "*.ds", "*.con", "*.sqd",
                 "c,rfDC")
 SUPPORTED = "FIF (.fif, .fif.gz), CTF (.ds directory), KIT/Ricoh (.con, .sqd), 4D/BTi (c,rfDC with config)"
-
-
-def default_cache_dir() -> Path:
-    """``$LITCTX_CACHE_DIR`` or ``~/.cache/litctx``."""
-    return Path(os.environ.get("LITCTX_CACHE_DIR") or Path.home() / ".cache" / "litctx")
 
 
 # ---------------------------------------------------------------------------------------------- reading

@@ -31,7 +31,8 @@ from torch.utils.data import Dataset
 
 from datamodules.base import LoaderConfig, SplitsDataModule
 
-__all__ = ["TextDataConfig", "TextDataModule", "read_documents", "pydoc_documents", "PackedBlocks"]
+__all__ = ["TextDataConfig", "TextDataModule", "read_documents", "pydoc_documents", "PackedBlocks",
+           "load_tokenizer_folder", "split_documents"]
 
 
 @dataclass
@@ -130,7 +131,8 @@ class PackedBlocks(Dataset):
         return {"input_ids": self.blocks[i]}
 
 
-def _load_tokenizer_folder(name: str) -> Any:
+def load_tokenizer_folder(name: str) -> Any:
+    """A Hugging Face tokenizer from a local folder (``name``), with a clear error for anything else."""
     folder = Path(os.path.expanduser(name))
     if not folder.is_dir():
         raise ValueError(f"data.args.tokenizer={name!r} is not a local tokenizer folder; pass tokenizer= to "
@@ -176,7 +178,7 @@ class TextDataModule(SplitsDataModule):
         if self._splits:
             return
         if self.tokenizer is None:
-            self.tokenizer = _load_tokenizer_folder(self.cfg.tokenizer)
+            self.tokenizer = load_tokenizer_folder(self.cfg.tokenizer)
         docs = read_documents(self.cfg.path, self.cfg.text_field)
         if self.cfg.max_documents is not None:
             docs = docs[: self.cfg.max_documents]

@@ -126,8 +126,9 @@ class LongContextEvalConfig:
             question in one prefill).
         max_new_tokens: cap on generated tokens (None = each task's own limit).
         tiny: config overrides of tiny models; seed: their initialisation seed.
-        results_file: append one JSON record per sample here and skip samples already in it (resumable long
-            evaluations); relative paths are inside the run directory.
+        results_file: append one JSON record per sample here and skip samples already in it with the same id,
+            suite seed, model and protocol (resumable long evaluations); relative paths are inside the run
+            directory.
         keep_predictions: keep the generated text in the records.
     """
 
@@ -184,7 +185,8 @@ class LongContextEvalModule(LongContextModule):
         b = len(result.tokens)
         for i, tokens in enumerate(result.tokens):
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            rec = {key: batch[key][i] for key in ("id", "task", "length", "depth", "n_tokens", "metric")}
+            rec = {key: batch[key][i] for key in ("id", "task", "length", "depth", "n_tokens", "metric", "seed")}
+            rec["model"] = self.cfg.model
             rec.update(score=score_prediction(text, batch["answers"][i], batch["metric"][i]),
                        answers=list(batch["answers"][i]), new_tokens=len(tokens), protocol=self.cfg.protocol,
                        prefill_s=result.prefill_seconds / b, decode_s=result.decode_seconds / b,
@@ -214,8 +216,8 @@ class LongContextEvalModule(LongContextModule):
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by a kill: that sample runs again
-                if rec.get("protocol") == self.cfg.protocol:
-                    self._done[rec["id"]] = rec
+                if rec.get("protocol") == self.cfg.protocol and rec.get("model") == self.cfg.model:
+                    self._done[(rec["id"], rec.get("seed"))] = rec
 
     def _append(self, records: List[Dict[str, Any]]) -> None:
         path = self._results_path()
@@ -235,9 +237,9 @@ class LongContextEvalModule(LongContextModule):
         self._load_done()
 
     def _step(self, stage: str, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
-        ids = batch["id"]
-        if all(i in self._done for i in ids):
-            records = [self._done[i] for i in ids]
+        keys = list(zip(batch["id"], batch["seed"]))
+        if all(k in self._done for k in keys):  # the same sample, model and protocol already ran
+            records = [self._done[k] for k in keys]
         else:
             records = self.evaluate_batch(batch)
             self._append(records)
