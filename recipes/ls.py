@@ -47,10 +47,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out.append("Callbacks\n" + (_table(rows, ["name", "stages", "status", "paper", "description"]) if rows else "  (none)"))
     rows = []
     for r in registry.list_recipes(pat):
-        paper = registry.METHODS[r.method].paper.title if r.method in registry.METHODS else ""
-        rows.append([r.name, r.method or "", r.data or "", paper, r.description])
-    out.append("Recipes (python -m recipes.fit --recipe NAME)\n"
-               + (_table(rows, ["name", "method", "data", "paper", "description"]) if rows else "  (none)"))
+        spec = registry.METHODS.get(r.method) if r.method else None
+        paper = spec.paper.title if spec is not None else ""
+        run = "evaluate" if spec is not None and spec.kind == "inference" else "fit"
+        rows.append([r.name, run, r.method or "", r.data or "", paper, r.description])
+    out.append("Recipes (python -m recipes.<run> --recipe NAME)\n"
+               + (_table(rows, ["name", "run", "method", "data", "paper", "description"]) if rows else "  (none)"))
     print("\n\n".join(out))
     return 0
 
