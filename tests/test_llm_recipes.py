@@ -140,3 +140,13 @@ def test_smollm2_loads_fast_the_second_time_and_answers():
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     out = greedy_generate(model, ids, None, 12, [tok.convert_tokens_to_ids("<|im_end|>")])
     assert "Paris" in tok.decode(out.tokens[0])
+
+
+def test_predict_stage_writes_the_report_too(tmp_path):
+    from recipes.evaluate import evaluate
+
+    run = build("longctx_smollm2", SUITE, ["tiny"], stage="predict")
+    out = evaluate(run, "predict", None)
+    assert out["batches"] == 4  # 2 tasks x 2 samples at one length, batch 1 (no predict limit in the profile)
+    assert run.model.summary is not None and run.model.summary["overall"]["n"] == 4
+    assert (run.run_dir / "eval" / "longctx_predict.md").is_file()

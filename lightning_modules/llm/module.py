@@ -244,11 +244,23 @@ class LongContextEvalModule(LongContextModule):
             records = self.evaluate_batch(batch)
             self._append(records)
         self.records.extend(records)
-        self.log(f"{stage}/acc_running", sum(r["score"] for r in self.records) / len(self.records),
-                 prog_bar=True, on_step=True, on_epoch=False, batch_size=len(records))
+        if stage != "predict":  # predict hooks cannot log
+            self.log(f"{stage}/acc_running", sum(r["score"] for r in self.records) / len(self.records),
+                     prog_bar=True, on_step=True, on_epoch=False, batch_size=len(records))
         return records
 
+    def _gather_records(self) -> None:
+        """Under DDP each rank evaluated its share of the suite: collect every record on every rank."""
+        import torch.distributed as dist
+
+        if self._trainer is None or self.trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
+            return
+        shares: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, self.records)
+        self.records = [r for share in shares for r in (share or [])]
+
     def _end(self, stage: str) -> None:
+        self._gather_records()
         if not self.records:
             return
         self.summary = summarise(self.records)
@@ -281,6 +293,10 @@ class LongContextEvalModule(LongContextModule):
 
     def on_test_epoch_end(self) -> None:
         self._end("test")
+
+    def on_predict_epoch_end(self) -> None:  # predict cannot log: gather and summarise only
+        self._gather_records()
+        self.summary = summarise(self.records) if self.records else None
 
     def training_step(self, batch, batch_idx):
         raise RuntimeError("LongContextEvalModule evaluates a pretrained model; use validate/test/predict "

@@ -106,8 +106,4 @@ class LongContextReport(pl.Callback):
         self._write(trainer, pl_module, "test")
 
     def on_predict_end(self, trainer, pl_module):
-        if getattr(pl_module, "records", None):
-            from lightning_modules.llm.suite_metrics import summarise
-
-            pl_module.summary = summarise(pl_module.records)
         self._write(trainer, pl_module, "predict")
