@@ -45,7 +45,14 @@ def main() -> int:
     parser.add_argument("--protocol", default="compress_then_ask", choices=["compress_then_ask", "query_aware"])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from saved records")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (1 leaves a core free for other work; two 2-thread jobs on 2 cores "
+                             "slow each other down about 5x)")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     results = REPO / "bench" / "results" / f"longctx_smollm2_{args.protocol}.jsonl"
     if not args.report_only:
         from recipes.api import build
