@@ -54,7 +54,10 @@ def plot_depth_grid(grid: Mapping[str, Any], path: Path, title: str = "") -> boo
                 ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8)
     fig.colorbar(im, ax=ax, label="accuracy (%)")
     if title:
-        ax.set_title(title, fontsize=9)
+        import textwrap
+
+        width_chars = int(fig.get_figwidth() * 11)  # about 11 characters of 8-pt text per inch
+        ax.set_title("\n".join(textwrap.wrap(title, max(20, width_chars))), fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
