@@ -12,7 +12,7 @@ if str(REPO) not in sys.path:
 
 from lightning_modules.io import atomic_open  # noqa: E402
 
-__all__ = ["REPO", "markers", "write_section", "load_cache", "save_json", "save_figure", "pyplot"]
+__all__ = ["REPO", "markers", "write_section", "load_cache", "cached_run", "save_json", "save_figure", "pyplot"]
 
 
 def markers(name: str):
@@ -39,6 +39,15 @@ def load_cache(path: Path) -> dict:
     cache = json.loads(path.read_text()) if path.is_file() else {}
     cache.setdefault("runs", {})
     return cache
+
+
+def cached_run(cache: dict, path: Path, key: str, compute):
+    """``cache["runs"][key]``, computed with ``compute()`` and saved to ``path`` first when missing (so an
+    interrupted benchmark resumes where it stopped)."""
+    if key not in cache["runs"]:
+        cache["runs"][key] = compute()
+        save_json(path, cache)
+    return cache["runs"][key]
 
 
 def save_json(path: Path, data) -> None:

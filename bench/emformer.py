@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, load_cache, pyplot, save_figure, save_json, write_section  # noqa: E402
+from _report import REPO, cached_run, load_cache, pyplot, save_figure, save_json, write_section  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -237,10 +237,7 @@ def main() -> int:
             cache["conv"] = conv_speed()
             save_json(CACHE, cache)
         for seed in args.seeds:
-            if str(seed) in cache["runs"]:
-                continue
-            cache["runs"][str(seed)] = run_seed(seed, args)
-            save_json(CACHE, cache)
+            cached_run(cache, CACHE, str(seed), lambda seed=seed: run_seed(seed, args))
     if not cache["runs"]:
         print("no runs yet")
         return 1

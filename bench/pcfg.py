@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, load_cache, pyplot, save_figure, save_json, write_section  # noqa: E402
+from _report import REPO, cached_run, load_cache, pyplot, save_figure, save_json, write_section  # noqa: E402
 
 ORDERS = {1: "unigram", 2: "bigram", 3: "trigram"}
 
@@ -187,9 +187,7 @@ def main(argv=None) -> int:
     cache = load_cache(args.cache)
     if not args.report_only:
         for seed in args.seeds:
-            if str(seed) not in cache["runs"]:
-                cache["runs"][str(seed)] = run_seed(args, seed)
-                save_json(args.cache, cache)
+            cached_run(cache, args.cache, str(seed), lambda seed=seed: run_seed(args, seed))
             print(f"[pcfg] seed {seed}: test KL {cache['runs'][str(seed)]['test_kl']:.4f}", flush=True)
     if "construction_kl" not in cache:
         cache["construction_kl"] = construction_kl()

@@ -311,18 +311,21 @@ class ERA5DataModule(SplitsDataModule):
         os.replace(tmp, path)
         return mean, std
 
-    def _climatology(self, clim_source: Optional[str], times: np.ndarray, train: np.ndarray,
-                     train_times: np.ndarray) -> np.ndarray:
-        """Climatology at ``times`` in physical units ``[T, C, H, W]``."""
+    @staticmethod
+    def _hourly_means(train: np.ndarray, train_times: np.ndarray) -> Dict[int, np.ndarray]:
+        """The training period's mean state per hour of day (the climatology when none is given)."""
+        hours = (train_times - train_times.astype("datetime64[D]")).astype("timedelta64[h]").astype(int)
+        return {int(h): np.asarray(train[hours == h]).mean(0) for h in np.unique(hours)}
+
+    def _climatology(self, clim: Any, times: np.ndarray, hourly: Optional[Dict[int, np.ndarray]]) -> np.ndarray:
+        """Climatology at ``times`` in physical units ``[T, C, H, W]``: from an opened WB2 climatology dataset,
+        or (``clim`` None) from the training period's ``hourly`` means."""
         hours = ((times - times.astype("datetime64[D]")).astype("timedelta64[h]").astype(int))
-        if clim_source is None:  # the training period's mean per hour of day
-            train_hours = ((train_times - train_times.astype("datetime64[D]")).astype("timedelta64[h]").astype(int))
-            means = {h: np.asarray(train[train_hours == h]).mean(0) for h in np.unique(train_hours)}
-            missing = sorted(set(hours) - set(means))
+        if clim is None:
+            missing = sorted(set(int(h) for h in hours) - set(hourly))
             if missing:
                 raise ValueError(f"hours {missing} never occur in the training period; pass data.args.climatology")
-            return np.stack([means[h] for h in hours]).astype(np.float32)
-        clim = open_era5_climatology(clim_source)
+            return np.stack([hourly[int(h)] for h in hours]).astype(np.float32)
         doy = ((times - times.astype("datetime64[Y]")).astype("timedelta64[D]").astype(int) + 1)
         part = clim.sel(hour=xr_index(hours), dayofyear=xr_index(doy))
         arrays = []
@@ -349,11 +352,13 @@ class ERA5DataModule(SplitsDataModule):
                               ("test", self.cfg.test_period)):
             raw[split] = self._cached_split(ds, source, period)
         self.mean, self.std = self._stats(raw["train"][0], source)
+        clim_ds = open_era5_climatology(clim_source) if clim_source is not None else None
+        hourly = self._hourly_means(*raw["train"]) if clim_ds is None else None
         for split, (arr, times) in raw.items():
             if split == "train":
                 pairs = ForecastPairs(arr, self.mean, self.std, self.cfg.lead_steps, self.cfg.rollout)
             else:
-                clim = self._climatology(clim_source, times, raw["train"][0], raw["train"][1])
+                clim = self._climatology(clim_ds, times, hourly)
                 pairs = ForecastPairs(arr, self.mean, self.std, self.cfg.lead_steps, self.cfg.eval_rollout, clim)
             self._splits[split] = pairs
             self.times[split] = times

@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_modules.optim import OptimConfig, build_optimizer, build_scheduler
 
-__all__ = ["LongContextModule", "coerce_config", "collect_rng_states", "restore_rng_states", "estimate_total_steps"]
+__all__ = ["LongContextModule", "SharedEvalStages", "coerce_config", "collect_rng_states", "restore_rng_states", "estimate_total_steps"]
 
 METRIC_STAGES = ("fit", "val", "test")
 """Keys of :meth:`LongContextModule.stage_metrics` (``fit`` = training: ``train`` is taken by ``nn.Module``)."""
@@ -107,6 +107,30 @@ def estimate_total_steps(trainer: pl.Trainer) -> int:
     per_epoch = max(1, math.ceil(batches / trainer.accumulate_grad_batches))
     total = per_epoch * epochs
     return min(total, max_steps) if max_steps > 0 else total
+
+
+class SharedEvalStages:
+    """Mixin for LightningModules that evaluate validation and test the same way: implement
+    ``eval_step(stage, batch)`` and ``eval_epoch_end(stage)`` (``stage`` is ``"val"`` or ``"test"``) instead of
+    the four Lightning hooks. Put it before the LightningModule base class."""
+
+    def eval_step(self, stage: str, batch: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement eval_step(stage, batch)")
+
+    def eval_epoch_end(self, stage: str) -> None:
+        return None
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.eval_step("val", batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        return self.eval_step("test", batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self.eval_epoch_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self.eval_epoch_end("test")
 
 
 class LongContextModule(pl.LightningModule):

@@ -134,7 +134,7 @@ def small_store(tmp_path_factory):
 
 
 def _dm(path, clim, tmp_path, **kw):
-    cfg = ERA5DataConfig(path=str(path), climatology=str(clim), variables=["geopotential", "2m_temperature"],
+    cfg = ERA5DataConfig(path=str(path), climatology=str(clim) if clim else None, variables=["geopotential", "2m_temperature"],
                          levels=[850, 500], train_period=["2000-01-01", "2000-01-06"],
                          val_period=["2000-01-07", "2000-01-09"], test_period=["2000-01-10", "2000-01-12"],
                          eval_rollout=3, batch_size=2, cache_dir=str(tmp_path / "cache"), **kw)
@@ -182,6 +182,17 @@ def test_netcdf_and_cds_conventions_give_the_same_samples(small_store, tmp_path)
         assert torch.allclose(a["x"], b["x"], atol=1e-5) and torch.allclose(a["y"], b["y"], atol=1e-5)
     back = normalize_era5(cds)
     assert float(back.latitude[0]) < float(back.latitude[-1]) and float(back.longitude.min()) >= 0
+
+
+def test_without_a_climatology_file_acc_uses_the_training_mean_per_hour(small_store, tmp_path):
+    path, _ = small_store
+    dm = _dm(path, None, tmp_path)
+    dm.setup()
+    ds, _ = generate_era5(SMALL)
+    train = ds.geopotential.sel(level=850, time=slice("2000-01-01", "2000-01-06T18"))
+    want = train.where(train.time.dt.hour == 18, drop=True).mean("time").values
+    item = dm.split("val")[1]  # its second target is valid at 18 UTC
+    assert np.allclose(dm.denormalize(item["clim"][1]).numpy()[0], want, rtol=1e-5, atol=1e-2)
 
 
 def test_loader_errors_name_the_problem(small_store, tmp_path):

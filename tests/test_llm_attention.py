@@ -232,3 +232,17 @@ def test_hf_generate_and_our_driver_agree_with_and_without_a_policy(policy):
         hf = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
         ours = greedy_generate(model, ids, mask, 8)
     assert hf[:, 30:].tolist() == ours.tokens
+
+
+def test_the_padding_mask_is_factored_once_per_forward():
+    from lightning_modules.llm.attention import mask_to_key_mask
+
+    n = 6
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    keys = torch.tensor([[False, True, True, True, True, True]])
+    mask = (causal & keys[:, None, :]).view(1, 1, n, n)
+    first = mask_to_key_mask(mask, n, n)
+    assert torch.equal(first[0, 0], keys[0]) and mask_to_key_mask(mask, n, n) is first  # kept on the tensor
+    window = mask.clone()
+    window[0, 0, 5, 1] = False  # a sliding window: not causal x per-key
+    assert mask_to_key_mask(window, n, n) is None and mask_to_key_mask(window, n, n) is None

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from lightning_modules.base import LongContextModule
+from lightning_modules.base import LongContextModule, SharedEvalStages
 from lightning_modules.emformer.geo import area_weights, cos_weights
 from lightning_modules.emformer.loss import CompositeWeatherLoss
 from lightning_modules.emformer.metrics import LatWeightedACC, LatWeightedRMSE
@@ -86,7 +86,7 @@ def _default_latitudes(n: int) -> torch.Tensor:
     return -90.0 + d / 2 + d * torch.arange(n, dtype=torch.float64)
 
 
-class EMFormerModule(LongContextModule):
+class EMFormerModule(SharedEvalStages, LongContextModule):
     """See the module docstring."""
 
     config_class = EMFormerConfig
@@ -203,7 +203,7 @@ class EMFormerModule(LongContextModule):
             }
         return self._metrics[key]
 
-    def _eval_step(self, stage: str, batch: Dict[str, torch.Tensor]) -> None:
+    def eval_step(self, stage: str, batch: Dict[str, torch.Tensor]) -> None:
         x, y, clim = batch["x"], batch["y"], batch["clim"]
         pred = self.rollout(x, y.shape[1])
         m = self._stage_metrics(stage, y.shape[1])
@@ -212,7 +212,7 @@ class EMFormerModule(LongContextModule):
         m["rmse"].update(den(pred), den(y))
         m["acc"].update(den(pred), den(y), den(clim))
 
-    def _eval_end(self, stage: str) -> None:
+    def eval_epoch_end(self, stage: str) -> None:
         for key in [k for k in self._metrics if k.startswith(stage + ":")]:
             m = self._metrics.pop(key)
             rmse, acc, rmse_norm = m["rmse"].compute(), m["acc"].compute(), m["rmse_norm"].compute()
@@ -226,15 +226,3 @@ class EMFormerModule(LongContextModule):
                 for lead in range(rmse.shape[0]):
                     self.log(f"{stage}/rmse/{name}/lead{lead + 1}", float(rmse[lead, c]))
                     self.log(f"{stage}/acc/{name}/lead{lead + 1}", float(acc[lead, c]))
-
-    def validation_step(self, batch, batch_idx):
-        self._eval_step("val", batch)
-
-    def test_step(self, batch, batch_idx):
-        self._eval_step("test", batch)
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_end("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_end("test")

@@ -51,9 +51,24 @@ def ensure_registered() -> None:
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
+_KEY_MASK_ATTR = "_litctx_key_mask"
+
+
 def mask_to_key_mask(mask: torch.Tensor, n_q: int, n_k: int) -> Optional[torch.Tensor]:
     """``[B, 1|H, Nq, Nk]`` boolean mask -> per-key mask ``[B, 1|H, Nk]`` when the mask equals
-    ``causal (bottom-right) & key_mask``; ``None`` when it does not factor that way."""
+    ``causal (bottom-right) & key_mask``; ``None`` when it does not factor that way.
+
+    transformers builds one mask per forward and hands the same tensor to every layer, so the answer is kept on
+    the mask tensor itself and the O(B Nq Nk) check runs once per forward, not once per layer."""
+    cached = getattr(mask, _KEY_MASK_ATTR, None)
+    if cached is not None:
+        return cached if isinstance(cached, torch.Tensor) else None
+    key_mask = _factor_mask(mask, n_q, n_k)
+    setattr(mask, _KEY_MASK_ATTR, key_mask if key_mask is not None else False)
+    return key_mask
+
+
+def _factor_mask(mask: torch.Tensor, n_q: int, n_k: int) -> Optional[torch.Tensor]:
     if mask.dtype != torch.bool:
         mask = mask == 0  # additive float masks: 0 = attend
     key_mask = mask.any(dim=-2)  # a key is live if some query may read it

@@ -16,12 +16,12 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from lightning_modules.base import LongContextModule
+from lightning_modules.base import LongContextModule, SharedEvalStages
 from lightning_modules.io import atomic_open
 from lightning_modules.llm.generation import greedy_generate
 from lightning_modules.llm.loading import load_causal_lm
@@ -56,7 +56,7 @@ class LanguageModelConfig:
             raise ValueError(f"position_buckets must be >= 1, got {self.position_buckets}")
 
 
-class LanguageModel(LongContextModule):
+class LanguageModel(SharedEvalStages, LongContextModule):
     """Causal LM loss on packed blocks; perplexity overall and per context-position bucket."""
 
     config_class = LanguageModelConfig
@@ -80,7 +80,7 @@ class LanguageModel(LongContextModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def _eval_step(self, stage: str, batch: Dict[str, torch.Tensor]) -> None:
+    def eval_step(self, stage: str, batch: Dict[str, torch.Tensor]) -> None:
         losses = self.token_losses(batch["input_ids"])  # [B, T-1]
         k = self.cfg.position_buckets
         edges = torch.linspace(0, losses.shape[1], k + 1).round().long().tolist()
@@ -91,7 +91,7 @@ class LanguageModel(LongContextModule):
         self._sums[stage] = now if prev is None else prev + now
         self.log(f"{stage}/loss", losses.mean(), prog_bar=stage == "val", batch_size=losses.shape[0], sync_dist=True)
 
-    def _eval_end(self, stage: str) -> None:
+    def eval_epoch_end(self, stage: str) -> None:
         acc = self._sums.pop(stage, None)
         if acc is None:
             return
@@ -102,18 +102,6 @@ class LanguageModel(LongContextModule):
         for i in range(k):
             self.log(f"{stage}/ppl_pos{i + 1}of{k}", math.exp(float(sums[i] / counts[i].clamp_min(1))),
                      rank_zero_only=True)
-
-    def validation_step(self, batch, batch_idx):
-        self._eval_step("val", batch)
-
-    def test_step(self, batch, batch_idx):
-        self._eval_step("test", batch)
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_end("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_end("test")
 
 
 @dataclass
@@ -148,7 +136,7 @@ class LongContextEvalConfig:
             raise ValueError(f"max_new_tokens must be >= 1 or null, got {self.max_new_tokens}")
 
 
-class LongContextEvalModule(LongContextModule):
+class LongContextEvalModule(SharedEvalStages, LongContextModule):
     """Greedy evaluation of the long-context suite (see the module docstring). ``self.records`` holds one
     dict per sample of the last stage; ``self.summary`` its :func:`summarise`."""
 
@@ -167,7 +155,7 @@ class LongContextEvalModule(LongContextModule):
         self.stop_ids = sorted(s for s in stops if s is not None)
         self.records: List[Dict[str, Any]] = []
         self.summary: Optional[Dict[str, Any]] = None
-        self._done: Dict[str, Dict[str, Any]] = {}
+        self._done: Dict[Tuple[str, Any], Dict[str, Any]] = {}  # (id, suite seed) -> record
 
     # ------------------------------------------------------------------ the evaluation of one batch
     def evaluate_batch(self, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -236,7 +224,7 @@ class LongContextEvalModule(LongContextModule):
         self.summary = None
         self._load_done()
 
-    def _step(self, stage: str, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
+    def eval_step(self, stage: str, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
         keys = list(zip(batch["id"], batch["seed"]))
         if all(k in self._done for k in keys):  # the same sample, model and protocol already ran
             records = [self._done[k] for k in keys]
@@ -259,7 +247,7 @@ class LongContextEvalModule(LongContextModule):
         dist.all_gather_object(shares, self.records)
         self.records = [r for share in shares for r in (share or [])]
 
-    def _end(self, stage: str) -> None:
+    def eval_epoch_end(self, stage: str) -> None:
         self._gather_records()
         if not self.records:
             return
@@ -279,20 +267,8 @@ class LongContextEvalModule(LongContextModule):
     def on_predict_epoch_start(self) -> None:
         self._start()
 
-    def validation_step(self, batch, batch_idx):
-        self._step("val", batch)
-
-    def test_step(self, batch, batch_idx):
-        self._step("test", batch)
-
     def predict_step(self, batch, batch_idx, dataloader_idx: int = 0):
-        return self._step("predict", batch)
-
-    def on_validation_epoch_end(self) -> None:
-        self._end("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._end("test")
+        return self.eval_step("predict", batch)
 
     def on_predict_epoch_end(self) -> None:  # predict cannot log: gather and summarise only
         self._gather_records()
