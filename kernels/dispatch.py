@@ -272,16 +272,22 @@ def gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_in
 def attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
                        causal: bool = True, q_offset: Optional[int] = None, window: Optional[int] = None,
                        q_window: Optional[int] = None, o: Optional[torch.Tensor] = None,
-                       lse: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> ColStats:
+                       lse: Optional[torch.Tensor] = None, moments: str = "output",
+                       key_mask: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> ColStats:
     """Per-key attention statistics over the last ``q_window`` queries (see
-    :func:`kernels.reference.attention_colstats_reference`)."""
+    :func:`kernels.reference.attention_colstats_reference`); ``moments`` in ``attention | output | logit``;
+    ``key_mask`` (boolean ``[B, 1|Hk|Hq, Nk]``) runs the reference."""
     check_qkv(q, k, v)
-    chosen = select_backend("attention_colstats", q, backend)
+    if key_mask is not None:
+        key_mask = expand_key_mask(key_mask, q, k)
+    chosen = select_backend("attention_colstats", q, backend, key_mask=key_mask)
     if chosen == "triton":
         from kernels.triton.colstats import triton_attention_colstats
 
         stats = triton_attention_colstats(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
-                                          q_window=q_window, o=o, lse=lse)
+                                          q_window=q_window, o=o, lse=lse, moments=moments)
+        if moments == "attention":  # the kernel computes the output moments anyway; drop them as documented
+            stats = ColStats(stats.p_sum, stats.p2_sum)
         return ColStats(*stats)
     return attention_colstats_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
-                                        q_window=q_window, o=o, lse=lse)
+                                        q_window=q_window, o=o, lse=lse, moments=moments, key_mask=key_mask)

@@ -168,7 +168,31 @@ RULER_PAPER = Paper(
     note="task families re-created on pydoc_data haystacks; protocol after NVIDIA/kvpress",
 )
 
+OBCACHE_PAPER = Paper(
+    title="Optimal Brain Cache: output-aware KV-cache eviction",
+    venue="ICML 2026",
+    arxiv="2510.07651",
+    note="value, key and joint scores as drop-in replacements inside H2O, SnapKV, TOVA and AdaKV",
+)
+
 LLM_TINY = {"model": "tiny-llama"}
+
+_EVICTION_CALLBACKS = [
+    ("streaming_llm", "StreamingLLMConfig", "attention sinks + a recent window",
+     Paper("Efficient Streaming Language Models with Attention Sinks", "ICLR 2024", "2309.17453")),
+    ("h2o", "H2OConfig", "heavy hitters by accumulated attention + recent tokens, at every decode step",
+     Paper("H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs", "NeurIPS 2023", "2306.14048")),
+    ("snapkv", "SnapKVConfig", "observation-window votes, 1-D pooled, once after the prefill",
+     Paper("SnapKV: LLM Knows What You are Looking for Before Generation", "NeurIPS 2024", "2404.14469")),
+    ("tova", "TOVAConfig", "the last query's head-averaged attention, one set per layer, every step",
+     Paper("Transformers are Multi-State RNNs", "EMNLP 2024", "2401.06104")),
+    ("adakv", "AdaKVConfig", "head-adaptive budgets over any base method's scores",
+     Paper("Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation", "", "2407.11550")),
+    ("obcache", "OBCacheConfig", "output-aware (value / key / joint) scores inside H2O, SnapKV or TOVA",
+     OBCACHE_PAPER),
+    ("random_eviction", "RandomEvictionConfig", "control: evict uniformly at random", None),
+    ("recent_eviction", "RecentEvictionConfig", "control: keep only the most recent entries", None),
+]
 
 EMFORMER_PAPER = Paper(
     title="EMFormer: Efficient Multi-Scale Transformer for Accumulative Context Weather Forecasting",
@@ -452,6 +476,19 @@ CALLBACKS: Dict[str, CallbackSpec] = {
             requires=("transformers",),
             extra="llm",
         ),
+        *[
+            CallbackSpec(
+                name=name,
+                target="lightning_modules.kv_eviction.callbacks:EvictionCallback",
+                config=f"lightning_modules.kv_eviction.methods:{config}",
+                description=f"KV eviction: {description}",
+                stages=("validate", "test", "predict"),
+                requires=("transformers",),
+                extra="llm",
+                paper=paper,
+            )
+            for name, config, description, paper in _EVICTION_CALLBACKS
+        ],
         CallbackSpec(
             name="log_lines",
             target="lightning_modules.callbacks.progress:LogLines",

@@ -127,7 +127,14 @@ def test_observation_colstats_come_from_the_kernels_and_match_the_window_probabi
     probs = obs.window_probs(4)
     torch.testing.assert_close(stats.p_sum, probs.sum(-2), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(stats.p2_sum, (probs ** 2).sum(-2), atol=1e-5, rtol=1e-5)
+    # masked entries are excluded from the statistics exactly as from the probabilities
     obs.valid[0, 0, 0] = False
+    obs.valid[0, 1, 5] = False
     obs._cache.clear()
-    with pytest.raises(ValueError, match="unmasked"):
-        obs.colstats(4)
+    stats = obs.colstats(4, moments="logit")
+    probs = obs.window_probs(4)
+    torch.testing.assert_close(stats.p_sum, probs.sum(-2), atol=1e-5, rtol=1e-5)
+    assert float(stats.p_sum[0, 0, 0]) == 0.0 and float(stats.p_sum[0, 3, 5]) == 0.0
+    assert obs.colstats(4, moments="attention") is stats  # a richer cached result serves
+    with pytest.raises(ValueError, match="moments"):
+        obs.colstats(4, moments="second_order")

@@ -55,12 +55,18 @@ def test_suite_with_a_kv_policy_callback_evicts_and_is_removed_afterwards(tmp_pa
     assert cb.session.kept_fraction() < 0.5
     model = run.model.model
     assert active_session(model) is None and not any(hasattr(m, RUNNER_ATTR) for m in attention_modules(model))
-    # resumable: a second run with the same results file re-uses the records instead of generating
-    run2 = build("longctx_smollm2", [*SUITE, "data.args.batch_size=2", "trainer.limit_test_batches=1",
+    assert {r["policy"] for r in recs} == {cb.policy.name}
+    # resumable: a second run with the same results file and policy re-uses the records instead of generating
+    run2 = build("longctx_smollm2", [*SUITE, "data.args.batch_size=2", kv, "trainer.limit_test_batches=1",
                                      f"method.args.results_file={tmp_path / 'res.jsonl'}"], ["tiny"], stage="test")
     run2.model.evaluate_batch = None  # would raise if called
     run2.test()
     assert len(run2.model.records) == 2
+    # ... and a run without the policy (the full cache) does not take the evicted run's records for its own
+    run3 = build("longctx_smollm2", [*SUITE, "data.args.batch_size=2", "trainer.limit_test_batches=1",
+                                     f"method.args.results_file={tmp_path / 'res.jsonl'}"], ["tiny"], stage="test")
+    run3.test()
+    assert [r["policy"] for r in run3.model.records] == ["full", "full"]
 
 
 def test_kv_policy_callback_removes_the_policy_when_the_stage_raises():

@@ -4,7 +4,9 @@
 window rows that can see it (causal / sliding-window band), recomputing ``P_ij = exp(s_ij - LSE_i)`` from the
 stored LSE (no ``N^2`` storage), and accumulates per key ``j``: ``sum_i P_ij``, ``sum_i P_ij^2``,
 ``sum_i P_ij^2 o_i`` (a ``P^2^T O`` product, fp32) and ``sum_i P_ij^2 ||o_i||^2``. All accumulators are fp32; every
-output element (also keys no window row sees) is written.
+output element (also keys no window row sees) is written. With ``LOGIT`` (``moments="logit"``) it also
+accumulates the logit-weighted moments of OBCache (``sum_i P^2 z``, ``sum_i P^2 z o_i``, ``sum_i (P z)^2``,
+``sum_i (P z)^2 o_i``, ``sum_i (P z)^2 ||o_i||^2`` with ``z`` the scaled natural-log logit).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.layouts import resolve_q_offset
-from kernels.reference.colstats import ColStats
+from kernels.reference.colstats import MOMENTS, ColStats
 from kernels.triton._compat import attention_config, check_device, check_offsets, device_guard, kernel_dtype, next_pow2
 from kernels.triton.attention import _pair_mask, triton_attention
 
@@ -26,13 +28,13 @@ __all__ = ["ColStats", "triton_attention_colstats"]
 
 @triton.jit
 def _colstats_kernel(
-    Q, K, OUT, LSE, PSUM, P2SUM, P2O, P2ON,
+    Q, K, OUT, LSE, PSUM, P2SUM, P2O, P2ON, ZSUM, ZO, Z2SUM, Z2O, Z2ON,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, sob, soh, som, sod, slb, slh, slm,
     spb, sph, spn, sxb, sxh, sxn, sxd,
     n_heads, group, n_q, n_k, row0, q_offset, window, qk_scale,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, LOGIT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -51,6 +53,11 @@ def _colstats_kernel(
     p2_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
     p2_on = tl.zeros([BLOCK_N], dtype=tl.float32)
     p2_o = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    z_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    z2_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    z2_on = tl.zeros([BLOCK_N], dtype=tl.float32)
+    z_o = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    z2_o = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     # window rows [row0, n_q) that can see this key tile
     end_n = tl.minimum(start_n + BLOCK_N, n_k)
@@ -80,20 +87,38 @@ def _colstats_kernel(
         p2 = pt * pt
         p_sum += tl.sum(pt, 1)
         p2_sum += tl.sum(p2, 1)
-        p2_on += tl.sum(p2 * tl.sum(o * o, 1)[None, :], 1)
+        on = tl.sum(o * o, 1)
+        p2_on += tl.sum(p2 * on[None, :], 1)
         p2_o += tl.dot(p2, o, input_precision="ieee")
+        if LOGIT:
+            z = tl.where(valid, st * 0.6931471805599453, 0.0)  # natural-log scaled logit
+            p2z = p2 * z
+            p2z2 = p2z * z
+            z_sum += tl.sum(p2z, 1)
+            z2_sum += tl.sum(p2z2, 1)
+            z2_on += tl.sum(p2z2 * on[None, :], 1)
+            z_o += tl.dot(p2z, o, input_precision="ieee")
+            z2_o += tl.dot(p2z2, o, input_precision="ieee")
 
     tl.store(PSUM + b * spb + h * sph + offs_n * spn, p_sum, mask=col_in)
     tl.store(P2SUM + b * spb + h * sph + offs_n * spn, p2_sum, mask=col_in)
     tl.store(P2ON + b * spb + h * sph + offs_n * spn, p2_on, mask=col_in)
     tl.store(P2O + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_dv[None, :] * sxd, p2_o,
              mask=col_in[:, None] & (offs_dv[None, :] < HEAD_DV))
+    if LOGIT:
+        tl.store(ZSUM + b * spb + h * sph + offs_n * spn, z_sum, mask=col_in)
+        tl.store(Z2SUM + b * spb + h * sph + offs_n * spn, z2_sum, mask=col_in)
+        tl.store(Z2ON + b * spb + h * sph + offs_n * spn, z2_on, mask=col_in)
+        tl.store(ZO + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_dv[None, :] * sxd, z_o,
+                 mask=col_in[:, None] & (offs_dv[None, :] < HEAD_DV))
+        tl.store(Z2O + b * sxb + h * sxh + offs_n[:, None] * sxn + offs_dv[None, :] * sxd, z2_o,
+                 mask=col_in[:, None] & (offs_dv[None, :] < HEAD_DV))
 
 
 def triton_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
                               causal: bool = True, q_offset: Optional[int] = None, window: Optional[int] = None,
                               q_window: Optional[int] = None, o: Optional[torch.Tensor] = None,
-                              lse: Optional[torch.Tensor] = None) -> ColStats:
+                              lse: Optional[torch.Tensor] = None, moments: str = "output") -> ColStats:
     """Per-key statistics of softmax attention over the last ``q_window`` query rows (K5; no gradients).
 
     Args:
@@ -104,6 +129,8 @@ def triton_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q_window: the window = the last ``q_window`` rows of ``q`` (``None``: all rows).
         o, lse: ``[B, Hq, W, dv]`` / ``[B, Hq, W]`` attention output and natural-log LSE of the window rows
             (``W = q_window``); computed with :func:`triton_attention` when either is missing.
+        moments: ``attention`` / ``output`` give the four statistics below (the kernel computes them
+            together); ``logit`` adds the logit-weighted moments of :class:`ColStats`.
 
     Returns:
         :class:`ColStats` of float32 tensors: ``p_sum [B, Hq, Nk]``, ``p2_sum [B, Hq, Nk]``,
@@ -124,6 +151,9 @@ def triton_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if window is not None and (not causal or int(window) < 1):
         raise ValueError(f"window={window} needs causal=True and window >= 1")
+    if moments not in MOMENTS:
+        raise ValueError(f"moments={moments!r}: valid values are {', '.join(MOMENTS)}")
+    logit = moments == "logit"
     w = n_q if q_window is None else int(q_window)
     if not 0 < w <= n_q:
         raise ValueError(f"q_window must be in [1, Nq={n_q}], got {q_window}")
@@ -148,16 +178,17 @@ def triton_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         p2_sum = torch.empty((b, hq, n_k), dtype=torch.float32, device=q.device)
         p2_on = torch.empty((b, hq, n_k), dtype=torch.float32, device=q.device)
         p2_o = torch.empty((b, hq, n_k, dv), dtype=torch.float32, device=q.device)
+        extra = [torch.empty_like(t) for t in (p_sum, p2_o, p_sum, p2_o, p_sum)] if logit else [p_sum] * 5
         if p_sum.numel() == 0:
-            return ColStats(p_sum, p2_sum, p2_o, p2_on)
+            return ColStats(p_sum, p2_sum, p2_o, p2_on, *(extra if logit else ()))
         cfg = attention_config("colstats", d, kd)
         grid = (triton.cdiv(n_k, cfg.block_n), b * hq)
         _colstats_kernel[grid](
-            qk, kk, o, lse, p_sum, p2_sum, p2_o, p2_on,
+            qk, kk, o, lse, p_sum, p2_sum, p2_o, p2_on, *extra,
             *qk.stride(), *kk.stride(), *o.stride(), *lse.stride(), *p_sum.stride(), *p2_o.stride(),
             hq, hq // hk, n_q, n_k, row0, off, int(window) if window is not None else 0, sc * 1.4426950408889634,
             HEAD_D=d, HEAD_DV=dv, BLOCK_D=max(16, next_pow2(d)), BLOCK_DV=max(16, next_pow2(dv)),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=bool(causal), HAS_WINDOW=window is not None,
-            DOT_PREC="ieee" if kd == torch.float32 else None, **cfg.launch_kwargs(),
+            DOT_PREC="ieee" if kd == torch.float32 else None, LOGIT=logit, **cfg.launch_kwargs(),
         )
-    return ColStats(p_sum, p2_sum, p2_o, p2_on)
+    return ColStats(p_sum, p2_sum, p2_o, p2_on, *(extra if logit else ()))

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 
-from lightning_modules.llm.policy import SCORERS, SELECTORS, Action, Budget, KVPolicy, Schedule
+from lightning_modules.llm.policy import SCORERS, SELECTORS, Action, Budget, KVPolicy, Schedule, resolve_component
 from lightning_modules.llm.session import install_policy
 
 __all__ = ["KVPolicyConfig", "KVPolicyCallback", "build_policy", "target_model"]
@@ -32,7 +32,7 @@ __all__ = ["KVPolicyConfig", "KVPolicyCallback", "build_policy", "target_model"]
 class KVPolicyConfig:
     """Attributes:
         scorer: a name in ``SCORERS`` (None = no-op policy); scorer_args: its constructor arguments.
-        selector: a name in ``SELECTORS``.
+        selector: a name in ``SELECTORS``; selector_args: its constructor arguments.
         budget: capacities, sinks and windows (see :class:`~lightning_modules.llm.policy.Budget`).
         action: ``evict``, ``mask``, ``sparse_read`` or ``recompute``.
         schedule: when the policy acts (see :class:`~lightning_modules.llm.policy.Schedule`).
@@ -43,6 +43,7 @@ class KVPolicyConfig:
     scorer: Optional[str] = None
     scorer_args: Dict[str, Any] = field(default_factory=dict)
     selector: str = "topk"
+    selector_args: Dict[str, Any] = field(default_factory=dict)
     budget: Budget = field(default_factory=Budget)
     action: str = "evict"
     schedule: Schedule = field(default_factory=Schedule)
@@ -61,10 +62,13 @@ class KVPolicyConfig:
 
 def build_policy(cfg: KVPolicyConfig) -> KVPolicy:
     """The :class:`KVPolicy` a config describes."""
-    scorer = SCORERS[cfg.scorer](**dict(cfg.scorer_args)) if cfg.scorer is not None else None
-    return KVPolicy(scorer=scorer, selector=SELECTORS[cfg.selector](), budget=cfg.budget, action=Action(cfg.action),
+    scorer = None
+    if cfg.scorer is not None:
+        scorer = resolve_component(SCORERS, cfg.scorer, "scorer")(**dict(cfg.scorer_args))
+    selector = resolve_component(SELECTORS, cfg.selector, "selector")(**dict(cfg.selector_args))
+    return KVPolicy(scorer=scorer, selector=selector, budget=cfg.budget, action=Action(cfg.action),
                     schedule=cfg.schedule, layers=list(cfg.layers) if cfg.layers is not None else None,
-                    name=cfg.scorer or "noop")
+                    name=f"{cfg.scorer}@{cfg.budget.tag()}" if cfg.scorer else "noop")
 
 
 def target_model(pl_module: pl.LightningModule) -> Any:

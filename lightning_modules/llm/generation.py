@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -105,6 +105,21 @@ class CachedLM:
 
     def cache_bytes(self) -> int:
         return cache_bytes(self.cache)
+
+    def snapshot(self) -> Dict[str, Any]:
+        """The running state (positions, mask, every layer's key/value tensors) so that :meth:`restore` can
+        return to this point, e.g. to compress one prefill several ways. Tensors are referenced, not copied:
+        the cache replaces rather than edits them."""
+        return {"mask": self.mask, "next_position": self.next_position,
+                "layers": [(layer.keys, layer.values) for layer in self.cache.layers]}
+
+    def restore(self, state: Dict[str, Any]) -> None:
+        """Return to a :meth:`snapshot` (later layers the snapshot did not have are emptied)."""
+        if len(state["layers"]) != len(self.cache.layers):
+            raise ValueError(f"snapshot has {len(state['layers'])} cache layers, this cache {len(self.cache.layers)}")
+        self.mask, self.next_position = state["mask"], state["next_position"]
+        for layer, (keys, values) in zip(self.cache.layers, state["layers"]):
+            layer.keys, layer.values = keys, values
 
 
 def greedy_generate(model: torch.nn.Module, context_ids: torch.Tensor, context_mask: Optional[torch.Tensor],

@@ -175,6 +175,7 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             rec = {key: batch[key][i] for key in ("id", "task", "length", "depth", "n_tokens", "metric", "seed")}
             rec["model"] = self.cfg.model
+            rec["policy"] = self.policy_name()
             rec.update(score=score_prediction(text, batch["answers"][i], batch["metric"][i]),
                        answers=list(batch["answers"][i]), new_tokens=len(tokens), protocol=self.cfg.protocol,
                        prefill_s=result.prefill_seconds / b, decode_s=result.decode_seconds / b,
@@ -183,6 +184,14 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
                 rec["prediction"] = text
             records.append(rec)
         return records
+
+    def policy_name(self) -> str:
+        """The installed KV policy's name (``full``: none), stored with each record so that a results file
+        resumes only records of the same policy."""
+        from lightning_modules.llm.session import active_session
+
+        session = active_session(self.model)
+        return "full" if session is None or session.policy.is_noop else session.policy.name
 
     # ------------------------------------------------------------------ resumable results
     def _results_path(self) -> Optional[Path]:
@@ -204,7 +213,8 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut by a kill: that sample runs again
-                if rec.get("protocol") == self.cfg.protocol and rec.get("model") == self.cfg.model:
+                if (rec.get("protocol") == self.cfg.protocol and rec.get("model") == self.cfg.model
+                        and rec.get("policy", "full") == self.policy_name()):
                     self._done[(rec["id"], rec.get("seed"))] = rec
 
     def _append(self, records: List[Dict[str, Any]]) -> None:

@@ -32,6 +32,8 @@ import torch
 
 import kernels
 
+_MOMENTS = ("attention", "output", "logit")
+
 __all__ = [
     "Action",
     "Budget",
@@ -49,6 +51,7 @@ __all__ = [
     "protected_mask",
     "SCORERS",
     "SELECTORS",
+    "resolve_component",
 ]
 
 
@@ -72,6 +75,12 @@ class Budget:
             (unlimited: the policy never removes anything).
         sink: the first ``sink`` entries of each sequence are protected (inside the budget).
         window: the ``window`` most recent entries are protected (inside the budget).
+        window_fraction: protect at least this fraction of each head's capacity as recent entries (H2O's
+            heavy/recent split: 0.5 keeps half heavy hitters, half recent tokens).
+
+    A ratio is resolved once per sequence, against the valid entries at the policy's first decision (the
+    prompt length); later decisions (decode steps, appends) keep that absolute capacity, so a cache evicted
+    at every step stays at its budget instead of shrinking by the ratio again.
         layer_scale: optional per-layer multipliers of the capacity (PyramidKV-style curves).
         head_scale: optional per-KV-head multipliers, one list shared by all layers or one list per layer.
     """
@@ -80,6 +89,7 @@ class Budget:
     compression_ratio: Optional[float] = None
     sink: int = 0
     window: int = 0
+    window_fraction: float = 0.0
     layer_scale: Optional[List[float]] = None
     head_scale: Optional[List[Any]] = None
 
@@ -92,12 +102,21 @@ class Budget:
             raise ValueError(f"budget.compression_ratio must be in [0, 1), got {self.compression_ratio}")
         if self.sink < 0 or self.window < 0:
             raise ValueError(f"budget.sink and budget.window must be >= 0, got {self.sink}, {self.window}")
+        if not 0.0 <= self.window_fraction <= 1.0:
+            raise ValueError(f"budget.window_fraction must be in [0, 1], got {self.window_fraction}")
         if self.layer_scale is not None and any(s <= 0 for s in self.layer_scale):
             raise ValueError(f"budget.layer_scale entries must be > 0, got {self.layer_scale}")
 
     @property
     def unlimited(self) -> bool:
         return self.keep is None and self.compression_ratio is None
+
+    def tag(self) -> str:
+        """Short label for names and records, e.g. ``r0.75`` or ``keep64+sink4``."""
+        core = "full" if self.unlimited else (f"keep{self.keep}" if self.keep is not None
+                                              else f"r{self.compression_ratio:g}")
+        extra = [f"sink{self.sink}"] * bool(self.sink) + [f"win{self.window}"] * bool(self.window)
+        return "+".join([core, *extra])
 
     def _head_scale(self, layer: int, n_heads: int) -> List[float]:
         if self.head_scale is None:
@@ -146,14 +165,17 @@ class Schedule:
             raise ValueError(f"schedule.decode_every must be >= 0, got {self.decode_every}")
 
 
-def protected_mask(valid: torch.Tensor, sink: int, window: int, capacity: torch.Tensor) -> torch.Tensor:
+def protected_mask(valid: torch.Tensor, sink: int, window: Any, capacity: torch.Tensor) -> torch.Tensor:
     """Entries protected by the budget: the first ``sink`` and last ``window`` valid entries of each
-    ``[B, Hk]`` row (entries are in sequence order), trimmed so they fit ``capacity`` (sinks first)."""
+    ``[B, Hk]`` row (entries are in sequence order), trimmed so they fit ``capacity`` (sinks first).
+    ``window`` is an int or a ``[B, Hk]`` tensor."""
     rank = valid.long().cumsum(-1) - 1  # position among the valid entries
     count = valid.long().sum(-1, keepdim=True)
     from_end = count - 1 - rank
     sink_eff = torch.clamp(capacity, max=sink).unsqueeze(-1)
-    window_eff = torch.clamp(capacity.unsqueeze(-1) - sink_eff, min=0, max=window)
+    window = window.unsqueeze(-1) if isinstance(window, torch.Tensor) else window
+    window_eff = torch.minimum(torch.clamp(capacity.unsqueeze(-1) - sink_eff, min=0),
+                               torch.as_tensor(window, device=valid.device))
     return valid & ((rank < sink_eff) | (from_end < window_eff))
 
 
@@ -217,16 +239,25 @@ class KVObservation:
             self._cache[key] = torch.softmax(torch.where(live, s, torch.zeros_like(s)), dim=-1) * live
         return self._cache[key]
 
-    def colstats(self, window: int) -> kernels.ColStats:
-        """Per-key statistics of the last ``window`` queries from :func:`kernels.attention_colstats`
-        (no N x N matrix)."""
-        key = ("colstats", window)
-        if key not in self._cache:
-            if self._key_mask() is not None:
-                raise ValueError("colstats runs on an unmasked cache view; this layer has masked entries")
-            self._cache[key] = kernels.attention_colstats(self.q, self.k, self.v, scale=self.scale, causal=True,
-                                                          q_window=min(window, self.q.shape[2]))
-        return self._cache[key]
+    def colstats(self, window: Optional[int] = None, moments: str = "output") -> kernels.ColStats:
+        """Per-key statistics (:class:`kernels.ColStats`, per query head ``[B, Hq, N(, dv)]``) of the last
+        ``window`` queries (None = all of this call's queries) from :func:`kernels.attention_colstats`,
+        without an N x N matrix; ``moments`` in ``attention | output | logit``. Masked entries are excluded.
+        The call's own outputs and LSE are reused when the attention already ran."""
+        w = self.q.shape[2] if window is None else min(int(window), self.q.shape[2])
+        rank = _MOMENTS.index(moments) if moments in _MOMENTS else None
+        if rank is None:
+            raise ValueError(f"moments={moments!r}: valid values are {', '.join(_MOMENTS)}")
+        for richer in _MOMENTS[rank:]:
+            if ("colstats", w, richer) in self._cache:
+                return self._cache[("colstats", w, richer)]
+        o = lse = None
+        if self.out is not None and self.lse is not None:
+            o, lse = self.out[:, :, -w:], self.lse[:, :, -w:]
+        stats = kernels.attention_colstats(self.q, self.k, self.v, scale=self.scale, causal=True, q_window=w, o=o,
+                                           lse=lse, moments=moments, key_mask=self._key_mask())
+        self._cache[("colstats", w, moments)] = stats
+        return stats
 
 
 @runtime_checkable
@@ -360,9 +391,33 @@ class OffloadCompensator:
         self._store.clear()
 
 
-SCORERS: Dict[str, Any] = {"recent": RecentScorer, "random": RandomScorer}
-"""Scorer names usable from config (later methods register theirs here through their own modules)."""
-SELECTORS: Dict[str, Any] = {"topk": TopKSelector, "shared_topk": SharedTopKSelector}
+SCORERS: Dict[str, Any] = {
+    "recent": RecentScorer,
+    "random": RandomScorer,
+    "accumulated": "lightning_modules.kv_eviction.scorers:AccumulatedScorer",
+    "window": "lightning_modules.kv_eviction.scorers:WindowScorer",
+}
+"""Scorer names usable from config: a class, or a ``module:Class`` string imported on first use (method
+packages list theirs here without being imported by this module)."""
+SELECTORS: Dict[str, Any] = {
+    "topk": TopKSelector,
+    "shared_topk": SharedTopKSelector,
+    "adakv": "lightning_modules.kv_eviction.selectors:AdaKVSelector",
+}
+
+
+def resolve_component(table: Dict[str, Any], name: str, kind: str) -> Any:
+    """The class registered as ``name`` in ``table`` (``SCORERS`` or ``SELECTORS``), importing a
+    ``module:Class`` entry."""
+    if name not in table:
+        raise ValueError(f"{kind}={name!r}: known {kind}s are {', '.join(sorted(table))}")
+    entry = table[name]
+    if isinstance(entry, str):
+        import importlib
+
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+    return entry
 
 
 @dataclass
@@ -394,13 +449,22 @@ class KVPolicy:
     def acts_on(self, layer: int) -> bool:
         return not self.is_noop and (self.layers is None or layer in self.layers)
 
-    def decide(self, obs: KVObservation, scorer: Optional[Any] = None) -> torch.Tensor:
+    def decide(self, obs: KVObservation, scorer: Optional[Any] = None,
+               capacity: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Keep mask ``[B, Hk, N]``: at most ``capacity`` valid entries per head, protected ones included.
-        ``scorer`` overrides ``self.scorer`` (the installer passes each layer its own stateful copy)."""
+        ``scorer`` overrides ``self.scorer`` (the installer passes each layer its own stateful copy);
+        ``capacity [B, Hk]`` overrides the budget's (the runner passes the capacity fixed at the first
+        decision of the sequence, see :class:`Budget`)."""
         scorer = scorer if scorer is not None else self.scorer
         n_heads = obs.k.shape[1]
-        capacity = self.budget.capacity(obs.valid.sum(-1), obs.layer, n_heads)
-        protected = protected_mask(obs.valid, self.budget.sink, self.budget.window, capacity)
+        n_valid = obs.valid.sum(-1)
+        if capacity is None:
+            capacity = self.budget.capacity(n_valid, obs.layer, n_heads)
+        capacity = torch.minimum(capacity.to(n_valid.device), n_valid)
+        window = max(self.budget.window, 0)
+        if self.budget.window_fraction > 0:
+            window = torch.clamp(torch.floor(capacity.double() * self.budget.window_fraction).long(), min=window)
+        protected = protected_mask(obs.valid, self.budget.sink, window, capacity)
         scores = scorer.score(obs)
         if tuple(scores.shape) != tuple(obs.valid.shape):
             raise ValueError(f"scorer {type(scorer).__name__} returned {list(scores.shape)}; expected "

@@ -65,6 +65,7 @@ class LayerState:
     seen: int = 0  # tokens of the uncompressed stream so far
     decode_steps: int = 0
     recompute: Optional[torch.Tensor] = None  # [B, Hk, N] bool, the last RECOMPUTE decision
+    capacity: Optional[torch.Tensor] = None  # [B, Hk] long, fixed at the first decision of the sequence
 
 
 class LayerRunner:
@@ -121,7 +122,6 @@ class LayerRunner:
         valid = new_valid if n_old == 0 else torch.cat([st.valid, new_valid], dim=-1)
         pol = self.policy
         acting = pol.acts_on(self.layer)
-
         read = valid
         if acting and pol.action is Action.SPARSE_READ and phase == "decode":
             obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale)
@@ -137,17 +137,38 @@ class LayerRunner:
                 o, lse = kernels.merge_lse(o, lse, extra[0].to(o.dtype), extra[1].to(lse.dtype))
 
         obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, out=o, lse=lse)
+        if phase == "prefill" and self.session.record_prefill:
+            self.session.prefill_observations[self.layer] = obs
+        self._after_attention(obs)
+        return o
+
+    def _after_attention(self, obs: KVObservation) -> None:
+        """Update the scorer, count the step, and act if the schedule says so (evict / mask / recompute)."""
+        st, pol = self.state, self.policy
+        acting = pol.acts_on(self.layer)
+        slots, valid = obs.slots, obs.valid
         if acting:
             self.scorer.update(obs)
-        st.seen += n_q
-        if phase == "decode":
+        st.seen += obs.q.shape[2]
+        if obs.phase == "decode":
             st.decode_steps += 1
-        if acting and pol.action is not Action.SPARSE_READ and self._due(phase):
-            keep = pol.decide(obs, self.scorer)
-            self.session.record(self.layer, phase, keep, valid)
-            slots, valid = self._apply(keep, key, value, slots, valid)
+        if acting and pol.action is not Action.SPARSE_READ and self._due(obs.phase):
+            if st.capacity is None:
+                st.capacity = pol.budget.capacity(valid.sum(-1), self.layer, valid.shape[1])
+            keep = pol.decide(obs, self.scorer, st.capacity)
+            self.session.record(self.layer, obs.phase, keep, valid)
+            slots, valid = self._apply(keep, obs.k, obs.v, slots, valid)
         st.slots, st.valid = slots, valid
-        return o
+
+    def replay_prefill(self, obs: KVObservation, cache: Any) -> None:
+        """Act on a prefill recorded under another policy (see :meth:`PolicySession.replay_prefill`): the
+        layer's cache is reset to the recorded full keys and values, then treated as if this policy had
+        been installed during that prefill."""
+        layer_cache = cache.layers[self.layer]
+        layer_cache.keys, layer_cache.values = obs.k, obs.v
+        self.cache = cache
+        self._start()
+        self._after_attention(obs)
 
     def _due(self, phase: str) -> bool:
         sched = self.policy.schedule
@@ -195,6 +216,24 @@ class PolicySession:
     first_layer: int = 0
     decisions: List[Dict[str, Any]] = field(default_factory=list)
     keep_log: bool = False
+    record_prefill: bool = False
+    prefill_observations: Dict[int, KVObservation] = field(default_factory=dict)
+
+    def replay_prefill(self, observations: Dict[int, KVObservation], cache: Any) -> None:
+        """Compress a prefill that ran earlier under another policy (typically a no-op one installed with
+        ``record_prefill=True``): every layer's cache is reset to the recorded full keys and values and this
+        policy acts as it would have at the end of that prefill. Prefill once, compress many ways (the
+        recorded tensors are never modified, and lazily computed statistics are shared). ``cache`` is the
+        transformers cache the prefill filled; its later calls run under this policy."""
+        missing = sorted(set(self.runners) - set(observations))
+        if missing:
+            raise ValueError(f"replay_prefill: no recorded observation for layers {missing} (record the prefill with "
+                             f"install_policy(..., record_prefill=True) on the same model)")
+        for layer, runner in self.runners.items():
+            obs = observations[layer]
+            if obs.phase != "prefill":
+                raise ValueError(f"replay_prefill: layer {layer} recorded a {obs.phase!r} call, not a prefill")
+            runner.replay_prefill(obs, cache)
 
     def record(self, layer: int, phase: str, keep: torch.Tensor, valid: torch.Tensor) -> None:
         if self.keep_log:
@@ -219,9 +258,12 @@ def active_session(model: torch.nn.Module) -> Optional[PolicySession]:
 
 
 @contextlib.contextmanager
-def install_policy(model: torch.nn.Module, policy: KVPolicy, keep_log: bool = False) -> Iterator[PolicySession]:
+def install_policy(model: torch.nn.Module, policy: KVPolicy, keep_log: bool = False,
+                   record_prefill: bool = False) -> Iterator[PolicySession]:
     """Run ``model`` under ``policy`` inside the block; hooks, attributes and the attention implementation
-    are restored on exit, whatever happens."""
+    are restored on exit, whatever happens. ``record_prefill`` keeps each layer's prefill observation
+    (queries, full keys/values, outputs) in ``session.prefill_observations`` for
+    :meth:`PolicySession.replay_prefill`."""
     if active_session(model) is not None:
         raise RuntimeError("a KV-cache policy is already installed on this model; remove it first (one policy at "
                            "a time; compose scorers inside one policy instead)")
@@ -232,7 +274,8 @@ def install_policy(model: torch.nn.Module, policy: KVPolicy, keep_log: bool = Fa
     ensure_registered()
     config = getattr(model, "config", None)
     previous_impl = getattr(config, "_attn_implementation", None)
-    session = PolicySession(model=model, policy=policy, first_layer=modules[0].layer_idx, keep_log=keep_log)
+    session = PolicySession(model=model, policy=policy, first_layer=modules[0].layer_idx, keep_log=keep_log,
+                            record_prefill=record_prefill)
     handles = []
 
     def grab_cache(runner: LayerRunner):

@@ -260,6 +260,39 @@ def test_colstats_match_brute_force(q_window, window):
     assert_close(st.p2_o_norm2, torch.einsum("bhin,bhi->bhn", p ** 2, bo.square().sum(-1)), ratio=1e-12)
 
 
+@pytest.mark.parametrize("q_window,q_offset", [(None, None), (9, None), (6, 4)])
+def test_colstats_logit_moments_match_brute_force(q_window, q_offset):
+    nq, nk = 20, 33
+    q, k, v = qkv(nq=nq, nk=nk, hq=4, hk=2, seed=3)
+    key_mask = torch.rand(2, 4, nk, generator=torch.Generator().manual_seed(1)) > 0.3
+    key_mask[..., 0] = True
+    st = attention_colstats_reference(q, k, v, q_window=q_window, q_offset=q_offset, chunk=4, moments="logit",
+                                      key_mask=key_mask)
+    valid = brute_mask(nq, nk, q_offset=q_offset) & key_mask.unsqueeze(-2)
+    bo, _, p = brute_attention(q, k, v, valid)
+    z = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    w = nq if q_window is None else q_window
+    p, bo, z = p[:, :, nq - w:], bo[:, :, nq - w:], z[:, :, nq - w:]
+    pz = p * z
+    on = bo.square().sum(-1)
+    expect = {
+        "p_sum": p.sum(2), "p2_sum": (p ** 2).sum(2),
+        "p2_o": torch.einsum("bhin,bhid->bhnd", p ** 2, bo), "p2_o_norm2": torch.einsum("bhin,bhi->bhn", p ** 2, on),
+        "p2z_sum": (p * pz).sum(2), "p2z_o": torch.einsum("bhin,bhid->bhnd", p * pz, bo),
+        "p2z2_sum": (pz ** 2).sum(2), "p2z2_o": torch.einsum("bhin,bhid->bhnd", pz ** 2, bo),
+        "p2z2_o_norm2": torch.einsum("bhin,bhi->bhn", pz ** 2, on),
+    }
+    for name, value in expect.items():
+        assert_close(getattr(st, name), value, ratio=1e-12, name=name)
+    # fewer moments: the same values, the rest left out
+    only = attention_colstats_reference(q, k, v, q_window=q_window, q_offset=q_offset, moments="attention",
+                                        key_mask=key_mask)
+    assert only.p2_o is None and only.p2z_sum is None
+    assert torch.allclose(only.p_sum, st.p_sum, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="moments"):
+        attention_colstats_reference(q, k, v, moments="everything")
+
+
 @pytest.mark.parametrize("bits,group", [(4, 1), (4, 4), (8, 1)])
 def test_quantizer_round_trip_bound(bits, group):
     x = torch.randn(2, 3, 37, 16, dtype=torch.float64)

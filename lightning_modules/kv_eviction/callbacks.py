@@ -1,0 +1,27 @@
+"""Each eviction method as a Lightning callback: the method's config builds a KV policy, installed on the
+model for validate/test/predict and always removed (see
+:class:`~lightning_modules.llm.callbacks.KVPolicyCallback`). From config::
+
+    callbacks:
+      kv:
+        name: snapkv
+        args: {compression_ratio: 0.75, window: 32, score: obcache_kv}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_modules.kv_eviction.methods import build_eviction_policy
+from lightning_modules.llm.callbacks import KVPolicyCallback
+
+__all__ = ["EvictionCallback"]
+
+
+class EvictionCallback(KVPolicyCallback):
+    """A KV eviction method (any config of :data:`~lightning_modules.kv_eviction.methods.EVICTION_METHODS`)
+    for validate/test/predict. Logs the fraction of entries kept at each stage end."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(policy=build_eviction_policy(cfg))
+        self.cfg = cfg

