@@ -343,13 +343,13 @@ def test_eviction_really_frees_memory_and_decoding_continues_on_the_compressed_c
         assert len(tokens[0]) == 5 and lm.cache.layers[0].keys.shape[2] == math.floor(64 * (1 - ratio)) + 4
 
 
-@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "obcache"])
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "tova", "obcache", "adakv"])
 def test_a_replayed_prefill_gives_what_the_live_policy_gives(name):
     """Prefill once under a recording no-op policy, then compress it as a method would have: same cache
     contents and the same continuation as installing the method for the prefill itself."""
     model, _ = load_causal_lm("tiny-olmo2", with_tokenizer=False, seed=4)
     ids, mask = _ids(seed=3, n=33, pad=5)
-    cfg = method_config(name, {"base_args": {"compression_ratio": 0.5}} if name == "obcache"
+    cfg = method_config(name, {"base_args": {"compression_ratio": 0.5}} if name in ("obcache", "adakv")
                         else {"compression_ratio": 0.5})
     question = torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(1))
     live = CachedLM(model)
@@ -411,3 +411,65 @@ def test_eviction_callbacks_remove_everything_they_install_also_when_the_stage_r
     assert not any(hasattr(m, RUNNER_ATTR) for m in attention_modules(model))
     assert sum(len(m._forward_pre_hooks) for m in attention_modules(model)) == hooks_before
     assert model.config._attn_implementation == impl_before
+
+
+def test_layers_with_different_cache_sizes_accept_an_appended_question():
+    """transformers builds one mask from the first layer's cache length; with per-layer (or head-adaptive)
+    budgets the other layers hold other lengths and must still read the new tokens' padding correctly."""
+    from lightning_modules.llm.policy import Budget, RandomScorer
+
+    model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=2)
+    ids, mask = _ids(seed=5, n=30, pad=6)
+    policy = KVPolicy(scorer=RandomScorer(0), budget=Budget(compression_ratio=0.5, layer_scale=[1.0, 0.4]))
+    question = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(3))
+    q_mask = torch.ones(2, 5, dtype=torch.long)
+    q_mask[1, :2] = 0  # the question is left-padded too
+    lm = CachedLM(model)
+    with install_policy(model, policy) as session:
+        lm.feed(ids, mask)
+        sizes = [layer.keys.shape[2] for layer in lm.cache.layers]
+        assert sizes[0] != sizes[1]
+        lm.feed(question, q_mask)
+        for runner in session.runners.values():
+            new = runner.state.valid[..., -5:]
+            assert new[0].all() and (new[1, :, :2] == 0).all() and new[1, :, 2:].all()
+        tokens = lm.greedy(lm.feed(torch.tensor([[1], [2]])), 3)
+    assert len(tokens) == 2
+
+
+def test_generate_under_policies_equals_running_each_policy_alone():
+    from lightning_modules.llm.generation import generate_under_policies, greedy_generate
+
+    model, _ = load_causal_lm("tiny-qwen2", with_tokenizer=False, seed=6)
+    ids, mask = _ids(seed=7, n=36, pad=8)
+    question = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(4))
+    policies = {"full": KVPolicy()}
+    for name, args in (("snapkv", {"compression_ratio": 0.75, "window": 4}), ("h2o", {"compression_ratio": 0.5}),
+                       ("adakv", {"base": "tova", "base_args": {"compression_ratio": 0.5}})):
+        policies[name] = build_eviction_policy(method_config(name, args))
+    shared = generate_under_policies(model, ids, mask, policies, 5, (), question, None)
+    for name, policy in policies.items():
+        with install_policy(model, policy):
+            alone = greedy_generate(model, ids, mask, 5, (), question, None)
+        assert shared[name].tokens == alone.tokens, name
+        assert shared[name].cache_bytes == alone.cache_bytes, name
+    assert shared["snapkv"].compressed_bytes < 0.3 * shared["full"].compressed_bytes
+
+
+def test_paired_bootstrap_interval():
+    from lightning_modules.llm.suite_metrics import paired_bootstrap
+
+    a = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    same = paired_bootstrap(a, a)
+    assert same == {"diff": 0.0, "lo": 0.0, "hi": 0.0, "n": 6}
+    shifted = paired_bootstrap([x + 0.25 for x in a], a)
+    assert shifted["lo"] == pytest.approx(0.25) and shifted["hi"] == pytest.approx(0.25)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(200, generator=gen).tolist()
+    y = [v - 0.1 + 0.05 * float(torch.randn(1, generator=gen)) for v in x]
+    ci = paired_bootstrap(x, y, n_boot=4000)
+    assert ci["lo"] < ci["diff"] < ci["hi"] and ci["lo"] > 0.09 and ci["hi"] < 0.11
+    sem = float(torch.tensor([p - q for p, q in zip(x, y)]).std() / math.sqrt(200))
+    assert ci["hi"] - ci["lo"] == pytest.approx(2 * 1.96 * sem, rel=0.15)  # the normal-theory width
+    with pytest.raises(ValueError, match="equally long"):
+        paired_bootstrap([1.0], [1.0, 2.0])

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
 from lightning_modules.llm.session import active_session, cache_bytes
 
-__all__ = ["CachedLM", "GenerationResult", "greedy_generate"]
+__all__ = ["CachedLM", "GenerationResult", "greedy_generate", "generate_under_policies"]
 
 
 @dataclass
@@ -32,6 +32,8 @@ class GenerationResult:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     cache_bytes: int = 0
+    compressed_bytes: int = 0
+    compress_seconds: float = 0.0
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -141,3 +143,51 @@ def greedy_generate(model: torch.nn.Module, context_ids: torch.Tensor, context_m
     steps = max((len(t) for t in tokens), default=0)
     return GenerationResult(tokens=tokens, prefill_seconds=t1 - t0, decode_seconds=t2 - t1, decode_steps=steps,
                             cache_bytes=size)
+
+
+def generate_under_policies(model: torch.nn.Module, context_ids: torch.Tensor, context_mask: Optional[torch.Tensor],
+                            policies: Mapping[str, Any], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                            question_ids: Optional[torch.Tensor] = None,
+                            question_mask: Optional[torch.Tensor] = None) -> Dict[str, GenerationResult]:
+    """Prefill once, compress that prefill with each policy, then ask and decode greedily under it.
+
+    The context (with the question already in it for the query-aware protocol) is prefilled once under a
+    recording no-op policy; for each ``policies[name]`` the cache returns to the end of that prefill, the
+    policy acts on it exactly as if it had been installed for the prefill
+    (:meth:`~lightning_modules.llm.session.PolicySession.replay_prefill`), then ``question_ids`` (if any) are
+    appended and tokens decoded under the policy. A no-op ``KVPolicy()`` gives the full cache. Results are
+    identical to running each policy on its own (tested) at one prefill's cost.
+
+    ``prefill_seconds`` of every result is the shared prefill (plus its own question); ``compress_seconds``
+    the policy's scoring and eviction; ``compressed_bytes`` the cache right after compression and
+    ``cache_bytes`` after the question.
+    """
+    from lightning_modules.llm.policy import KVPolicy
+    from lightning_modules.llm.session import install_policy
+
+    lm = CachedLM(model)
+    t0 = time.perf_counter()
+    with install_policy(model, KVPolicy(), record_prefill=True) as recorder:
+        first_logits = lm.feed(context_ids, context_mask)
+    prefill_s = time.perf_counter() - t0
+    snapshot = lm.snapshot()
+    results: Dict[str, GenerationResult] = {}
+    for name, policy in policies.items():
+        lm.restore(snapshot)
+        with install_policy(model, policy) as session:
+            t1 = time.perf_counter()
+            session.replay_prefill(recorder.prefill_observations, lm.cache)
+            t2 = time.perf_counter()
+            compressed = lm.cache_bytes()
+            logits = first_logits
+            if question_ids is not None and question_ids.shape[1] > 0:
+                logits = lm.feed(question_ids, question_mask)
+            t3 = time.perf_counter()
+            size = lm.cache_bytes()
+            tokens = lm.greedy(logits, max_new_tokens, stop_ids)
+            t4 = time.perf_counter()
+        results[name] = GenerationResult(tokens=tokens, prefill_seconds=prefill_s + (t3 - t2), decode_seconds=t4 - t3,
+                                         decode_steps=max((len(t) for t in tokens), default=0), cache_bytes=size,
+                                         compressed_bytes=compressed, compress_seconds=t2 - t1)
+    lm.restore(snapshot)
+    return results

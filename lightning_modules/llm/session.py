@@ -89,15 +89,18 @@ class LayerRunner:
 
     def _new_entries(self, attention_mask: Optional[torch.Tensor], b: int, hk: int, n_q: int, n_k: int,
                      device: torch.device):
-        n_old = n_k - n_q
         new_valid = torch.ones(b, hk, n_q, dtype=torch.bool, device=device)
         if attention_mask is not None and n_q > 1:
-            key_mask = mask_to_key_mask(attention_mask, n_q, n_k)
+            # transformers builds one mask for every layer from the first layer's cache length; layers whose
+            # caches differ in size (head-adaptive or per-layer budgets) read the new tokens' columns, the last
+            # n_q (older entries' validity is the runner's own)
+            n_mask = attention_mask.shape[-1]
+            key_mask = mask_to_key_mask(attention_mask, n_q, n_mask)
             if key_mask is None:
                 raise ValueError(f"layer {self.layer}: a KV policy needs a causal x per-key (padding) mask; got "
                                  f"a mask of shape {list(attention_mask.shape)} that does not factor that way")
             # transformers' masks are shared by the heads ([B, 1, Nq, Nk]); entries are per KV head here
-            new_valid = key_mask[:, 0, n_old:].unsqueeze(1).expand(b, hk, n_q).clone()
+            new_valid = key_mask[:, 0, n_mask - n_q:].unsqueeze(1).expand(b, hk, n_q).clone()
         slots = (self.state.seen + torch.arange(n_q, device=device)).view(1, 1, n_q).expand(b, hk, n_q)
         return slots, new_valid
 

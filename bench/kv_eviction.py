@@ -1,0 +1,386 @@
+"""KV-cache eviction on the long-context suite with SmolLM2-135M-Instruct: every baseline and its OBCache
+variant side by side with the full cache, at several compression ratios, lengths and both protocols.
+
+    python bench/kv_eviction.py                        # run (or continue) and write docs/results.md
+    python bench/kv_eviction.py --report-only          # rewrite the section from the records so far
+    python bench/kv_eviction.py --samples 2 --lengths 2048 --ratios 0.75 --protocols compress_then_ask
+
+Each sample's context is prefilled once; every (method, ratio) then compresses that same prefill
+(:func:`~lightning_modules.llm.generation.generate_under_policies`, identical to running the method alone),
+asks the question and decodes greedily. Records go to ``bench/results/kv_eviction_smollm2.jsonl`` one per
+(sample, protocol, method, ratio), so a rerun resumes. Reported:
+
+* accuracy per method x ratio, per length and protocol (mean over samples and tasks);
+* OBCache minus its attention-score base, paired by sample, with a 95% paired bootstrap interval;
+* KV bytes after compression relative to the full cache; decode tokens/s against the full cache on a fixed
+  32-token decode at the longest length (``--throughput-samples`` samples);
+* Spearman correlation of each score with the measured output change of removing a token, on attention
+  captured from SmolLM2 (all layers, the last 32 prompt queries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "kv_eviction_smollm2.jsonl"
+FIGURE = REPO / "docs" / "figures" / "kv_eviction_smollm2.png"
+TASKS = ["niah_single", "niah_multikey", "niah_multivalue", "qa_facts"]
+OBC = "obcache_kv"
+# method -> (builder name, config fields without the budget); "+obc" variants swap the score
+METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "random": ("random_eviction", {}),
+    "recent": ("recent_eviction", {}),
+    "streaming_llm": ("streaming_llm", {"sink": 4}),
+    "h2o": ("h2o", {}),
+    "h2o+obc": ("h2o", {"score": OBC}),
+    "snapkv": ("snapkv", {"window": 32}),
+    "snapkv+obc": ("snapkv", {"window": 32, "score": OBC}),
+    "tova": ("tova", {}),
+    "tova+obc": ("tova", {"score": OBC}),
+    "adakv": ("adakv", {"base": "snapkv", "base_args": {"window": 32}}),
+    "adakv+obc": ("adakv", {"base": "snapkv", "base_args": {"window": 32, "score": OBC}}),
+}
+PAIRS = [("h2o", "h2o+obc"), ("snapkv", "snapkv+obc"), ("tova", "tova+obc"), ("adakv", "adakv+obc")]
+COLORS = {"random": "0.6", "recent": "tab:brown", "streaming_llm": "tab:green", "h2o": "tab:red", "snapkv": "tab:blue",
+          "tova": "tab:orange", "adakv": "tab:purple"}  # a base and its OBCache variant share a colour
+
+
+def build_policies(ratios) -> Dict[Tuple[str, float], Any]:
+    from lightning_modules.kv_eviction.methods import build_eviction_policy, method_config
+    from lightning_modules.llm.policy import KVPolicy
+
+    policies: Dict[Tuple[str, float], Any] = {("full", 0.0): KVPolicy()}
+    for name, (builder, args) in METHODS.items():
+        for r in ratios:
+            args_r = dict(args)
+            if builder == "adakv":
+                args_r["base_args"] = {**args["base_args"], "compression_ratio": r}
+            else:
+                args_r["compression_ratio"] = r
+            policies[(name, r)] = build_eviction_policy(method_config(builder, args_r))
+    return policies
+
+
+def read_records(path: Path) -> List[Dict[str, Any]]:
+    out: Dict[Tuple, Dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill: that run repeats
+            out[(rec["id"], rec["protocol"], rec["method"], rec["ratio"], rec.get("kind", "suite"))] = rec
+    return list(out.values())
+
+
+def append(records: List[Dict[str, Any]], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def stop_ids(tok) -> List[int]:
+    stops = {tok.eos_token_id}
+    for extra in ("<|im_end|>", "<|endoftext|>"):
+        tid = tok.convert_tokens_to_ids(extra)
+        if isinstance(tid, int) and tid != tok.unk_token_id:
+            stops.add(tid)
+    return sorted(s for s in stops if s is not None)
+
+
+def run_suite(args, model, tok) -> None:
+    from datamodules.longctx_tasks import Haystack, build_sample
+    from datamodules.text import pydoc_documents
+    from lightning_modules.llm.generation import generate_under_policies
+    from lightning_modules.llm.suite_metrics import score_prediction
+
+    policies = build_policies(args.ratios)
+    done = {(r["id"], r["protocol"], r["method"], r["ratio"]) for r in read_records(args.results) if r.get("kind", "suite") == "suite"}
+    haystack = Haystack(pydoc_documents(), tok)
+    stops = stop_ids(tok)
+    keys = [(p, n, t, i) for p in args.protocols for n in args.lengths for i in range(args.samples) for t in args.tasks]
+    t_start = time.perf_counter()
+    for count, (protocol, length, task, index) in enumerate(keys):
+        sid = f"{task}-{length}-{index}"
+        todo = {k: pol for k, pol in policies.items() if (sid, protocol, k[0], k[1]) not in done}
+        if not todo:
+            continue
+        s = build_sample(task, length, index, haystack, tok, 0)
+        ctx, q = s["context_ids"].unsqueeze(0), s["question_ids"].unsqueeze(0)
+        if protocol == "query_aware":
+            ctx, q = torch_cat(ctx, q), None
+        results = generate_under_policies(model, ctx, None, {f"{m}@{r}": pol for (m, r), pol in todo.items()},
+                                          s["max_new_tokens"], stops, q, None)
+        recs = []
+        for (m, r), _ in todo.items():
+            res = results[f"{m}@{r}"]
+            text = tok.decode(res.tokens[0], skip_special_tokens=True)
+            recs.append({"kind": "suite", "id": sid, "task": task, "length": length, "depth": s["depth"],
+                         "protocol": protocol, "method": m, "ratio": r,
+                         "score": score_prediction(text, s["answers"], s["metric"]), "prediction": text,
+                         "compressed_bytes": res.compressed_bytes, "cache_bytes": res.cache_bytes,
+                         "compress_s": res.compress_seconds, "decode_s": res.decode_seconds,
+                         "decode_steps": res.decode_steps, "prefill_s": res.prefill_seconds})
+        append(recs, args.results)
+        elapsed = time.perf_counter() - t_start
+        print(f"[{count + 1}/{len(keys)}] {protocol} {sid}: {len(recs)} runs, "
+              f"full={next((x['score'] for x in recs if x['method'] == 'full'), float('nan')):.2f} "
+              f"({elapsed / 60:.1f} min so far)", flush=True)
+
+
+def torch_cat(a, b):
+    import torch
+
+    return torch.cat([a, b], dim=1)
+
+
+def run_throughput(args, model, tok) -> None:
+    """Decode tokens/s on a fixed 32-token greedy decode (no stop token) at the longest length."""
+    from datamodules.longctx_tasks import Haystack, build_sample
+    from datamodules.text import pydoc_documents
+    from lightning_modules.kv_eviction.methods import build_eviction_policy, method_config
+    from lightning_modules.llm.generation import generate_under_policies
+    from lightning_modules.llm.policy import KVPolicy
+
+    length = max(args.lengths)
+    done = {(r["id"], r["method"], r["ratio"]) for r in read_records(args.results) if r.get("kind") == "throughput"}
+    haystack = Haystack(pydoc_documents(), tok)
+    methods = {("full", 0.0): KVPolicy()}
+    for name in ("snapkv", "streaming_llm", "h2o", "adakv"):
+        builder, base = METHODS[name]
+        for r in args.ratios:
+            a = dict(base)
+            if builder == "adakv":
+                a["base_args"] = {**base["base_args"], "compression_ratio": r}
+            else:
+                a["compression_ratio"] = r
+            methods[(name, r)] = build_eviction_policy(method_config(builder, a))
+    for index in range(args.throughput_samples):
+        sid = f"niah_single-{length}-{index}"
+        if all((sid, m, r) in done for m, r in methods):
+            continue
+        s = build_sample("niah_single", length, index, haystack, tok, 0)
+        res = generate_under_policies(model, s["context_ids"].unsqueeze(0), None,
+                                      {f"{m}@{r}": p for (m, r), p in methods.items()}, 33, (),
+                                      s["question_ids"].unsqueeze(0), None)
+        append([{"kind": "throughput", "id": sid, "length": length, "protocol": "compress_then_ask", "method": m,
+                 "ratio": r, "decode_s": res[f"{m}@{r}"].decode_seconds, "decode_steps": res[f"{m}@{r}"].decode_steps,
+                 "compressed_bytes": res[f"{m}@{r}"].compressed_bytes, "cache_bytes": res[f"{m}@{r}"].cache_bytes}
+                for m, r in methods], args.results)
+        print(f"throughput sample {index + 1}/{args.throughput_samples} done", flush=True)
+
+
+def run_rank_quality(model, tok) -> Dict[str, Any]:
+    """Spearman of each score with the measured removal change, on SmolLM2's prefill attention."""
+    import torch
+
+    from datamodules.text import pydoc_documents
+    from kernels.reference import attention_colstats_reference
+    from lightning_modules.kv_eviction.scores import SCORE_KINDS, token_scores
+    from lightning_modules.llm.generation import CachedLM
+    from lightning_modules.llm.policy import KVPolicy
+    from lightning_modules.llm.session import install_policy
+
+    ids = tok(" ".join(pydoc_documents()[-40:]), return_tensors="pt").input_ids[:, :512]
+    lm = CachedLM(model)
+    with install_policy(model, KVPolicy(), record_prefill=True) as rec:
+        lm.feed(ids)
+    w = 32
+
+    def ranks(x):
+        return x.double().argsort(-1).argsort(-1).double()
+
+    per_layer = {k: [] for k in SCORE_KINDS}
+    for layer, obs in sorted(rec.prefill_observations.items()):
+        q, k, v = obs.q.double(), obs.k.double(), obs.v.double()
+        g = q.shape[1] // k.shape[1]
+        kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        n = k.shape[2]
+        z = q[:, :, -w:] @ kk.transpose(-1, -2) * obs.scale
+        live = torch.arange(n).view(1, -1) <= torch.arange(n - w, n).view(-1, 1)
+        o = torch.softmax(z.masked_fill(~live, -math.inf), -1) @ vv
+        measured = torch.zeros(q.shape[1], n, dtype=torch.float64)
+        for start in range(0, n, 64):  # removal of token p for p in a chunk, exact recomputation
+            ps = torch.arange(start, min(n, start + 64))
+            keep = live.unsqueeze(1) & (torch.arange(n).view(1, 1, -1) != ps.view(1, -1, 1))  # [w, P, N]
+            zz = z[0].unsqueeze(2).masked_fill(~keep.unsqueeze(0), -math.inf)  # [H, w, P, N]
+            om = torch.nan_to_num(torch.softmax(zz, -1)) @ vv[0].unsqueeze(1)  # [H, w, P, d]
+            measured[:, ps] = (om - o[0].unsqueeze(2)).pow(2).sum(-1).sum(1)
+        stats = attention_colstats_reference(q, k, v, scale=obs.scale, q_window=w, moments="logit")
+        rm = ranks(measured)
+        for kind in SCORE_KINDS:
+            rs = ranks(token_scores(stats, v, kind)[0])
+            a, b = rs - rs.mean(-1, keepdim=True), rm - rm.mean(-1, keepdim=True)
+            rho = (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+            per_layer[kind].append(float(rho.mean()))
+    return {k: {"mean": sum(v) / len(v), "min": min(v), "max": max(v), "layers": len(v)} for k, v in per_layer.items()}
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def report(args, rank_quality) -> str:
+    from lightning_modules.llm.suite_metrics import paired_bootstrap
+
+    recs = [r for r in read_records(args.results) if r.get("kind", "suite") == "suite" and r["task"] in args.tasks
+            and r["length"] in args.lengths and int(r["id"].rsplit("-", 1)[1]) < args.samples]
+    by = {}
+    for r in recs:
+        by.setdefault((r["protocol"], r["length"], r["method"], r["ratio"]), {})[r["id"]] = r
+    sections = []
+    plt = pyplot()
+    panels = [(p, n) for p in args.protocols for n in args.lengths]
+    fig = None
+    if plt is not None:
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for pi, (protocol, length) in enumerate(panels):
+        full = by.get((protocol, length, "full", 0.0), {})
+        if not full:
+            continue
+        header = "| method | " + " | ".join(f"{int(100 * r)}% evicted" for r in args.ratios) + " |"
+        rows = [header, "|---|" + "---|" * len(args.ratios),
+                "| full cache | " + " | ".join(f"{100 * _mean([x['score'] for x in full.values()]):.1f} (n={len(full)})"
+                                                for _ in args.ratios) + " |"]
+        for m in METHODS:
+            cells = []
+            for r in args.ratios:
+                cell = by.get((protocol, length, m, r), {})
+                cells.append(f"{100 * _mean([x['score'] for x in cell.values()]):.1f}" if cell else "-")
+            rows.append(f"| {m} | " + " | ".join(cells) + " |")
+        pair_rows = ["| OBCache vs base | " + " | ".join(f"{int(100 * r)}% evicted" for r in args.ratios) + " |",
+                     "|---|" + "---|" * len(args.ratios)]
+        for base, obc in PAIRS:
+            cells = []
+            for r in args.ratios:
+                a, b = by.get((protocol, length, obc, r), {}), by.get((protocol, length, base, r), {})
+                ids = sorted(set(a) & set(b))
+                if not ids:
+                    cells.append("-")
+                    continue
+                bs = paired_bootstrap([a[i]["score"] for i in ids], [b[i]["score"] for i in ids], seed=1)
+                verdict = "**holds**" if bs["lo"] > 0 else ("reversed" if bs["hi"] < 0 else "not resolved")
+                cells.append(f"{100 * bs['diff']:+.1f} [{100 * bs['lo']:+.1f}, {100 * bs['hi']:+.1f}] {verdict}")
+            pair_rows.append(f"| {obc} - {base} | " + " | ".join(cells) + " |")
+        mem_rows = ["| method | " + " | ".join(f"{int(100 * r)}% evicted" for r in args.ratios) + " |",
+                    "|---|" + "---|" * len(args.ratios)]
+        full_bytes = {i: x["compressed_bytes"] for i, x in full.items()}
+        for m in ("streaming_llm", "h2o", "snapkv", "tova", "adakv"):
+            cells = []
+            for r in args.ratios:
+                cell = by.get((protocol, length, m, r), {})
+                fr = [x["compressed_bytes"] / full_bytes[i] for i, x in cell.items() if i in full_bytes]
+                cells.append(f"{100 * _mean(fr):.1f}%" if fr else "-")
+            mem_rows.append(f"| {m} | " + " | ".join(cells) + " |")
+        sections.append(f"**{protocol}, {length // 1024}K tokens** (accuracy %, mean over {len(args.tasks)} tasks)\n\n"
+                        + "\n".join(rows) + "\n\nOBCache (`obcache_kv`) minus its base, accuracy points, paired by "
+                        "sample, 95% bootstrap interval:\n\n" + "\n".join(pair_rows)
+                        + "\n\nKV bytes right after compression, relative to the full cache:\n\n" + "\n".join(mem_rows))
+        if fig is not None:
+            ax = axes[0][pi]
+            ax.axhline(100 * _mean([x["score"] for x in full.values()]), color="k", lw=1, ls="--", label="full")
+            for m in METHODS:
+                ys = [100 * _mean([x["score"] for x in by.get((protocol, length, m, r), {}).values()]) for r in args.ratios]
+                ax.plot([100 * r for r in args.ratios], ys, marker="o" if "+obc" in m else "x", lw=1.2,
+                        ls="-" if "+obc" in m else ":", color=COLORS[m.split("+")[0]], label=m)
+            ax.set_title(f"{protocol}, {length // 1024}K")
+            ax.set_xlabel("% of the KV cache evicted")
+            ax.set_ylabel("accuracy %")
+    if fig is not None:
+        axes[0][-1].legend(fontsize=6, loc="lower left")
+        fig.tight_layout()
+        save_figure(fig, FIGURE if args.results == RESULTS else args.results.with_suffix(".png"))
+    thr = [r for r in read_records(args.results) if r.get("kind") == "throughput"]
+    thr_rows = []
+    if thr:
+        full_tps = {r["id"]: r["decode_steps"] / r["decode_s"] for r in thr if r["method"] == "full"}
+        thr_rows = ["| method | evicted | decode tokens/s | x full cache | KV bytes vs full |", "|---|---|---|---|---|"]
+        thr_rows.append(f"| full cache | 0% | {_mean(list(full_tps.values())):.1f} | 1.00 | 100% |")
+        full_b = {r["id"]: r["compressed_bytes"] for r in thr if r["method"] == "full"}
+        for m in ("snapkv", "streaming_llm", "h2o", "adakv"):
+            for r in args.ratios:
+                cell = [x for x in thr if x["method"] == m and x["ratio"] == r and x["id"] in full_tps]
+                if not cell:
+                    continue
+                tps = [x["decode_steps"] / x["decode_s"] for x in cell]
+                ratio = sorted(t / full_tps[x["id"]] for t, x in zip(tps, cell))
+                mem = _mean([x["compressed_bytes"] / full_b[x["id"]] for x in cell])
+                thr_rows.append(f"| {m} | {int(100 * r)}% | {_mean(tps):.1f} | {ratio[len(ratio) // 2]:.2f} "
+                                f"(min {ratio[0]:.2f}) | {100 * mem:.1f}% |")
+    rq = ""
+    if rank_quality:
+        rq = ("Spearman correlation of each score with the measured output change of removing one token (key and "
+              "value), per query head over the last 32 prompt queries, SmolLM2 on a 512-token pydoc prompt, mean "
+              "over heads then layers (min / max over layers):\n\n| score | Spearman | min | max |\n|---|---|---|---|\n"
+              + "\n".join(f"| {k} | {v['mean']:.3f} | {v['min']:.3f} | {v['max']:.3f} |" for k, v in rank_quality.items()))
+    n_per = args.samples * len(args.tasks)
+    body = f"""Command: `python bench/kv_eviction.py` (SmolLM2-135M-Instruct fp32, greedy, suite seed 0; tasks
+{', '.join(args.tasks)} with {args.samples} samples each = {n_per} samples per cell; one prefill per sample
+shared by every method, which then compresses it exactly as when installed alone). Budgets are per KV head and
+include sinks / windows / recent tokens; H2O, TOVA and StreamingLLM also evict at every decode step. OBCache
+variants use the joint score `obcache_kv` in place of the attention score, in the same machinery.
+
+{chr(10).join(s + chr(10) for s in sections)}
+{'Decode throughput at ' + str(max(args.lengths) // 1024) + 'K (compress-then-ask, 32 greedy tokens without a stop, ' + str(args.throughput_samples) + ' samples; median ratio per sample against the full cache in the same run):' if thr_rows else ''}
+
+{chr(10).join(thr_rows)}
+
+{rq}
+
+![accuracy against compression](figures/kv_eviction_smollm2.png)
+"""
+    if args.results != RESULTS:  # a side run (smoke test): print only
+        return body
+    return write_section("kv_eviction", body,
+                         "KV-cache eviction: SmolLM2-135M-Instruct (StreamingLLM, H2O, SnapKV, TOVA, AdaKV, OBCache)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=13, help="samples per task (4 tasks -> 52 per cell)")
+    parser.add_argument("--tasks", nargs="+", default=TASKS)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75, 0.9])
+    parser.add_argument("--protocols", nargs="+", default=["compress_then_ask", "query_aware"])
+    parser.add_argument("--throughput-samples", type=int, default=5)
+    parser.add_argument("--report-only", action="store_true", help="only rewrite the report from saved records")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--results", type=Path, default=RESULTS,
+                        help="records file (another path: a side run whose report is printed, not written)")
+    args = parser.parse_args()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from lightning_modules.llm.loading import load_causal_lm
+
+    model, tok = load_causal_lm("smollm2-135m")
+    model.requires_grad_(False)
+    rq_path = args.results.with_name(args.results.stem + "_rank_quality.json")
+    if not args.report_only:
+        with torch.no_grad():
+            if not rq_path.is_file():
+                save_json(rq_path, run_rank_quality(model, tok))
+            run_throughput(args, model, tok)
+            run_suite(args, model, tok)
+    rank_quality = json.loads(rq_path.read_text()) if rq_path.is_file() else None
+    print(report(args, rank_quality))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
