@@ -1,0 +1,296 @@
+"""Block estimators for sparse prefill: which (query block, key block) tiles of causal attention to compute.
+
+Every estimator reads the post-RoPE ``q [B, Hq, N, d]`` and ``k [B, Hk, N, d]`` of one prefill call and returns
+a :class:`Selection` (a ``[B, Hq]`` :class:`kernels.BlockLayout`, plus any exact partial pass it already ran);
+:func:`lightning_modules.sparse_prefill.attention.sparse_prefill_attention` computes the selected blocks
+through :func:`kernels.attention` and merges partial passes with :func:`kernels.merge_lse`.
+
+* :class:`DenseEstimator` - every causal block (the reference point).
+* :class:`MeanPoolEstimator` - block-mean-pooled ``Q K^T`` (all dims), causal block softmax, top-p per row
+  (the pooled estimate of FlexPrefill's query-aware mode and MInference's block-sparse pattern).
+* :class:`XAttentionEstimator` - XAttention's strided anti-diagonal scores summed per block, threshold on the
+  cumulative row mass.
+* :class:`FlexPrefillEstimator` - FlexPrefill: the last queries' exact attention decides between a pooled
+  query-aware pattern and a vertical-slash pattern (Jensen-Shannon test), each covering ``gamma`` of the mass.
+* Prism and SALE live in :mod:`~lightning_modules.sparse_prefill.prism` and
+  :mod:`~lightning_modules.sparse_prefill.sale`.
+
+All selections keep the sink column (key block 0) and the causal diagonal block of every query row.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from kernels import BlockLayout
+from kernels.layouts import causal_block_mask
+
+__all__ = [
+    "Selection",
+    "BlockEstimator",
+    "DenseEstimator",
+    "MeanPoolEstimator",
+    "XAttentionEstimator",
+    "FlexPrefillEstimator",
+    "pool_blocks",
+    "expand_kv",
+    "top_p_mask",
+    "cumulative_threshold_mask",
+    "finish_block_mask",
+]
+
+
+@dataclass
+class Selection:
+    """What an estimator chose for one prefill call.
+
+    Attributes:
+        layout: the blocks attention covers (``[B, Hq]``; None = dense causal), exact partial passes included.
+        exact: ``(o, lse)`` of an exact pass the estimator already ran (SALE's sink + local pass), or None.
+        exact_layout: the blocks of that pass (a subset of ``layout``).
+        seconds: wall time of the estimate itself (the exact pass excluded).
+        info: estimator-specific details (e.g. FlexPrefill's per-head mode).
+    """
+
+    layout: Optional[BlockLayout]
+    exact: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    exact_layout: Optional[BlockLayout] = None
+    seconds: float = 0.0
+    info: Dict[str, Any] = field(default_factory=dict)
+
+
+class BlockEstimator:
+    """Base: ``select(q, k, v, scale) -> Selection`` (subclasses implement ``_block_mask``)."""
+
+    name = "estimator"
+    block: int = 64
+
+    def select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Selection:
+        _check(q, k)
+        t0 = time.perf_counter()
+        n = q.shape[2]
+        if n <= self.block:  # a single block: nothing to skip
+            return Selection(None, seconds=time.perf_counter() - t0)
+        mask, info = self._block_mask(q, k, scale)
+        layout = BlockLayout.from_block_mask(finish_block_mask(mask, n, self.block), self.block, self.block, (n, n))
+        return Selection(layout, seconds=time.perf_counter() - t0, info=info)
+
+    def _block_mask(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        raise NotImplementedError
+
+
+def _check(q: torch.Tensor, k: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q [B, Hq, N, d] and k [B, Hk, N, d] expected, got {list(q.shape)} and {list(k.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"sparse prefill estimates a prefill (queries = keys); got Nq={q.shape[2]}, Nk={k.shape[2]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads {q.shape[1]} must be a multiple of kv heads {k.shape[1]}")
+
+
+def expand_kv(k: torch.Tensor, n_q_heads: int) -> torch.Tensor:
+    """``[B, Hk, N, d]`` -> ``[B, Hq, N, d]`` (GQA: query head ``h`` reads kv head ``h // (Hq / Hk)``)."""
+    return k if k.shape[1] == n_q_heads else k.repeat_interleave(n_q_heads // k.shape[1], dim=1)
+
+
+def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Mean of each block of ``block`` rows of ``x [..., N, d]`` -> ``[..., ceil(N / block), d]`` (float32; the
+    last block averages its real rows only)."""
+    n = x.shape[-2]
+    m = math.ceil(n / block)
+    pad = m * block - n
+    xf = x.float()
+    if pad:
+        xf = torch.cat([xf, xf.new_zeros(*xf.shape[:-2], pad, xf.shape[-1])], dim=-2)
+    sums = xf.reshape(*xf.shape[:-2], m, block, xf.shape[-1]).sum(-2)
+    counts = torch.full((m,), float(block), device=x.device)
+    counts[-1] = block - pad
+    return sums / counts.unsqueeze(-1)
+
+
+def _block_causal(m: int, device) -> torch.Tensor:
+    return torch.ones(m, m, dtype=torch.bool, device=device).tril()
+
+
+def top_p_mask(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Per row of ``probs [..., M]``: the shortest set of largest entries whose mass reaches ``p`` (entry ``r``
+    of the sorted row is kept iff the mass before it is ``< p``; zero entries are never kept)."""
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top-p threshold must be in (0, 1], got {p}")
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    keep_sorted = (before < p) & (sorted_p > 0)
+    keep = torch.zeros_like(keep_sorted)
+    keep.scatter_(-1, order, keep_sorted)
+    return keep
+
+
+def cumulative_threshold_mask(scores: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Per row of non-negative ``scores [..., M]``: the largest entries until their sum reaches
+    ``threshold x row total`` (XAttention's rule; :func:`top_p_mask` on the normalised row)."""
+    total = scores.sum(-1, keepdim=True)
+    probs = torch.where(total > 0, scores / total.clamp_min(1e-30), torch.zeros_like(scores))
+    return top_p_mask(probs, threshold)
+
+
+def finish_block_mask(mask: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """Restrict ``mask [B, H, M, M]`` to causal blocks and add the sink column and the diagonal."""
+    m = mask.shape[-1]
+    causal = causal_block_mask(n, n, block, block, device=mask.device)
+    out = mask.clone()
+    out[..., :, 0] = True
+    idx = torch.arange(m, device=mask.device)
+    out[..., idx, idx] = True
+    return out & causal
+
+
+def _causal_softmax(logits: torch.Tensor) -> torch.Tensor:
+    m = logits.shape[-1]
+    causal = _block_causal(m, logits.device)
+    return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+
+
+class DenseEstimator(BlockEstimator):
+    """Every causal block: plain causal attention (no estimate)."""
+
+    name = "dense"
+
+    def select(self, q, k, v, scale):
+        _check(q, k)
+        return Selection(None)
+
+
+class MeanPoolEstimator(BlockEstimator):
+    """Mean-pooled block logits ``Q_bar K_bar^T * scale`` over all dims, causal block softmax, top-p per row.
+
+    Args:
+        block: block size (query and key).
+        top_p: row mass to cover.
+    """
+
+    name = "mean_pool"
+
+    def __init__(self, block: int = 64, top_p: float = 0.9) -> None:
+        top_p_mask(torch.ones(1), top_p)  # validates
+        self.block, self.top_p = int(block), float(top_p)
+
+    def _block_mask(self, q, k, scale):
+        qb = pool_blocks(q, self.block)
+        kb = pool_blocks(expand_kv(k, q.shape[1]), self.block)
+        probs = _causal_softmax(torch.matmul(qb, kb.transpose(-1, -2)) * scale)
+        return top_p_mask(probs, self.top_p), {}
+
+
+class XAttentionEstimator(BlockEstimator):
+    """XAttention: with stride ``S``, row ``r`` of the reshaped queries concatenates ``q[rS + S - 1 - s]`` and
+    row ``c`` of the reshaped keys ``k[cS + s]`` (``s = 0 .. S-1``), so one dot product sums an anti-diagonal of
+    an ``S x S`` tile; scaled by ``scale / S``, causal softmax over the ``N / S`` columns, probabilities summed per
+    block; each row keeps its largest blocks until ``threshold`` of its mass.
+
+    Args:
+        block: block size (a multiple of ``stride``); stride: ``S`` (8 in XAttention); threshold: ``tau`` (0.9).
+    """
+
+    name = "xattention"
+
+    def __init__(self, block: int = 64, stride: int = 8, threshold: float = 0.9) -> None:
+        if stride < 1 or block % stride:
+            raise ValueError(f"block ({block}) must be a multiple of stride ({stride})")
+        top_p_mask(torch.ones(1), threshold)
+        self.block, self.stride, self.threshold = int(block), int(stride), float(threshold)
+
+    def _block_mask(self, q, k, scale):
+        b, hq, n, d = q.shape
+        s = self.stride
+        m = math.ceil(n / self.block)
+        n_pad = m * self.block
+        kq = expand_kv(k, hq).float()
+        qf = q.float()
+        if n_pad > n:
+            qf = torch.cat([qf, qf.new_zeros(b, hq, n_pad - n, d)], 2)
+            kq = torch.cat([kq, kq.new_zeros(b, hq, n_pad - n, d)], 2)
+        r = n_pad // s
+        q_rows = qf.view(b, hq, r, s, d).flip(3).reshape(b, hq, r, s * d)  # q[rS + S-1-s] for s = 0..S-1
+        k_rows = kq.view(b, hq, r, s * d)  # k[cS + s]
+        logits = torch.matmul(q_rows, k_rows.transpose(-1, -2)) * (scale / s)
+        probs = _causal_softmax(logits)
+        t = self.block // s
+        block_scores = probs.view(b, hq, m, t, m, t).sum((3, 5))
+        return cumulative_threshold_mask(block_scores, self.threshold), {}
+
+
+class FlexPrefillEstimator(BlockEstimator):
+    """FlexPrefill: exact attention of the last ``last_q`` queries gives the true vertical (column) and slash
+    (diagonal) distributions. Per head, if the square-root Jensen-Shannon divergence between the pooled
+    estimate ``softmax(mean(q_last) K_bar^T * scale)`` and the true block-vertical distribution is below
+    ``tau``, the head is query-aware: per query block, pooled attention covering ``gamma`` of the mass;
+    otherwise vertical-slash: the columns and diagonals covering ``gamma`` of their masses.
+
+    Args:
+        block: block size; gamma: mass to cover (0.9; Prism's comparison uses 0.95); tau: JSD threshold (0.1);
+        last_q: queries of the exact slice (FlexPrefill: one block of 128).
+    """
+
+    name = "flexprefill"
+
+    def __init__(self, block: int = 64, gamma: float = 0.9, tau: float = 0.1, last_q: int = 64) -> None:
+        top_p_mask(torch.ones(1), gamma)
+        if tau < 0 or last_q < 1:
+            raise ValueError(f"tau must be >= 0 and last_q >= 1, got tau={tau}, last_q={last_q}")
+        self.block, self.gamma, self.tau, self.last_q = int(block), float(gamma), float(tau), int(last_q)
+
+    def _block_mask(self, q, k, scale):
+        b, hq, n, d = q.shape
+        bs = self.block
+        m = math.ceil(n / bs)
+        kq = expand_kv(k, hq).float()
+        w = min(self.last_q, n)
+        q_last = q[:, :, n - w:].float()
+        logits = torch.matmul(q_last, kq.transpose(-1, -2)) * scale  # [B, H, w, N]
+        rows = torch.arange(n - w, n, device=q.device).view(-1, 1)
+        cols = torch.arange(n, device=q.device).view(1, -1)
+        a_last = torch.softmax(logits.masked_fill(cols > rows, float("-inf")), -1)
+        vertical = a_last.mean(2)  # [B, H, N]
+        block_idx = torch.arange(n, device=q.device) // bs
+        true_blocks = torch.zeros(b, hq, m, device=q.device).index_add_(-1, block_idx, vertical)
+        kb = pool_blocks(kq, bs)
+        est = torch.softmax(torch.matmul(q_last.mean(2, keepdim=True), kb.transpose(-1, -2)).squeeze(2) * scale, -1)
+        mix = 0.5 * (est + true_blocks)
+
+        def kl(p, r):
+            return (p * (torch.log(p.clamp_min(1e-30)) - torch.log(r.clamp_min(1e-30)))).sum(-1)
+
+        jsd = (0.5 * kl(est, mix) + 0.5 * kl(true_blocks, mix)).clamp_min(0).sqrt()  # [B, H]
+        query_aware = jsd < self.tau
+        # query-aware pattern: pooled attention per query block
+        qb = pool_blocks(q, bs)
+        qa_mask = top_p_mask(_causal_softmax(torch.matmul(qb, kb.transpose(-1, -2)) * scale), self.gamma)
+        # vertical-slash pattern
+        col_keep = top_p_mask(vertical, self.gamma)  # [B, H, N]
+        diag = rows - cols  # offset i - j of every (row, column) of the slice
+        flat = a_last.masked_fill(diag < 0, 0.0).reshape(b * hq, w * n)
+        offsets = torch.zeros(b * hq, n, device=q.device).index_add_(-1, diag.clamp_min(0).flatten(), flat)
+        offsets = offsets.view(b, hq, n)
+        slash_keep = top_p_mask(offsets / offsets.sum(-1, keepdim=True).clamp_min(1e-30), self.gamma)
+        vs = torch.zeros(b, hq, m, m, dtype=torch.bool, device=q.device)
+        col_blocks = torch.zeros(b, hq, m, dtype=torch.int32, device=q.device).index_add_(
+            -1, block_idx, col_keep.to(torch.int32)) > 0
+        vs |= col_blocks.unsqueeze(-2)
+        # a diagonal at offset o crosses key blocks I - o // bs and, unless aligned, I - o // bs - 1
+        o = torch.arange(n, device=q.device)
+        block_off = torch.zeros(b, hq, m + 1, dtype=torch.int32, device=q.device)
+        block_off.index_add_(-1, o // bs, slash_keep.to(torch.int32))
+        block_off.index_add_(-1, torch.where(o % bs > 0, o // bs + 1, o // bs), slash_keep.to(torch.int32))
+        delta_keep = block_off[..., :m] > 0  # [B, H, m]: diagonal offsets (in blocks) to keep
+        i_idx = torch.arange(m, device=q.device).view(-1, 1)
+        j_idx = torch.arange(m, device=q.device).view(1, -1)
+        delta = (i_idx - j_idx).clamp(min=0, max=m - 1)
+        vs |= torch.gather(delta_keep.unsqueeze(-2).expand(b, hq, m, m), -1,
+                           delta.expand(b, hq, m, m)) & (j_idx <= i_idx)
+        mask = torch.where(query_aware.view(b, hq, 1, 1), qa_mask, vs)
+        return mask, {"query_aware_heads": float(query_aware.float().mean())}

@@ -1,0 +1,196 @@
+"""Sparse prefill estimators: RoPE attenuation, the estimators' block scores against brute force, SALE's
+exact pass and calibration, and the compute path against masked dense attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kernels
+from kernels import BlockLayout
+from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
+from lightning_modules.sparse_prefill.estimators import (
+    DenseEstimator,
+    FlexPrefillEstimator,
+    MeanPoolEstimator,
+    XAttentionEstimator,
+    pool_blocks,
+    top_p_mask,
+)
+from lightning_modules.sparse_prefill.metrics import attention_recall, block_attention_mass, relative_output_error
+from lightning_modules.sparse_prefill.prism import PrismEstimator, band_dims
+from lightning_modules.sparse_prefill.rope import apply_rope, pair_amplitudes, pooled_attenuation, rope_frequencies
+from lightning_modules.sparse_prefill.sale import SALEEstimator, calibrate_thresholds, sink_local_layout
+from lightning_modules.sparse_prefill.synthetic import HEAD_KINDS, structured_heads
+from tests.kernels._brute import brute_attention, brute_mask
+
+
+@pytest.mark.parametrize("block", [8, 64, 128])
+@pytest.mark.parametrize("base", [1e4, 1e6])
+def test_mean_pooled_rope_pairs_shrink_by_the_attenuation_formula(block, base):
+    d = 64
+    c = torch.randn(d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    rotated = apply_rope(c.expand(block, d), torch.arange(100, 100 + block), base)
+    measured = pair_amplitudes(rotated.mean(0)) / pair_amplitudes(c)
+    expected = pooled_attenuation(rope_frequencies(d, base), block)
+    torch.testing.assert_close(measured, expected, rtol=0, atol=1e-10)
+    assert expected[0] < 0.2 and expected[-1] > 0.99  # fast pairs cancel, slow pairs survive
+
+
+def test_rope_rotation_preserves_norms_and_relative_positions():
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 32, dtype=torch.float64, generator=gen)
+    for shift in (0, 5, 100):
+        a = apply_rope(x.view(1, -1), torch.tensor([3 + shift]))
+        b = apply_rope(y.view(1, -1), torch.tensor([10 + shift]))
+        ref = (apply_rope(x.view(1, -1), torch.tensor([3])) * apply_rope(y.view(1, -1), torch.tensor([10]))).sum()
+        torch.testing.assert_close((a * b).sum(), ref)
+    torch.testing.assert_close(apply_rope(x.view(1, -1), torch.tensor([7])).norm(), x.norm())
+
+
+def test_top_p_mask_matches_its_definition():
+    gen = torch.Generator().manual_seed(2)
+    probs = torch.softmax(torch.randn(6, 11, generator=gen) * 2, -1)
+    for p in (0.3, 0.9, 1.0):
+        got = top_p_mask(probs, p)
+        for r in range(6):
+            order = sorted(range(11), key=lambda j: -float(probs[r, j]))
+            kept, mass = set(), 0.0
+            for j in order:
+                if mass >= p:
+                    break
+                kept.add(j)
+                mass += float(probs[r, j])
+            assert {j for j in range(11) if got[r, j]} == kept
+
+
+def _qk(n=256, hq=4, hk=2, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, hq, n, d, generator=gen), torch.randn(1, hk, n, d, generator=gen),
+            torch.randn(1, hk, n, d, generator=gen))
+
+
+def test_xattention_block_scores_are_sums_of_strided_anti_diagonals():
+    q, k, v = _qk(n=128, hq=2, hk=2, d=8)
+    est = XAttentionEstimator(block=32, stride=4, threshold=0.5)
+    s, n = 4, 128
+    scale = 8 ** -0.5
+    r = n // s
+    # brute force: the anti-diagonal sum of every S x S tile, causal softmax over tiles, summed per block
+    logits = torch.zeros(1, 2, r, r, dtype=torch.float64)
+    for i in range(r):
+        for j in range(r):
+            tile = q[0, :, i * s:(i + 1) * s].double() @ k[0, :, j * s:(j + 1) * s].double().transpose(-1, -2)
+            logits[0, :, i, j] = sum(tile[:, s - 1 - t, t] for t in range(s)) * scale / s
+    causal = torch.ones(r, r, dtype=torch.bool).tril()
+    probs = torch.softmax(logits.masked_fill(~causal, -math.inf), -1)
+    blocks = probs.view(1, 2, 4, 8, 4, 8).sum((3, 5))
+    want = top_p_mask(blocks / blocks.sum(-1, keepdim=True), 0.5)
+    got, _ = est._block_mask(q, k, scale)
+    assert torch.equal(got, want)
+
+
+def test_mean_pool_and_prism_without_calibration_use_their_defined_logits():
+    q, k, v = _qk(n=200, hq=2, hk=1, d=16, seed=3)
+    scale = 0.25
+    qb = torch.stack([q[..., i * 32:(i + 1) * 32, :].mean(-2) for i in range(7)], -2)
+    kb = torch.stack([k[..., i * 32:(i + 1) * 32, :].mean(-2) for i in range(7)], -2).repeat_interleave(2, 1)
+    torch.testing.assert_close(pool_blocks(q, 32), qb)
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    probs = torch.softmax((qb @ kb.transpose(-1, -2) * scale).masked_fill(~causal, -math.inf), -1)
+    got, _ = MeanPoolEstimator(block=32, top_p=0.8)._block_mask(q, k, scale)
+    assert torch.equal(got, top_p_mask(probs, 0.8))
+    high, low = band_dims(16, 0.5, 0.75)
+    assert high.tolist() == [0, 1, 2, 3, 8, 9, 10, 11] and low.tolist() == [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15]
+    bands = PrismEstimator(block=32, calibrate=False).band_logits(q, k)
+    torch.testing.assert_close(bands["high"], qb[..., high] @ kb[..., high].transpose(-1, -2) / math.sqrt(8))
+    cal = PrismEstimator(block=32).band_logits(q, k)
+    rms = lambda x: x.pow(2).mean((-1, -2)).sqrt()  # noqa: E731
+    tau = math.sqrt(12 / 16) * rms(qb[..., low]) / rms(qb) * rms(kb[..., low]) / rms(kb)
+    torch.testing.assert_close(cal["tau_low"], tau)
+    torch.testing.assert_close(cal["low"], qb[..., low] @ kb[..., low].transpose(-1, -2) / (math.sqrt(12) * tau[..., None, None]))
+
+
+@pytest.mark.parametrize("estimator", [MeanPoolEstimator(block=32, top_p=0.7), XAttentionEstimator(block=32, threshold=0.7),
+                                       FlexPrefillEstimator(block=32, gamma=0.7, last_q=32),
+                                       PrismEstimator(block=32, top_p=0.7), SALEEstimator(tau=0.01, block_q=32, block_k=16,
+                                                                                          sink=16, local=32)],
+                         ids=lambda e: e.name)
+def test_every_estimator_keeps_sink_and_diagonal_and_its_output_is_masked_attention(estimator):
+    q, k, v = _qk(n=192, seed=5)
+    scale = 16 ** -0.5
+    o, lse, stats = sparse_prefill_attention(q, k, v, estimator, scale)
+    sel = estimator.select(q, k, v, scale)
+    bm = sel.layout.to_block_mask()  # [B, H, Mq, Mk]
+    assert bm[..., :, 0].all()
+    mq = bm.shape[-2]
+    ratio = sel.layout.block_q // sel.layout.block_k
+    for m in range(mq):  # the diagonal key block(s) of every query block
+        assert bm[..., m, m * ratio + ratio - 1].all()
+    # brute force: dense softmax restricted to the selected blocks
+    n = 192
+    rows = torch.arange(n) // sel.layout.block_q
+    cols = torch.arange(n) // sel.layout.block_k
+    token_mask = bm[:, :, rows][..., cols] & brute_mask(n, n)
+    want, want_lse, _ = brute_attention(q, k, v, token_mask, scale=scale)
+    torch.testing.assert_close(o.double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-4, atol=1e-5)
+    assert 0 < stats.density <= 1 and stats.estimate_seconds >= 0
+
+
+def test_dense_estimator_and_sale_at_tau_zero_are_exact():
+    q, k, v = _qk(n=160, seed=6)
+    ref, ref_lse = kernels.attention(q, k, v, scale=0.25, causal=True)
+    for est in (DenseEstimator(), SALEEstimator(tau=0.0, block_q=32, block_k=16, sink=16, local=32)):
+        o, lse, stats = sparse_prefill_attention(q, k, v, est, 0.25)
+        torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-6)
+        assert stats.density == pytest.approx(1.0)
+
+
+def test_sink_local_layout_lists_the_sink_and_the_local_band():
+    lay = sink_local_layout(256, 64, 32, sink=32, local=128)
+    bm = lay.to_block_mask()[0, 0]
+    for m in range(4):
+        first_local = max(0, m * 64 - 128) // 32
+        want = {0} | set(range(first_local, (m + 1) * 2))
+        assert {j for j in range(8) if bm[m, j]} == want
+
+
+def test_sale_calibration_halves_until_the_error_budget_holds():
+    q, k, v, _ = structured_heads(["sink", "diffuse", "local"], n=384, d=32, seed=1)
+    est = SALEEstimator(block_q=32, block_k=16, sink=16, local=32)
+    scale = 32 ** -0.5
+    loose = calibrate_thresholds(q, k, v, scale, theta=5.0, estimator=est)
+    tight = calibrate_thresholds(q, k, v, scale, theta=0.01, estimator=est)
+    assert (tight <= loose).all()
+    dense, _ = kernels.attention(q, k, v, scale=scale, causal=True)
+    for theta, taus in ((5.0, loose), (0.01, tight)):
+        out, _, _ = sparse_prefill_attention(q, k, v, est, scale, tau=taus)
+        err = (out - dense).abs().sum((-1, -2))[0]
+        assert (err < theta * 384 + 1e-6).all()
+        # each accepted threshold is the largest power-of-two fraction of 0.008 that meets the budget
+        for h, tau in enumerate(taus.tolist()):
+            if tau > 0 and tau < 0.008:
+                up = taus.clone()
+                up[h] = tau * 2
+                out2, _, _ = sparse_prefill_attention(q, k, v, est, scale, tau=up)
+                assert float((out2 - dense)[0, h].abs().sum()) >= theta * 384
+
+
+def test_recall_and_error_metrics_against_definitions():
+    q, k, v, _ = structured_heads(HEAD_KINDS, n=256, d=32, seed=2)
+    scale = 32 ** -0.5
+    mass = block_attention_mass(q, k, scale, 32, 32)
+    assert torch.allclose(mass.sum((-1, -2)), torch.full((1, 5), 256.0, dtype=torch.float64))
+    full = BlockLayout.causal(256, block_q=32).expand(1, 5)
+    assert torch.allclose(attention_recall(mass, full), torch.ones(1, 5, dtype=torch.float64))
+    _, _, p = brute_attention(q, k, v, brute_mask(256, 256), scale=scale)
+    diag_only = BlockLayout.from_block_mask(torch.eye(8, dtype=torch.bool)[None, None].expand(1, 5, 8, 8), 32, 32,
+                                            (256, 256))
+    want = torch.stack([sum(p[0, h, i * 32:(i + 1) * 32, i * 32:(i + 1) * 32].sum() for i in range(8)) / 256
+                        for h in range(5)])
+    torch.testing.assert_close(attention_recall(mass, diag_only)[0], want)
+    o = torch.randn(1, 2, 10, 4, dtype=torch.float64)
+    assert torch.allclose(relative_output_error(o * 1.5, o), torch.full((1, 2), 0.5, dtype=torch.float64))
