@@ -177,6 +177,20 @@ OBCACHE_PAPER = Paper(
 
 LLM_TINY = {"model": "tiny-llama"}
 
+_PREFILL_CALLBACKS = [
+    ("sale", "SALEConfig", "low-bit (int4/int8) estimate + Relative Attention Score threshold per head",
+     Paper("SALE: Low-bit Estimation for Efficient Sparse Attention in Long-context LLM Prefilling", "", "2505.24179")),
+    ("prism", "PrismConfig", "dual-band (RoPE high/low frequency) pooled estimate with energy calibration",
+     Paper("Prism: Spectral-Aware Block-Sparse Attention", "ICML 2026", "2602.08426")),
+    ("xattention", "XAttentionConfig", "strided anti-diagonal block scores, cumulative threshold",
+     Paper("XAttention: Block Sparse Attention with Antidiagonal Scoring", "ICML 2025", "2503.16428")),
+    ("flexprefill", "FlexPrefillConfig", "last-query estimate: query-aware or vertical-slash per head",
+     Paper("FlexPrefill: A Context-Aware Sparse Attention Mechanism for Efficient Long-Sequence Inference",
+           "ICLR 2025", "2502.20766")),
+    ("mean_pool_prefill", "MeanPoolConfig", "mean-pooled block logits, top-p per row (baseline)", None),
+    ("dense_prefill", "DensePrefillConfig", "dense prefill through the same runner (baseline, timings)", None),
+]
+
 _EVICTION_CALLBACKS = [
     ("streaming_llm", "StreamingLLMConfig", "attention sinks + a recent window",
      Paper("Efficient Streaming Language Models with Attention Sinks", "ICLR 2024", "2309.17453")),
@@ -431,6 +445,13 @@ DATAMODULES: Dict[str, DataSpec] = {
     ]
 }
 
+def _llm_method_callbacks(entries, target: str, config_module: str, kind: str) -> List[CallbackSpec]:
+    """One evaluation-stage callback per (name, config class, description, paper) entry, sharing a target."""
+    return [CallbackSpec(name=name, target=target, config=f"{config_module}:{config}", description=f"{kind}: {text}",
+                         stages=("validate", "test", "predict"), requires=("transformers",), extra="llm", paper=paper)
+            for name, config, text, paper in entries]
+
+
 CALLBACKS: Dict[str, CallbackSpec] = {
     spec.name: spec
     for spec in [
@@ -476,19 +497,20 @@ CALLBACKS: Dict[str, CallbackSpec] = {
             requires=("transformers",),
             extra="llm",
         ),
-        *[
-            CallbackSpec(
-                name=name,
-                target="lightning_modules.kv_eviction.callbacks:EvictionCallback",
-                config=f"lightning_modules.kv_eviction.methods:{config}",
-                description=f"KV eviction: {description}",
-                stages=("validate", "test", "predict"),
-                requires=("transformers",),
-                extra="llm",
-                paper=paper,
-            )
-            for name, config, description, paper in _EVICTION_CALLBACKS
-        ],
+        *_llm_method_callbacks(_EVICTION_CALLBACKS, "lightning_modules.kv_eviction.callbacks:EvictionCallback",
+                               "lightning_modules.kv_eviction.methods", "KV eviction"),
+        *_llm_method_callbacks(_PREFILL_CALLBACKS, "lightning_modules.sparse_prefill.callbacks:SparsePrefillCallback",
+                               "lightning_modules.sparse_prefill.methods", "sparse prefill"),
+        CallbackSpec(
+            name="sale_calibration",
+            target="lightning_modules.sparse_prefill.callbacks:SALECalibrationCallback",
+            config="lightning_modules.sparse_prefill.callbacks:SALECalibrationConfig",
+            description="SALE's per-(layer, head) threshold calibration against an error budget; writes the "
+                        "tau table that sale's tau_table reads",
+            stages=("validate", "predict"),
+            requires=("transformers",),
+            extra="llm",
+        ),
         CallbackSpec(
             name="log_lines",
             target="lightning_modules.callbacks.progress:LogLines",

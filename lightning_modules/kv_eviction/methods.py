@@ -22,9 +22,10 @@ method                    scorer / selector                                     
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Optional, Tuple, Type
 
+from lightning_modules.base import coerce_config
 from lightning_modules.kv_eviction.scores import SCORE_KINDS, check_kind
 from lightning_modules.kv_eviction.scorers import AccumulatedScorer, WindowScorer
 from lightning_modules.kv_eviction.selectors import AdaKVSelector
@@ -269,12 +270,7 @@ def method_config(name: str, args: Optional[Dict[str, Any]] = None) -> Any:
     """The config of method ``name`` from a dict of its fields (unknown fields are named in the error)."""
     if name not in EVICTION_METHODS:
         raise ValueError(f"unknown eviction method {name!r}; known: {', '.join(EVICTION_METHODS)}")
-    cls = EVICTION_METHODS[name][0]
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(args or {}) - known)
-    if unknown:
-        raise ValueError(f"{name}: unknown field(s) {', '.join(unknown)}; valid fields are {', '.join(sorted(known))}")
-    return cls(**dict(args or {}))
+    return coerce_config(dict(args or {}), EVICTION_METHODS[name][0])
 
 
 def build_eviction_policy(cfg: Any) -> KVPolicy:

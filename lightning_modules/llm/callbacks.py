@@ -16,12 +16,12 @@ Scorer and selector names come from :data:`~lightning_modules.llm.policy.SCORERS
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import lightning.pytorch as pl
 
+from lightning_modules.callbacks.eval_switch import EvalStageSwitch
 from lightning_modules.llm.policy import SCORERS, SELECTORS, Action, Budget, KVPolicy, Schedule, resolve_component
 from lightning_modules.llm.session import install_policy
 
@@ -76,57 +76,23 @@ def target_model(pl_module: pl.LightningModule) -> Any:
     return getattr(pl_module, "model", pl_module)
 
 
-class KVPolicyCallback(pl.Callback):
+class KVPolicyCallback(EvalStageSwitch):
     """Install a KV-cache policy for validate/test/predict (see the module docstring)."""
 
     def __init__(self, cfg: Optional[KVPolicyConfig] = None, policy: Optional[KVPolicy] = None, **kwargs: Any) -> None:
+        super().__init__()
         if cfg is not None and policy is not None:
             raise ValueError("pass a config or a policy, not both")
         self.cfg = cfg if cfg is not None or policy is not None else KVPolicyConfig(**kwargs)
         self.policy = policy if policy is not None else build_policy(self.cfg)
-        self._stack: Optional[contextlib.ExitStack] = None
         self.session = None
 
-    # ------------------------------------------------------------------ install / remove
-    def _install(self, pl_module: pl.LightningModule) -> None:
-        self._remove()
-        stack = contextlib.ExitStack()
-        self.session = stack.enter_context(install_policy(target_model(pl_module), self.policy, keep_log=True))
-        self._stack = stack
+    def _enter(self, trainer, pl_module, stage):
+        self.session = self._stack.enter_context(install_policy(target_model(pl_module), self.policy, keep_log=True))
 
-    def _remove(self) -> None:
-        stack, self._stack = self._stack, None
-        if stack is not None:
-            stack.close()
-
-    def _finish(self, pl_module: pl.LightningModule, stage: str) -> None:
+    def _report(self, trainer, pl_module, stage):
         session = self.session
         if session is not None and getattr(self.cfg, "log_kept", True) and session.decisions:
             kept = session.kept_fraction()
             print(f"[litctx] kv policy {self.policy.name}: kept {100 * kept:.1f}% of the entries it scored ({stage})",
                   flush=True)
-        self._remove()
-
-    def on_validation_start(self, trainer, pl_module):
-        self._install(pl_module)
-
-    def on_validation_end(self, trainer, pl_module):
-        self._finish(pl_module, "validate")
-
-    def on_test_start(self, trainer, pl_module):
-        self._install(pl_module)
-
-    def on_test_end(self, trainer, pl_module):
-        self._finish(pl_module, "test")
-
-    def on_predict_start(self, trainer, pl_module):
-        self._install(pl_module)
-
-    def on_predict_end(self, trainer, pl_module):
-        self._finish(pl_module, "predict")
-
-    def on_exception(self, trainer, pl_module, exception):
-        self._remove()
-
-    def teardown(self, trainer, pl_module, stage):
-        self._remove()

@@ -26,7 +26,7 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -34,7 +34,7 @@ import kernels
 from lightning_modules.llm.attention import ATTN_NAME, RUNNER_ATTR, ensure_registered, mask_to_key_mask
 from lightning_modules.llm.policy import Action, KVObservation, KVPolicy
 
-__all__ = ["LayerRunner", "PolicySession", "install_policy", "active_session", "attention_modules",
+__all__ = ["LayerRunner", "PolicySession", "install_policy", "attach_runners", "active_session", "attention_modules",
            "cache_bytes", "SESSION_ATTR"]
 
 SESSION_ATTR = "_litctx_kv_session"
@@ -261,6 +261,41 @@ def active_session(model: torch.nn.Module) -> Optional[PolicySession]:
 
 
 @contextlib.contextmanager
+def attach_runners(model: torch.nn.Module, make_runner: Callable[[torch.nn.Module], Any],
+                   what: str = "an attention runner") -> Iterator[Dict[int, Any]]:
+    """Switch ``model`` to the ``litctx`` attention function and give every attention module the runner
+    ``make_runner(module)`` (an object with ``attend(module, query, key, value, attention_mask, scale)``);
+    yields ``{layer: runner}``. Everything is restored on exit, whatever happens. One runner per module: a
+    model that already has runners (a KV policy, a sparse prefill) is refused."""
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no attention layer {what} can drive (looked for modules "
+                         f"with layer_idx and q_proj/k_proj/v_proj, as in Llama, Qwen2 and OLMo-2)")
+    if any(hasattr(m, RUNNER_ATTR) for m in modules):
+        raise RuntimeError(f"cannot install {what}: the model's attention is already overridden (a KV policy or "
+                           f"a sparse prefill is installed); remove it first")
+    ensure_registered()
+    config = getattr(model, "config", None)
+    previous_impl = getattr(config, "_attn_implementation", None)
+    runners: Dict[int, Any] = {}
+    try:
+        if previous_impl != ATTN_NAME:
+            if not hasattr(model, "set_attn_implementation"):
+                raise ValueError(f"{type(model).__name__} cannot switch to the litctx attention implementation")
+            model.set_attn_implementation(ATTN_NAME)
+        for m in modules:
+            runners[m.layer_idx] = make_runner(m)
+            setattr(m, RUNNER_ATTR, runners[m.layer_idx])
+        yield runners
+    finally:
+        for m in modules:
+            if getattr(m, RUNNER_ATTR, None) is runners.get(m.layer_idx):
+                delattr(m, RUNNER_ATTR)
+        if previous_impl is not None and previous_impl != ATTN_NAME:
+            model.set_attn_implementation(previous_impl)
+
+
+@contextlib.contextmanager
 def install_policy(model: torch.nn.Module, policy: KVPolicy, keep_log: bool = False,
                    record_prefill: bool = False) -> Iterator[PolicySession]:
     """Run ``model`` under ``policy`` inside the block; hooks, attributes and the attention implementation
@@ -271,42 +306,28 @@ def install_policy(model: torch.nn.Module, policy: KVPolicy, keep_log: bool = Fa
         raise RuntimeError("a KV-cache policy is already installed on this model; remove it first (one policy at "
                            "a time; compose scorers inside one policy instead)")
     modules = attention_modules(model)
-    if not modules:
-        raise ValueError(f"{type(model).__name__} has no attention layer a KV policy can drive (looked for "
-                         f"modules with layer_idx and q_proj/k_proj/v_proj, as in Llama, Qwen2 and OLMo-2)")
-    ensure_registered()
-    config = getattr(model, "config", None)
-    previous_impl = getattr(config, "_attn_implementation", None)
-    session = PolicySession(model=model, policy=policy, first_layer=modules[0].layer_idx, keep_log=keep_log,
-                            record_prefill=record_prefill)
+    session = PolicySession(model=model, policy=policy, first_layer=modules[0].layer_idx if modules else 0,
+                            keep_log=keep_log, record_prefill=record_prefill)
     handles = []
 
-    def grab_cache(runner: LayerRunner):
-        def hook(module, args, kwargs):
+    def make_runner(module: torch.nn.Module) -> LayerRunner:
+        runner = LayerRunner(module.layer_idx, policy, session)
+        session.runners[module.layer_idx] = runner
+
+        def grab_cache(mod, args, kwargs):
             runner.cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        return hook
+
+        handles.append(module.register_forward_pre_hook(grab_cache, with_kwargs=True))
+        return runner
 
     try:
-        if previous_impl != ATTN_NAME:
-            if not hasattr(model, "set_attn_implementation"):
-                raise ValueError(f"{type(model).__name__} cannot switch to the litctx attention implementation")
-            model.set_attn_implementation(ATTN_NAME)
-        for m in modules:
-            runner = LayerRunner(m.layer_idx, policy, session)
-            session.runners[m.layer_idx] = runner
-            setattr(m, RUNNER_ATTR, runner)
-            handles.append(m.register_forward_pre_hook(grab_cache(runner), with_kwargs=True))
-        setattr(model, SESSION_ATTR, session)
-        yield session
+        with attach_runners(model, make_runner, "a KV policy"):
+            setattr(model, SESSION_ATTR, session)
+            yield session
     finally:
         for h in handles:
             h.remove()
-        for m in modules:
-            if hasattr(m, RUNNER_ATTR):
-                delattr(m, RUNNER_ATTR)
         if getattr(model, SESSION_ATTR, None) is session:
             delattr(model, SESSION_ATTR)
-        if previous_impl is not None and previous_impl != ATTN_NAME:
-            model.set_attn_implementation(previous_impl)
         for r in session.runners.values():
             r.cache = None

@@ -6,8 +6,10 @@ the same frequency bands as in trained models:
 
 * ``slash`` - ``q_t = R_t u``, ``k_t = R_{t+o} u``: ``q_i . k_j`` peaks on the diagonal ``j = i - o``; the
   energy of ``u`` sits in the high-frequency pairs, where mean pooling cancels it (Prism's blind spot).
-  One to three offsets per head, plus an attention sink on the slow pairs as in trained models (its
-  low-frequency energy survives pooling and dominates a full-dimension pooled estimate).
+  One to three offsets per head, plus what trained heads carry on the slow pairs: an attention sink, and
+  ``content`` - a query and key direction per segment of ``segment`` tokens (topical persistence), whose
+  logits vary from block to block. Both survive mean pooling, while the slash itself is attenuated, so a
+  full-dimension pooled estimate follows the content and misses the slash (Prism's argument).
 * ``local`` - slashes at every offset ``0 .. window``: a band along the causal diagonal.
 * ``sink`` - the first ``n_sink`` keys carry a large low-frequency component that every query shares.
 * ``needle`` - the queries of one range share a low-frequency component with one distant run of keys.
@@ -46,8 +48,9 @@ def _rotated(vectors: torch.Tensor, positions: torch.Tensor, base: float) -> tor
 
 
 def structured_head(kind: str, n: int = 4096, d: int = 64, *, base: float = 10000.0, seed: int = 0,
-                    sharpness: float = 12.0, noise: float = 0.3) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                             Dict[str, object]]:
+                    sharpness: float = 12.0, noise: float = 0.3, content: float = 3.0, segment: int = 128,
+                    slash_band: float = 0.5
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Dict[str, object]]:
     """One head: ``q, k, v [N, d]`` (float32, RoPE applied) and a dict describing the planted structure.
 
     Args:
@@ -58,6 +61,9 @@ def structured_head(kind: str, n: int = 4096, d: int = 64, *, base: float = 1000
         sharpness: peak logit (after the ``1/sqrt(d)`` scale) of the planted structure.
         noise: standard deviation of the Gaussian noise added to ``q`` and ``k`` (unit-norm structure vectors
             are scaled so that ``q . k / sqrt(d)`` reaches ``sharpness``).
+        content, segment: ``slash`` heads only: the typical size (logit units) of the per-segment content
+            logits on the slow pairs, and the segment length (0 disables content).
+        slash_band: ``slash`` / ``local`` heads: the share of the pairs, fastest first, that carries the slash.
     """
     if kind not in HEAD_KINDS:
         raise ValueError(f"kind={kind!r}: valid head kinds are {', '.join(HEAD_KINDS)}")
@@ -84,8 +90,21 @@ def structured_head(kind: str, n: int = 4096, d: int = 64, *, base: float = 1000
             q0 += amp * c
             k[:4] += _rotated((amp * c).expand(4, d), t[:4], base)
             info["sink"] = list(range(4))
+            if content > 0:  # per-segment content directions on the slow pairs
+                n_seg = -(-n // segment)
+                half = d // 2
+                slow = torch.zeros(d, dtype=torch.float64)
+                slow[int(0.75 * half):half] = 1.0
+                slow[half + int(0.75 * half):] = 1.0
+                zq = torch.randn(n_seg, d, generator=gen, dtype=torch.float64) * slow
+                zk = torch.randn(n_seg, d, generator=gen, dtype=torch.float64) * slow
+                # q . k / sqrt(d) of two such directions has standard deviation ~ content
+                a_c = math.sqrt(content * math.sqrt(d) / math.sqrt(float(slow.sum())))
+                seg = torch.arange(n) // segment
+                q0 = q0 + a_c * zq[seg]
+                k += _rotated(a_c * zk[seg], t, base)
         for o, w in zip(offsets, weights):
-            u = _band_vector(d, 0.0, 0.5, gen)  # the fast (high-frequency) half of the pairs
+            u = _band_vector(d, 0.0, slash_band, gen)  # the fast (high-frequency) pairs
             q0 += amp * math.sqrt(w) * u
             k += _rotated(amp * math.sqrt(w) * u.expand(n, d), t + o, base)
         q = _rotated(q0, t, base)

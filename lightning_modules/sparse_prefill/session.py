@@ -1,0 +1,90 @@
+"""Switch a Hugging Face model's prefill attention to a block estimator, and always switch it back.
+
+``with install_sparse_prefill(model, estimator) as session:`` gives every attention layer a
+:class:`SparsePrefillRunner`: a prefill call (queries = keys, no padding) of more than ``min_length`` tokens
+runs :func:`~lightning_modules.sparse_prefill.attention.sparse_prefill_attention`; every other call (short
+prompts, padded batches, appended tokens, decode steps) runs the exact ``litctx`` attention. Each sparse call
+is recorded (layer, length, density, estimator and attention seconds) in ``session.records``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+
+import torch
+
+from lightning_modules.llm.attention import causal_attention, mask_to_key_mask
+from lightning_modules.llm.session import attach_runners
+from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
+
+__all__ = ["SparsePrefillRunner", "SparsePrefillSession", "install_sparse_prefill"]
+
+
+@dataclass
+class SparsePrefillSession:
+    """The installed runners and what they did."""
+
+    runners: Dict[int, "SparsePrefillRunner"] = field(default_factory=dict)
+    records: List[Dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> Dict[str, Any]:
+        """Mean density per layer and overall, and the summed estimator / attention seconds."""
+        if not self.records:
+            return {"calls": 0}
+        per_layer: Dict[int, List[float]] = {}
+        for r in self.records:
+            per_layer.setdefault(r["layer"], []).append(r["density"])
+        return {
+            "calls": len(self.records),
+            "density": sum(r["density"] for r in self.records) / len(self.records),
+            "density_by_layer": {layer: sum(v) / len(v) for layer, v in sorted(per_layer.items())},
+            "estimate_seconds": sum(r["estimate_seconds"] for r in self.records),
+            "attention_seconds": sum(r["compute_seconds"] for r in self.records),
+        }
+
+
+class SparsePrefillRunner:
+    """One layer's attention: sparse for long unpadded prefills, exact otherwise."""
+
+    def __init__(self, layer: int, estimator: Any, session: SparsePrefillSession, min_length: int = 1024) -> None:
+        self.layer, self.estimator, self.session, self.min_length = layer, estimator, session, int(min_length)
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+        n_q, n_k = query.shape[2], key.shape[2]
+        if self.estimator is not None and n_q == n_k and n_q > self.min_length and _unpadded(attention_mask, n_q):
+            o, _, stats = sparse_prefill_attention(query, key, value, self.estimator, scale)
+            self.session.records.append({"layer": self.layer, "n": n_q, "density": stats.density,
+                                         "estimate_seconds": stats.estimate_seconds,
+                                         "compute_seconds": stats.compute_seconds})
+            return o
+        return causal_attention(query, key, value, attention_mask, scale)
+
+
+def _unpadded(attention_mask: Optional[torch.Tensor], n: int) -> bool:
+    if attention_mask is None:
+        return True
+    key_mask = mask_to_key_mask(attention_mask, n, attention_mask.shape[-1])
+    return key_mask is not None and bool(key_mask.all())
+
+
+@contextlib.contextmanager
+def install_sparse_prefill(model: torch.nn.Module, estimator: Union[Any, Callable[[int], Any]],
+                           min_length: int = 1024, layers: Optional[List[int]] = None) -> Iterator[SparsePrefillSession]:
+    """Run ``model``'s long prefills through ``estimator`` (one estimator for every layer, or a function
+    ``layer -> estimator``) inside the block; ``layers`` limits the layers (None = all)."""
+    session = SparsePrefillSession()
+
+    def make_runner(module: torch.nn.Module) -> SparsePrefillRunner:
+        layer = module.layer_idx
+        est = None
+        if layers is None or layer in layers:
+            est = estimator(layer) if callable(estimator) and not hasattr(estimator, "select") else estimator
+        runner = SparsePrefillRunner(layer, est, session, min_length)
+        session.runners[layer] = runner
+        return runner
+
+    with attach_runners(model, make_runner, "a sparse prefill"):
+        yield session
