@@ -1,0 +1,340 @@
+"""Sparse prefill: SALE and Prism against block-selection baselines (mean pooling, XAttention, FlexPrefill) and
+dense attention.
+
+    python bench/sparse_prefill.py                         # every part, then docs/results.md
+    python bench/sparse_prefill.py --parts synthetic       # (a) only
+    python bench/sparse_prefill.py --report-only
+
+(a) **synthetic**: structured heads with RoPE (slash, local, sink, needle, diffuse; SmolLM2's head size 64 and
+    RoPE base 1e5) at N = 4K and 8K; each method's knob swept; density against relative output error and
+    attention recall, and the error interpolated at equal density.
+(b) **suite**: SmolLM2-135M-Instruct on the long-context suite at 4K and 8K (query-aware: the whole prompt is one
+    prefill), accuracy against density per method and setting; records resumable in
+    ``bench/results/sparse_prefill_suite.jsonl``.
+(c) **timing**: one 8K prompt's per-layer q, k, v; CPU time of dense SDPA against each method's estimate +
+    sparse attention, and the estimate as a fraction of dense attention time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+SYNTH = RESULTS / "sparse_prefill_synthetic.json"
+SUITE = RESULTS / "sparse_prefill_suite.jsonl"
+TIMING = RESULTS / "sparse_prefill_timing.json"
+FIGURE = REPO / "docs" / "figures" / "sparse_prefill_synthetic.png"
+TASKS = ["niah_single", "niah_multikey", "niah_multivalue", "qa_facts"]
+KNOBS = [0.5, 0.7, 0.8, 0.9, 0.95, 0.98]
+SALE_TAUS = [0.05, 0.02, 0.01, 0.004, 0.001, 0.0002]
+
+
+def estimators(block: int = 64) -> Dict[str, List[Tuple[float, Any]]]:
+    """Method -> [(knob, estimator)] sweeps for the synthetic part."""
+    from lightning_modules.sparse_prefill.estimators import FlexPrefillEstimator, MeanPoolEstimator, XAttentionEstimator
+    from lightning_modules.sparse_prefill.prism import PrismEstimator
+    from lightning_modules.sparse_prefill.sale import SALEEstimator
+
+    return {
+        "mean_pool": [(p, MeanPoolEstimator(block, p)) for p in KNOBS],
+        "prism": [(p, PrismEstimator(block, p)) for p in KNOBS],
+        "xattention": [(p, XAttentionEstimator(block, 8, p)) for p in KNOBS],
+        "flexprefill": [(p, FlexPrefillEstimator(block, p, 0.1, block)) for p in KNOBS],
+        "sale": [(t, SALEEstimator(t)) for t in SALE_TAUS],
+    }
+
+
+def run_synthetic(args) -> Dict[str, Any]:
+    import kernels
+    from kernels.flops import layout_pairs, mask_pairs
+    from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
+    from lightning_modules.sparse_prefill.metrics import attention_recall, block_attention_mass, relative_output_error
+    from lightning_modules.sparse_prefill.synthetic import HEAD_KINDS, structured_heads
+
+    rows = []
+    d = 64
+    scale = d ** -0.5
+    for n in args.lengths:
+        for seed in range(args.seeds):
+            q, k, v, info = structured_heads(HEAD_KINDS, n=n, d=d, base=1e5, seed=seed)
+            ref, _ = kernels.attention(q, k, v, scale=scale, causal=True)
+            masses = {}
+            for method, sweep in estimators().items():
+                for knob, est in sweep:
+                    o, _, stats = sparse_prefill_attention(q, k, v, est, scale)
+                    layout = est.select(q, k, v, scale).layout
+                    dens = (layout_pairs(layout) / mask_pairs(n, n))[0].tolist()
+                    key = (layout.block_q, layout.block_k)
+                    if key not in masses:
+                        masses[key] = block_attention_mass(q, k, scale, *key)
+                    rec = attention_recall(masses[key], layout)[0].tolist()
+                    err = relative_output_error(o, ref)[0].tolist()
+                    for h, kind in enumerate(HEAD_KINDS):
+                        rows.append({"n": n, "seed": seed, "kind": kind, "method": method, "knob": knob,
+                                     "density": dens[h], "error": err[h], "recall": rec[h],
+                                     "estimate_s": stats.estimate_seconds})
+            print(f"synthetic n={n} seed={seed}: done", flush=True)
+    return {"rows": rows, "lengths": args.lengths, "seeds": args.seeds}
+
+
+def _interp(points: List[Tuple[float, float]], x: float) -> float:
+    """Linear interpolation of (density, error) points at density ``x`` (nan outside the swept range)."""
+    pts = sorted(points)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return float("nan")
+
+
+def synthetic_report(data: Dict[str, Any]) -> str:
+    rows = data["rows"]
+    kinds = sorted({r["kind"] for r in rows}, key=["slash", "local", "sink", "needle", "diffuse"].index)
+    methods = ["mean_pool", "xattention", "flexprefill", "prism", "sale"]
+    targets = [0.1, 0.2, 0.3]
+    out = ["| head | method | " + " | ".join(f"error @ {int(100 * t)}% density" for t in targets) + " |",
+           "|---|---|" + "---|" * len(targets)]
+    for kind in kinds:
+        for m in methods:
+            cells = []
+            for t in targets:
+                vals = []
+                for n in data["lengths"]:
+                    for seed in range(data["seeds"]):
+                        pts = [(r["density"], r["error"]) for r in rows if r["kind"] == kind and r["method"] == m
+                               and r["n"] == n and r["seed"] == seed]
+                        vals.append(_interp(pts, t))
+                vals = [v for v in vals if v == v]
+                cells.append(f"{sum(vals) / len(vals):.3f}" if vals else "-")
+            out.append(f"| {kind} | {m} | " + " | ".join(cells) + " |")
+    plt = pyplot()
+    if plt is not None:
+        fig, axes = plt.subplots(1, len(kinds), figsize=(3.6 * len(kinds), 3.2), squeeze=False)
+        n0 = max(data["lengths"])
+        for ax, kind in zip(axes[0], kinds):
+            for m in methods:
+                pts = sorted((r["density"], r["error"]) for r in rows if r["kind"] == kind and r["method"] == m
+                             and r["n"] == n0 and r["seed"] == 0)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=m)
+            ax.set_title(f"{kind} (N={n0})")
+            ax.set_xlabel("density")
+            ax.set_ylabel("relative output error")
+            ax.set_xlim(0, 1)
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        save_figure(fig, FIGURE)
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------- suite
+SUITE_METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "dense": ("dense_prefill", {}),
+    "mean_pool@0.9": ("mean_pool_prefill", {"top_p": 0.9}),
+    "xattention@0.9": ("xattention", {"threshold": 0.9}),
+    "flexprefill@0.9": ("flexprefill", {"gamma": 0.9}),
+    "prism@0.9": ("prism", {"top_p": 0.9}),
+    "prism@0.95": ("prism", {"top_p": 0.95}),
+    "sale@0.004": ("sale", {"tau": 0.004}),
+    "sale@0.001": ("sale", {"tau": 0.001}),
+}
+
+
+def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
+    out = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out[(r["id"], r["method"])] = r
+    return list(out.values())
+
+
+def run_suite(args, model, tok) -> None:
+    import torch
+
+    from datamodules.longctx_tasks import Haystack, build_sample
+    from datamodules.text import pydoc_documents
+    from lightning_modules.llm.generation import greedy_generate
+    from lightning_modules.llm.suite_metrics import score_prediction
+    from lightning_modules.sparse_prefill.methods import estimator_factory, prefill_config
+    from lightning_modules.sparse_prefill.session import install_sparse_prefill
+
+    done = {(r["id"], r["method"]) for r in _read_jsonl(SUITE)}
+    haystack = Haystack(pydoc_documents(), tok)
+    stops = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+    for n in args.lengths:
+        for index in range(args.samples):
+            for task in TASKS:
+                sid = f"{task}-{n}-{index}"
+                todo = [m for m in SUITE_METHODS if (sid, m) not in done]
+                if not todo:
+                    continue
+                s = build_sample(task, n, index, haystack, tok, 0)
+                prompt = torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0)
+                recs = []
+                for m in todo:
+                    name, kw = SUITE_METHODS[m]
+                    cfg = prefill_config(name, kw)
+                    with install_sparse_prefill(model, estimator_factory(cfg), min_length=cfg.min_length) as sess:
+                        res = greedy_generate(model, prompt, None, s["max_new_tokens"], stops)
+                    text = tok.decode(res.tokens[0], skip_special_tokens=True)
+                    summ = sess.summary()
+                    recs.append({"id": sid, "task": task, "length": n, "method": m,
+                                 "score": score_prediction(text, s["answers"], s["metric"]), "prediction": text,
+                                 "density": summ.get("density", 1.0), "estimate_s": summ.get("estimate_seconds", 0.0),
+                                 "attention_s": summ.get("attention_seconds", 0.0), "prefill_s": res.prefill_seconds})
+                SUITE.parent.mkdir(parents=True, exist_ok=True)
+                with open(SUITE, "a", encoding="utf-8") as f:
+                    for r in recs:
+                        f.write(json.dumps(r) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                print(f"suite {sid}: " + ", ".join(f"{r['method']}={r['score']:.2f}/{r['density']:.2f}" for r in recs),
+                      flush=True)
+
+
+def suite_report(args) -> str:
+    from lightning_modules.llm.suite_metrics import paired_bootstrap
+
+    recs = [r for r in _read_jsonl(SUITE) if r["length"] in args.lengths and r["task"] in TASKS
+            and int(r["id"].rsplit("-", 1)[1]) < args.samples]
+    if not recs:
+        return "(no suite records yet)"
+    out = ["| length | method | accuracy % | vs dense (paired 95% CI) | density | estimate s | attention s | n |",
+           "|---|---|---|---|---|---|---|---|"]
+    for n in args.lengths:
+        by = {m: {r["id"]: r for r in recs if r["length"] == n and r["method"] == m} for m in SUITE_METHODS}
+        dense = by["dense"]
+        for m, cell in by.items():
+            if not cell:
+                continue
+            ids = sorted(set(cell) & set(dense))
+            acc = 100 * sum(r["score"] for r in cell.values()) / len(cell)
+            ci = "-"
+            if m != "dense" and ids:
+                bs = paired_bootstrap([cell[i]["score"] for i in ids], [dense[i]["score"] for i in ids], seed=1)
+                ci = f"{100 * bs['diff']:+.1f} [{100 * bs['lo']:+.1f}, {100 * bs['hi']:+.1f}]"
+            mean = lambda key: sum(r[key] for r in cell.values()) / len(cell)  # noqa: E731
+            out.append(f"| {n // 1024}K | {m} | {acc:.1f} | {ci} | {100 * mean('density'):.1f}% | "
+                       f"{mean('estimate_s'):.2f} | {mean('attention_s'):.2f} | {len(cell)} |")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def run_timing(args, model, tok) -> Dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from datamodules.longctx_tasks import Haystack, build_sample
+    from datamodules.text import pydoc_documents
+    from lightning_modules.llm.generation import CachedLM
+    from lightning_modules.llm.policy import KVPolicy
+    from lightning_modules.llm.session import install_policy
+    from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
+    from lightning_modules.sparse_prefill.methods import estimator_factory, prefill_config
+
+    n = max(args.lengths)
+    s = build_sample("niah_single", n, 0, Haystack(pydoc_documents(), tok), tok, 0)
+    lm = CachedLM(model)
+    with install_policy(model, KVPolicy(), record_prefill=True) as rec:
+        lm.feed(torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0))
+    obs = rec.prefill_observations
+
+    def timed(fn, reps=args.reps):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    result: Dict[str, Any] = {"n": int(obs[0].q.shape[2]), "layers": len(obs), "reps": args.reps, "methods": {}}
+    sdpa = 0.0
+    for layer, o in obs.items():
+        sdpa += timed(lambda: F.scaled_dot_product_attention(o.q, o.k, o.v, is_causal=True, scale=o.scale,
+                                                             enable_gqa=True))
+    result["sdpa_s"] = sdpa
+    for m, (name, kw) in SUITE_METHODS.items():
+        if m == "dense":
+            continue
+        factory = estimator_factory(prefill_config(name, kw))
+        est_s = total = dens = 0.0
+        for layer, o in obs.items():
+            est = factory(layer)
+            stats = []
+            total += timed(lambda: stats.append(sparse_prefill_attention(o.q, o.k, o.v, est, o.scale)[2]))
+            est_s += sorted(st.estimate_seconds for st in stats)[len(stats) // 2]
+            dens += stats[-1].density / len(obs)
+        result["methods"][m] = {"total_s": total, "estimate_s": est_s, "density": dens,
+                                "speedup_vs_sdpa": sdpa / total, "estimate_share_of_sdpa": est_s / sdpa}
+        print(f"timing {m}: {total:.2f} s vs SDPA {sdpa:.2f} s (density {100 * dens:.1f}%)", flush=True)
+    return result
+
+
+def timing_report(data: Dict[str, Any]) -> str:
+    out = [f"One {data['n']}-token prompt, {data['layers']} layers, median of {data['reps']} per layer; dense SDPA "
+           f"(`F.scaled_dot_product_attention`, causal, GQA) {data['sdpa_s']:.2f} s in all.", "",
+           "| method | density | estimate + sparse attention s | speed-up vs SDPA | estimate / SDPA time |",
+           "|---|---|---|---|---|"]
+    for m, r in data["methods"].items():
+        out.append(f"| {m} | {100 * r['density']:.1f}% | {r['total_s']:.2f} | {r['speedup_vs_sdpa']:.2f}x | "
+                   f"{100 * r['estimate_share_of_sdpa']:.1f}% |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", nargs="+", default=["synthetic", "timing", "suite"],
+                        choices=["synthetic", "timing", "suite"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--seeds", type=int, default=2, help="synthetic head seeds")
+    parser.add_argument("--samples", type=int, default=13, help="suite samples per task (4 tasks)")
+    parser.add_argument("--reps", type=int, default=3, help="timing repetitions per layer")
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = tok = None
+    if not args.report_only and {"timing", "suite"} & set(args.parts):
+        from lightning_modules.llm.loading import load_causal_lm
+
+        model, tok = load_causal_lm("smollm2-135m")
+        model.requires_grad_(False)
+    with torch.no_grad():
+        if not args.report_only and "synthetic" in args.parts:
+            save_json(SYNTH, run_synthetic(args))
+        if not args.report_only and "timing" in args.parts:
+            save_json(TIMING, run_timing(args, model, tok))
+        if not args.report_only and "suite" in args.parts:
+            run_suite(args, model, tok)
+    parts = []
+    if SYNTH.is_file():
+        parts.append("**(a) Synthetic heads** (`--parts synthetic`; d = 64, RoPE base 1e5, block 64, SALE 64 x 32; "
+                     "relative output error interpolated at equal density, mean over lengths and seeds):\n\n"
+                     + synthetic_report(json.loads(SYNTH.read_text()))
+                     + "\n\n![density vs error](figures/sparse_prefill_synthetic.png)")
+    if TIMING.is_file():
+        parts.append("**(c) CPU attention time** (`--parts timing`):\n\n" + timing_report(json.loads(TIMING.read_text())))
+    parts.append("**(b) SmolLM2-135M-Instruct on the suite** (`--parts suite`; query-aware prompt as one prefill; "
+                 f"{len(TASKS)} tasks x {args.samples} samples per length):\n\n" + suite_report(args))
+    body = "Command: `python bench/sparse_prefill.py` (parts as listed).\n\n" + "\n\n".join(parts) + "\n"
+    write_section("sparse_prefill", body, "Sparse prefill: SALE, Prism and block-selection baselines")
+    print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
