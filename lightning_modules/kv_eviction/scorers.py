@@ -16,7 +16,7 @@ from typing import FrozenSet, Optional
 import torch
 import torch.nn.functional as F
 
-from lightning_modules.kv_eviction.scores import check_kind, group_heads, moments_for, token_scores
+from lightning_modules.kv_eviction.scores import check_gqa, check_kind, group_heads, moments_for, token_scores
 from lightning_modules.llm.policy import KVObservation
 
 __all__ = ["AccumulatedScorer", "WindowScorer", "POOLS"]
@@ -48,8 +48,7 @@ class AccumulatedScorer:
         if obs_window is not None and obs_window < 1:
             raise ValueError(f"obs_window must be >= 1 or None, got {obs_window}")
         self.obs_window = obs_window
-        self.gqa = gqa
-        group_heads(torch.zeros(1, 1, 1), 1, gqa)  # validate the reduction name now
+        self.gqa = check_gqa(gqa)
         self._acc: Optional[torch.Tensor] = None  # [B, Hk, S] by slot of the uncompressed stream
 
     def update(self, obs: KVObservation) -> None:
@@ -93,8 +92,7 @@ class WindowScorer:
             raise ValueError(f"pool={pool!r}: valid pools are {', '.join(POOLS)}")
         if pool != "none" and (kernel < 1 or kernel % 2 == 0):
             raise ValueError(f"kernel must be a positive odd width, got {kernel}")
-        self.window, self.pool, self.kernel, self.gqa = int(window), pool, int(kernel), gqa
-        group_heads(torch.zeros(1, 1, 1), 1, gqa)
+        self.window, self.pool, self.kernel, self.gqa = int(window), pool, int(kernel), check_gqa(gqa)
 
     def score(self, obs: KVObservation) -> torch.Tensor:
         scores = _observed_scores(obs, self.window, self.score_kind, self.gqa)

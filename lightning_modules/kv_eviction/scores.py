@@ -37,6 +37,12 @@ def check_kind(kind: str) -> str:
     return kind
 
 
+def check_gqa(reduce: str) -> str:
+    if reduce not in GQA_REDUCTIONS:
+        raise ValueError(f"gqa={reduce!r}: valid reductions are {', '.join(GQA_REDUCTIONS)}")
+    return reduce
+
+
 def moments_for(kind: str) -> str:
     """The :func:`kernels.attention_colstats` moments a score needs."""
     return "logit" if check_kind(kind) in ("obcache_k", "obcache_kv") else "attention"
@@ -71,8 +77,7 @@ def group_heads(scores: torch.Tensor, n_kv_heads: int, reduce: str = "mean") -> 
     """``[B, Hq, N]`` query-head scores -> ``[B, Hk, N]`` per KV head (the group of ``Hq / Hk`` query heads
     that reads one cache entry): ``mean`` (kvpress), ``sum`` (total output perturbation of the group) or
     ``max``."""
-    if reduce not in GQA_REDUCTIONS:
-        raise ValueError(f"gqa={reduce!r}: valid reductions are {', '.join(GQA_REDUCTIONS)}")
+    check_gqa(reduce)
     b, hq, n = scores.shape
     if hq % n_kv_heads:
         raise ValueError(f"{hq} query heads cannot be grouped into {n_kv_heads} KV heads")
