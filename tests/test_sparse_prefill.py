@@ -306,3 +306,36 @@ def test_prefill_configs_name_bad_fields():
         SALEConfig(tau_table="/nonexistent/tau.json")
     with pytest.raises(ValueError, match="multiple of stride"):
         prefill_config("xattention", {"block": 100, "stride": 8})
+
+
+def test_flexprefill_vertical_slash_blocks_match_a_brute_force_of_its_rule():
+    """tau = 0 forces vertical-slash on every head: the blocks are those holding a selected column or crossed
+    by a selected diagonal (brute force over tokens), plus the sink column and the diagonal."""
+    q, k, v, _ = structured_heads(["slash", "local"], n=320, d=32, seed=4)
+    est = FlexPrefillEstimator(block=32, gamma=0.8, tau=0.0, last_q=32)
+    scale = 32 ** -0.5
+    mask, info = est._block_mask(q, k, scale)
+    assert info["query_aware_heads"] == 0.0
+    n, w = 320, 32
+    kq = k.double()
+    s = q[:, :, n - w:].double() @ kq.transpose(-1, -2) * scale
+    rows = torch.arange(n - w, n).view(-1, 1)
+    a = torch.softmax(s.masked_fill(torch.arange(n).view(1, -1) > rows, -math.inf), -1)[0]  # [H, w, N]
+    for h in range(2):
+        vertical = a[h].mean(0)
+        cols = top_p_mask(vertical.float(), 0.8)
+        slash = torch.zeros(n, dtype=torch.float64)
+        for i in range(w):
+            for j in range(n - w + i + 1):
+                slash[n - w + i - j] += a[h, i, j]
+        offs = top_p_mask((slash / slash.sum()).float(), 0.8)
+        token = torch.zeros(n, n, dtype=torch.bool)
+        token[:, cols] = True
+        for o in torch.nonzero(offs).flatten().tolist():
+            i = torch.arange(o, n)
+            token[i, i - o] = True
+        token &= torch.ones(n, n, dtype=torch.bool).tril()
+        want = token.view(10, 32, 10, 32).any(3).any(1)
+        got = mask[0, h] & torch.ones(10, 10, dtype=torch.bool).tril()
+        assert torch.equal(got, want), (h, got, want)
+        assert not want.tril().all()  # the rule leaves blocks out: the comparison is not trivial
