@@ -143,8 +143,13 @@ def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout) -> Tuple[t
     if causal and window is None and off >= n_k - 1:
         causal = False  # every query sees every key (e.g. one decode step): the causal mask is all ones
     if layout is None and window is None and (not causal or off == 0):
-        if q.shape[1] != k.shape[1]:  # GQA: the CPU flash kernel needs one head count; expanding is cheap
-            g = q.shape[1] // k.shape[1]
+        if q.shape[1] != k.shape[1]:  # GQA: the CPU flash kernel needs one head count
+            b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
+            g = hq // hk
+            if not causal:  # every query sees every key: fold each group's queries into one kv head (no copy of K/V)
+                _log_once("attention", "torch", "cpu: dense flash kernel, GQA groups folded into the query axis")
+                o, lse = _flash_cpu(q.reshape(b, hk, g * n_q, d), k, v, scale=scale, causal=False)
+                return o.reshape(b, hq, n_q, dv), lse.reshape(b, hq, n_q)
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         _log_once("attention", "torch", "cpu: dense flash kernel")
         return _flash_cpu(q, k, v, scale=scale, causal=causal)
