@@ -7,7 +7,8 @@ variant side by side with the full cache, at several compression ratios, lengths
 
 Each sample's context is prefilled once; every (method, ratio) then compresses that same prefill
 (:func:`~lightning_modules.llm.generation.generate_under_policies`, identical to running the method alone),
-asks the question and decodes greedily. Records go to ``bench/results/kv_eviction_smollm2.jsonl`` one per
+asks the question and decodes greedily, all (method, ratio) pairs as rows of one batch (``--unbatched``: one by
+one). Records go to ``bench/results/kv_eviction_smollm2.jsonl`` one per
 (sample, protocol, method, ratio), so a rerun resumes. Reported:
 
 * accuracy per method x ratio, per length and protocol (mean over samples and tasks);
@@ -104,7 +105,7 @@ def stop_ids(tok) -> List[int]:
 def run_suite(args, model, tok) -> None:
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
-    from lightning_modules.llm.generation import generate_under_policies
+    from lightning_modules.llm.generation import record_prefill
     from lightning_modules.llm.suite_metrics import score_prediction
 
     policies = build_policies(args.ratios)
@@ -122,8 +123,13 @@ def run_suite(args, model, tok) -> None:
         ctx, q = s["context_ids"].unsqueeze(0), s["question_ids"].unsqueeze(0)
         if protocol == "query_aware":
             ctx, q = torch_cat(ctx, q), None
-        results = generate_under_policies(model, ctx, None, {f"{m}@{r}": pol for (m, r), pol in todo.items()},
-                                          s["max_new_tokens"], stops, q, None)
+        rec = record_prefill(model, ctx)
+        results = {}
+        # rows of one batch are padded to the longest: one batch per ratio, the full cache on its own
+        for ratio in sorted({r for _, r in todo}):
+            group = {f"{m}@{r}": pol for (m, r), pol in todo.items() if r == ratio}
+            results.update(rec.generate(group, s["max_new_tokens"], stops, q, None,
+                                        batched=not args.unbatched and ratio > 0 and len(group) > 1))
         recs = []
         for (m, r), _ in todo.items():
             res = results[f"{m}@{r}"]
@@ -359,6 +365,9 @@ def main() -> int:
     parser.add_argument("--throughput-samples", type=int, default=5)
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from saved records")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--unbatched", action="store_true",
+                        help="decode each (method, ratio) separately instead of as rows of one batch (slower; the "
+                             "throughput part is always unbatched)")
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help="records file (another path: a side run whose report is printed, not written)")
     args = parser.parse_args()

@@ -473,3 +473,25 @@ def test_paired_bootstrap_interval():
     assert ci["hi"] - ci["lo"] == pytest.approx(2 * 1.96 * sem, rel=0.15)  # the normal-theory width
     with pytest.raises(ValueError, match="equally long"):
         paired_bootstrap([1.0], [1.0, 2.0])
+
+
+@pytest.mark.parametrize("question", [True, False], ids=["compress_then_ask", "query_aware"])
+def test_a_batch_of_policies_gives_what_each_policy_gives_alone(question):
+    """PolicyBatch: every policy serves its own row of one batch (decode-time eviction included)."""
+    from lightning_modules.llm.generation import generate_under_policies
+
+    model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=8)
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(9))
+    q = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(10)) if question else None
+    policies = {"full": KVPolicy()}
+    for name, args in (("snapkv", {"compression_ratio": 0.75, "window": 4}), ("h2o", {"compression_ratio": 0.5}),
+                       ("tova", {"keep": 9, "score": "obcache_kv"}), ("streaming_llm", {"keep": 12}),
+                       ("adakv", {"base": "snapkv", "base_args": {"compression_ratio": 0.5, "window": 4}}),
+                       ("random_eviction", {"compression_ratio": 0.9})):
+        policies[name] = build_eviction_policy(method_config(name, args))
+    alone = generate_under_policies(model, ids, None, policies, 6, (), q, None)
+    together = generate_under_policies(model, ids, None, policies, 6, (), q, None, batched=True)
+    for name in policies:
+        assert together[name].tokens == alone[name].tokens, name
+        assert together[name].compressed_bytes == alone[name].compressed_bytes, name
+    assert together["snapkv"].compressed_bytes < together["full"].compressed_bytes

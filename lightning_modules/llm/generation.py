@@ -20,7 +20,8 @@ import torch
 
 from lightning_modules.llm.session import active_session, cache_bytes
 
-__all__ = ["CachedLM", "GenerationResult", "greedy_generate", "generate_under_policies"]
+__all__ = ["CachedLM", "GenerationResult", "RecordedPrefill", "greedy_generate", "generate_under_policies",
+           "record_prefill"]
 
 
 @dataclass
@@ -145,23 +146,90 @@ def greedy_generate(model: torch.nn.Module, context_ids: torch.Tensor, context_m
                             cache_bytes=size)
 
 
-def generate_under_policies(model: torch.nn.Module, context_ids: torch.Tensor, context_mask: Optional[torch.Tensor],
-                            policies: Mapping[str, Any], max_new_tokens: int, stop_ids: Sequence[int] = (),
-                            question_ids: Optional[torch.Tensor] = None,
-                            question_mask: Optional[torch.Tensor] = None) -> Dict[str, GenerationResult]:
-    """Prefill once, compress that prefill with each policy, then ask and decode greedily under it.
+@dataclass
+class RecordedPrefill:
+    """A context prefilled once under a recording no-op policy (:func:`record_prefill`), ready to be
+    compressed by any number of policies: :meth:`generate` returns the cache to the end of this prefill for
+    every policy (the recorded tensors are never modified; lazily computed statistics are shared)."""
 
-    The context (with the question already in it for the query-aware protocol) is prefilled once under a
-    recording no-op policy; for each ``policies[name]`` the cache returns to the end of that prefill, the
-    policy acts on it exactly as if it had been installed for the prefill
-    (:meth:`~lightning_modules.llm.session.PolicySession.replay_prefill`), then ``question_ids`` (if any) are
-    appended and tokens decoded under the policy. A no-op ``KVPolicy()`` gives the full cache. Results are
-    identical to running each policy on its own (tested) at one prefill's cost.
+    lm: CachedLM
+    snapshot: Dict[str, Any]
+    observations: Dict[int, Any]
+    first_logits: torch.Tensor
+    seconds: float
 
-    ``prefill_seconds`` of every result is the shared prefill (plus its own question); ``compress_seconds``
-    the policy's scoring and eviction; ``compressed_bytes`` the cache right after compression and
-    ``cache_bytes`` after the question.
-    """
+    def generate(self, policies: Mapping[str, Any], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                 question_ids: Optional[torch.Tensor] = None, question_mask: Optional[torch.Tensor] = None,
+                 batched: bool = False) -> Dict[str, GenerationResult]:
+        """For each ``policies[name]``: compress the recorded prefill as the policy would have
+        (:meth:`~lightning_modules.llm.session.PolicySession.replay_prefill`), append ``question_ids`` (if any)
+        and decode greedily under it. ``batched=True`` (a one-row context) runs the policies as the rows of one
+        batch (:class:`~lightning_modules.llm.policy.PolicyBatch`): one forward per decode step for all;
+        tokens agree with separate runs up to floating-point ties, timings are shared by the rows (measure
+        speed unbatched), and rows are padded to the longest, so batch policies of similar budgets."""
+        from lightning_modules.llm.session import install_policy
+
+        lm, q_ids, q_mask = self.lm, question_ids, question_mask
+        if batched:
+            return self._generate_batched(policies, max_new_tokens, stop_ids, q_ids, q_mask)
+        results: Dict[str, GenerationResult] = {}
+        for name, policy in policies.items():
+            lm.restore(self.snapshot)
+            with install_policy(lm.model, policy) as session:
+                t1 = time.perf_counter()
+                session.replay_prefill(self.observations, lm.cache)
+                t2 = time.perf_counter()
+                compressed = lm.cache_bytes()
+                logits = self.first_logits
+                if q_ids is not None and q_ids.shape[1] > 0:
+                    logits = lm.feed(q_ids, q_mask)
+                t3 = time.perf_counter()
+                size = lm.cache_bytes()
+                tokens = lm.greedy(logits, max_new_tokens, stop_ids)
+                t4 = time.perf_counter()
+            results[name] = GenerationResult(tokens=tokens, prefill_seconds=self.seconds + (t3 - t2),
+                                             decode_seconds=t4 - t3, decode_steps=max((len(t) for t in tokens), default=0),
+                                             cache_bytes=size, compressed_bytes=compressed, compress_seconds=t2 - t1)
+        lm.restore(self.snapshot)
+        return results
+
+    def _generate_batched(self, policies, max_new_tokens, stop_ids, question_ids, question_mask):
+        from lightning_modules.llm.policy import PolicyBatch
+        from lightning_modules.llm.session import install_policy
+
+        lm = self.lm
+        if self.first_logits.shape[0] != 1:
+            raise ValueError(f"batched evaluation of policies needs a one-row context, got "
+                             f"{self.first_logits.shape[0]} rows")
+        names = list(policies)
+        b = len(names)
+        lm.restore(self.snapshot)
+        lm.mask = self.snapshot["mask"].expand(b, -1)
+        lm.next_position = self.snapshot["next_position"].expand(b)
+        with install_policy(lm.model, PolicyBatch([policies[n] for n in names])) as session:
+            t1 = time.perf_counter()
+            session.replay_prefill(self.observations, lm.cache)
+            t2 = time.perf_counter()
+            compressed = _row_bytes(session, lm.cache)
+            logits = self.first_logits.expand(b, -1)
+            if question_ids is not None and question_ids.shape[1] > 0:
+                q_mask = question_mask.expand(b, -1) if question_mask is not None else None
+                logits = lm.feed(question_ids.expand(b, -1), q_mask)
+            t3 = time.perf_counter()
+            size = _row_bytes(session, lm.cache)
+            tokens = lm.greedy(logits, max_new_tokens, stop_ids)
+            t4 = time.perf_counter()
+        lm.restore(self.snapshot)
+        return {n: GenerationResult(tokens=[tokens[i]], prefill_seconds=self.seconds + (t3 - t2),
+                                    decode_seconds=t4 - t3, decode_steps=len(tokens[i]), cache_bytes=size[i],
+                                    compressed_bytes=compressed[i], compress_seconds=(t2 - t1) / b)
+                for i, n in enumerate(names)}
+
+
+def record_prefill(model: torch.nn.Module, context_ids: torch.Tensor,
+                   context_mask: Optional[torch.Tensor] = None) -> RecordedPrefill:
+    """Prefill ``context_ids [B, n]`` once under a recording no-op policy (for the query-aware protocol the
+    question is part of the context)."""
     from lightning_modules.llm.policy import KVPolicy
     from lightning_modules.llm.session import install_policy
 
@@ -169,25 +237,34 @@ def generate_under_policies(model: torch.nn.Module, context_ids: torch.Tensor, c
     t0 = time.perf_counter()
     with install_policy(model, KVPolicy(), record_prefill=True) as recorder:
         first_logits = lm.feed(context_ids, context_mask)
-    prefill_s = time.perf_counter() - t0
-    snapshot = lm.snapshot()
-    results: Dict[str, GenerationResult] = {}
-    for name, policy in policies.items():
-        lm.restore(snapshot)
-        with install_policy(model, policy) as session:
-            t1 = time.perf_counter()
-            session.replay_prefill(recorder.prefill_observations, lm.cache)
-            t2 = time.perf_counter()
-            compressed = lm.cache_bytes()
-            logits = first_logits
-            if question_ids is not None and question_ids.shape[1] > 0:
-                logits = lm.feed(question_ids, question_mask)
-            t3 = time.perf_counter()
-            size = lm.cache_bytes()
-            tokens = lm.greedy(logits, max_new_tokens, stop_ids)
-            t4 = time.perf_counter()
-        results[name] = GenerationResult(tokens=tokens, prefill_seconds=prefill_s + (t3 - t2), decode_seconds=t4 - t3,
-                                         decode_steps=max((len(t) for t in tokens), default=0), cache_bytes=size,
-                                         compressed_bytes=compressed, compress_seconds=t2 - t1)
-    lm.restore(snapshot)
-    return results
+    return RecordedPrefill(lm, lm.snapshot(), recorder.prefill_observations, first_logits, time.perf_counter() - t0)
+
+
+def generate_under_policies(model: torch.nn.Module, context_ids: torch.Tensor, context_mask: Optional[torch.Tensor],
+                            policies: Mapping[str, Any], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                            question_ids: Optional[torch.Tensor] = None,
+                            question_mask: Optional[torch.Tensor] = None,
+                            batched: bool = False) -> Dict[str, GenerationResult]:
+    """Prefill once, compress that prefill with each policy, then ask and decode greedily under it
+    (:func:`record_prefill` then :meth:`RecordedPrefill.generate`). A no-op ``KVPolicy()`` gives the full
+    cache. Results equal running each policy on its own (tested) at one prefill's cost.
+
+    ``prefill_seconds`` of every result is the shared prefill (plus its own question); ``compress_seconds``
+    the policy's scoring and eviction; ``compressed_bytes`` the cache right after compression and
+    ``cache_bytes`` after the question (batched: the bytes the row would hold on its own, i.e. its largest
+    head's entries times the heads, per layer).
+    """
+    return record_prefill(model, context_ids, context_mask).generate(policies, max_new_tokens, stop_ids,
+                                                                      question_ids, question_mask, batched)
+
+
+def _row_bytes(session: Any, cache: Any) -> List[int]:
+    """Per batch row: bytes of its kept entries stored as a cache of its own (largest head x heads, per layer)."""
+    total: List[int] = []
+    for layer, runner in session.runners.items():
+        keys, values = cache.layers[layer].keys, cache.layers[layer].values
+        per_entry = keys.shape[-1] * keys.element_size() + values.shape[-1] * values.element_size()
+        counts = runner.state.valid.sum(-1).amax(-1) * runner.state.valid.shape[1]  # [B]
+        rows = [int(c) * per_entry for c in counts]
+        total = rows if not total else [a + r for a, r in zip(total, rows)]
+    return total

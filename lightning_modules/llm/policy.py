@@ -48,6 +48,7 @@ __all__ = [
     "Compensator",
     "OffloadCompensator",
     "KVPolicy",
+    "PolicyBatch",
     "protected_mask",
     "SCORERS",
     "SELECTORS",
@@ -211,6 +212,13 @@ class KVObservation:
     @property
     def group(self) -> int:
         return self.q.shape[1] // self.k.shape[1]
+
+    def row(self, b: int) -> "KVObservation":
+        """The observation of batch row ``b`` alone (tensors ``[1, ...]``; nothing cached is shared)."""
+        sl = slice(b, b + 1)
+        return KVObservation(self.layer, self.phase, self.q[sl], self.k[sl], self.v[sl], self.slots[sl],
+                             self.valid[sl], self.scale, None if self.out is None else self.out[sl],
+                             None if self.lse is None else self.lse[sl])
 
     def _key_mask(self) -> Optional[torch.Tensor]:
         return None if bool(self.valid.all()) else self.valid
@@ -471,3 +479,40 @@ class KVPolicy:
                              f"[B, Hk, N] = {list(obs.valid.shape)}")
         keep = self.selector.select(scores, capacity, protected, obs.valid)
         return keep & obs.valid
+
+
+@dataclass
+class PolicyBatch:
+    """One policy per batch row: row ``b`` of every attention call is served by ``policies[b]`` (its own
+    scorer state, budget, selector and schedule). Evaluates several policies on copies of one sequence in a
+    single batch, e.g. after one recorded prefill
+    (:func:`~lightning_modules.llm.generation.generate_under_policies` with ``batched=True``). The policies
+    must share one action, ``evict`` or ``mask``, and have no compensator."""
+
+    policies: List[KVPolicy]
+    name: str = "batch"
+
+    def __post_init__(self) -> None:
+        if not self.policies:
+            raise ValueError("PolicyBatch needs at least one policy")
+        actions = {p.action for p in self.policies}
+        if len(actions) != 1 or next(iter(actions)) not in (Action.EVICT, Action.MASK):
+            raise ValueError(f"PolicyBatch policies must share the action evict or mask; got "
+                             f"{sorted(a.value for a in actions)}")
+        if any(p.compensator is not None for p in self.policies):
+            raise ValueError("PolicyBatch does not take policies with a compensator")
+
+    @property
+    def action(self) -> Action:
+        return self.policies[0].action
+
+    @property
+    def compensator(self) -> None:
+        return None
+
+    @property
+    def is_noop(self) -> bool:
+        return all(p.is_noop for p in self.policies)
+
+    def acts_on(self, layer: int) -> bool:
+        return any(p.acts_on(layer) for p in self.policies)

@@ -32,7 +32,7 @@ import torch
 
 import kernels
 from lightning_modules.llm.attention import ATTN_NAME, RUNNER_ATTR, ensure_registered, mask_to_key_mask
-from lightning_modules.llm.policy import Action, KVObservation, KVPolicy
+from lightning_modules.llm.policy import Action, KVObservation, KVPolicy, PolicyBatch, Schedule
 
 __all__ = ["LayerRunner", "PolicySession", "install_policy", "attach_runners", "active_session", "attention_modules",
            "cache_bytes", "SESSION_ATTR"]
@@ -74,7 +74,11 @@ class LayerRunner:
     def __init__(self, layer: int, policy: KVPolicy, session: "PolicySession") -> None:
         self.layer = layer
         self.policy = policy
-        self.scorer = copy.deepcopy(policy.scorer)  # stateful scorers keep per-layer state
+        if isinstance(policy, PolicyBatch):  # one scorer per row, each with per-layer state
+            self.row_scorers = [copy.deepcopy(p.scorer) for p in policy.policies]
+            self.scorer = None
+        else:
+            self.scorer = copy.deepcopy(policy.scorer)  # stateful scorers keep per-layer state
         self.session = session
         self.state = LayerState()
         self.cache: Any = None
@@ -82,8 +86,9 @@ class LayerRunner:
     # ------------------------------------------------------------------ bookkeeping
     def _start(self) -> None:
         self.state = LayerState()
-        if self.scorer is not None:
-            self.scorer.reset()
+        for scorer in getattr(self, "row_scorers", [self.scorer]):
+            if scorer is not None:
+                scorer.reset()
         if self.policy.compensator is not None and self.layer == self.session.first_layer:
             self.policy.compensator.reset()
 
@@ -147,6 +152,8 @@ class LayerRunner:
 
     def _after_attention(self, obs: KVObservation) -> None:
         """Update the scorer, count the step, and act if the schedule says so (evict / mask / recompute)."""
+        if isinstance(self.policy, PolicyBatch):
+            return self._after_attention_rows(obs)
         st, pol = self.state, self.policy
         acting = pol.acts_on(self.layer)
         slots, valid = obs.slots, obs.valid
@@ -163,18 +170,63 @@ class LayerRunner:
             slots, valid = self._apply(keep, obs.k, obs.v, slots, valid)
         st.slots, st.valid = slots, valid
 
+    def _after_attention_rows(self, obs: KVObservation) -> None:
+        """:class:`PolicyBatch`: each row's policy updates its scorer and decides for its row. A one-row
+        observation with a batch of policies (a replayed prefill) stands for every row."""
+        st, policies = self.state, self.policy.policies
+        b = len(policies)
+        shared = obs.k.shape[0] == 1 and b > 1
+        if not shared and obs.k.shape[0] != b:
+            raise RuntimeError(f"layer {self.layer}: {b} policies for a batch of {obs.k.shape[0]} rows")
+        st.seen += obs.q.shape[2]
+        if obs.phase == "decode":
+            st.decode_steps += 1
+        if st.capacity is None:
+            st.capacity = [None] * b
+        keeps, acted = [], False
+        for i, pol in enumerate(policies):
+            ob = obs if shared else obs.row(i)
+            if not pol.acts_on(self.layer):
+                keeps.append(ob.valid)
+                continue
+            self.row_scorers[i].update(ob)
+            if pol.action is Action.SPARSE_READ or not self._due(obs.phase, pol.schedule):
+                keeps.append(ob.valid)
+                continue
+            if st.capacity[i] is None:
+                st.capacity[i] = pol.budget.capacity(ob.valid.sum(-1), self.layer, ob.valid.shape[1])
+            keeps.append(pol.decide(ob, self.row_scorers[i], st.capacity[i]))
+            acted = True
+        slots, valid = obs.slots, obs.valid
+        if shared:
+            slots, valid = slots.expand(b, -1, -1), valid.expand(b, -1, -1)
+        if acted:
+            keep = torch.cat(keeps, 0) & valid
+            self.session.record(self.layer, obs.phase, keep, valid)
+            if obs.phase == "decode":
+                # one entry per row and step: mask instead of gathering the whole batch's cache every step
+                # (identical outputs; rows' memory is accounted from their valid entries)
+                valid = valid & keep
+            else:
+                k = obs.k.expand(b, -1, -1, -1) if shared else obs.k
+                v = obs.v.expand(b, -1, -1, -1) if shared else obs.v
+                slots, valid = self._apply(keep, k, v, slots, valid)
+        st.slots, st.valid = slots, valid
+
     def replay_prefill(self, obs: KVObservation, cache: Any) -> None:
         """Act on a prefill recorded under another policy (see :meth:`PolicySession.replay_prefill`): the
         layer's cache is reset to the recorded full keys and values, then treated as if this policy had
         been installed during that prefill."""
         layer_cache = cache.layers[self.layer]
-        layer_cache.keys, layer_cache.values = obs.k, obs.v
+        rows = len(self.policy.policies) if isinstance(self.policy, PolicyBatch) else obs.k.shape[0]
+        layer_cache.keys = obs.k.expand(rows, -1, -1, -1) if rows != obs.k.shape[0] else obs.k
+        layer_cache.values = obs.v.expand(rows, -1, -1, -1) if rows != obs.v.shape[0] else obs.v
         self.cache = cache
         self._start()
         self._after_attention(obs)
 
-    def _due(self, phase: str) -> bool:
-        sched = self.policy.schedule
+    def _due(self, phase: str, schedule: Optional[Schedule] = None) -> bool:
+        sched = schedule if schedule is not None else self.policy.schedule
         if phase == "prefill":
             return sched.prefill
         if phase == "append":
