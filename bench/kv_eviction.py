@@ -306,7 +306,7 @@ def report(args, rank_quality) -> str:
             ax.set_title(f"{protocol}, {length // 1024}K")
             ax.set_xlabel("% of the KV cache evicted")
             ax.set_ylabel("accuracy %")
-    if fig is not None:
+    if fig is not None and recs:
         axes[0][-1].legend(fontsize=6, loc="lower left")
         fig.tight_layout()
         save_figure(fig, FIGURE if args.results == RESULTS else args.results.with_suffix(".png"))
@@ -334,7 +334,10 @@ def report(args, rank_quality) -> str:
               "over heads then layers (min / max over layers):\n\n| score | Spearman | min | max |\n|---|---|---|---|\n"
               + "\n".join(f"| {k} | {v['mean']:.3f} | {v['min']:.3f} | {v['max']:.3f} |" for k, v in rank_quality.items()))
     n_per = args.samples * len(args.tasks)
-    body = f"""Command: `python bench/kv_eviction.py` (SmolLM2-135M-Instruct fp32, greedy, suite seed 0; tasks
+    expected = n_per * len(args.lengths) * len(args.protocols) * (1 + len(METHODS) * len(args.ratios))
+    status = ("complete" if len(recs) >= expected else
+              f"**partial**: {len(recs)} of {expected} suite runs so far; resumable")
+    body = f"""Command: `python bench/kv_eviction.py` ({status}; SmolLM2-135M-Instruct fp32, greedy, suite seed 0; tasks
 {', '.join(args.tasks)} with {args.samples} samples each = {n_per} samples per cell; one prefill per sample
 shared by every method, which then compresses it exactly as when installed alone). Budgets are per KV head and
 include sinks / windows / recent tokens; H2O, TOVA and StreamingLLM also evict at every decode step. OBCache
@@ -347,7 +350,7 @@ variants use the joint score `obcache_kv` in place of the attention score, in th
 
 {rq}
 
-![accuracy against compression](figures/kv_eviction_smollm2.png)
+{'![accuracy against compression](figures/kv_eviction_smollm2.png)' if recs else ''}
 """
     if args.results != RESULTS:  # a side run (smoke test): print only
         return body
