@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ from typing import Any, Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
+
+from lightning_modules.io import append_jsonl  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kv_eviction_smollm2.jsonl"
 FIGURE = REPO / "docs" / "figures" / "kv_eviction_smollm2.png"
@@ -84,15 +85,6 @@ def read_records(path: Path) -> List[Dict[str, Any]]:
     return list(out.values())
 
 
-def append(records: List[Dict[str, Any]], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def stop_ids(tok) -> List[int]:
     stops = {tok.eos_token_id}
     for extra in ("<|im_end|>", "<|endoftext|>"):
@@ -140,7 +132,7 @@ def run_suite(args, model, tok) -> None:
                          "compressed_bytes": res.compressed_bytes, "cache_bytes": res.cache_bytes,
                          "compress_s": res.compress_seconds, "decode_s": res.decode_seconds,
                          "decode_steps": res.decode_steps, "prefill_s": res.prefill_seconds})
-        append(recs, args.results)
+        append_jsonl(args.results, recs)
         elapsed = time.perf_counter() - t_start
         print(f"[{count + 1}/{len(keys)}] {protocol} {sid}: {len(recs)} runs, "
               f"full={next((x['score'] for x in recs if x['method'] == 'full'), float('nan')):.2f} "
@@ -182,10 +174,10 @@ def run_throughput(args, model, tok) -> None:
         res = generate_under_policies(model, s["context_ids"].unsqueeze(0), None,
                                       {f"{m}@{r}": p for (m, r), p in methods.items()}, 33, (),
                                       s["question_ids"].unsqueeze(0), None)
-        append([{"kind": "throughput", "id": sid, "length": length, "protocol": "compress_then_ask", "method": m,
+        append_jsonl(args.results, [{"kind": "throughput", "id": sid, "length": length, "protocol": "compress_then_ask", "method": m,
                  "ratio": r, "decode_s": res[f"{m}@{r}"].decode_seconds, "decode_steps": res[f"{m}@{r}"].decode_steps,
                  "compressed_bytes": res[f"{m}@{r}"].compressed_bytes, "cache_bytes": res[f"{m}@{r}"].cache_bytes}
-                for m, r in methods], args.results)
+                for m, r in methods])
         print(f"throughput sample {index + 1}/{args.throughput_samples} done", flush=True)
 
 
@@ -252,7 +244,7 @@ def report(args, rank_quality) -> str:
     plt = pyplot()
     panels = [(p, n) for p in args.protocols for n in args.lengths]
     fig = None
-    if plt is not None:
+    if plt is not None and recs:
         fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for pi, (protocol, length) in enumerate(panels):
         full = by.get((protocol, length, "full", 0.0), {})
@@ -306,7 +298,7 @@ def report(args, rank_quality) -> str:
             ax.set_title(f"{protocol}, {length // 1024}K")
             ax.set_xlabel("% of the KV cache evicted")
             ax.set_ylabel("accuracy %")
-    if fig is not None and recs:
+    if fig is not None:
         axes[0][-1].legend(fontsize=6, loc="lower left")
         fig.tight_layout()
         save_figure(fig, FIGURE if args.results == RESULTS else args.results.with_suffix(".png"))

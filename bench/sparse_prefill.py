@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ from typing import Any, Dict, List, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
+
+from lightning_modules.io import append_jsonl  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 SYNTH = RESULTS / "sparse_prefill_synthetic.json"
@@ -190,12 +191,7 @@ def run_suite(args, model, tok) -> None:
                                  "score": score_prediction(text, s["answers"], s["metric"]), "prediction": text,
                                  "density": summ.get("density", 1.0), "estimate_s": summ.get("estimate_seconds", 0.0),
                                  "attention_s": summ.get("attention_seconds", 0.0), "prefill_s": res.prefill_seconds})
-                SUITE.parent.mkdir(parents=True, exist_ok=True)
-                with open(SUITE, "a", encoding="utf-8") as f:
-                    for r in recs:
-                        f.write(json.dumps(r) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
+                append_jsonl(SUITE, recs)
                 print(f"suite {sid}: " + ", ".join(f"{r['method']}={r['score']:.2f}/{r['density']:.2f}" for r in recs),
                       flush=True)
 

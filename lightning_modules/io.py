@@ -18,12 +18,26 @@ from typing import IO, Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-__all__ = ["atomic_open", "default_cache_dir", "AtomicCheckpointIO", "load_checkpoint", "load_weights"]
+__all__ = ["append_jsonl", "atomic_open", "default_cache_dir", "AtomicCheckpointIO", "load_checkpoint", "load_weights"]
 
 
 def default_cache_dir() -> Path:
     """Where prepared data and converted models are cached: ``$LITCTX_CACHE_DIR`` or ``~/.cache/litctx``."""
     return Path(os.environ.get("LITCTX_CACHE_DIR") or Path.home() / ".cache" / "litctx")
+
+
+def append_jsonl(path: Any, records: Any) -> None:
+    """Append one JSON line per record to ``path`` (created with its folder) and sync it: a kill loses at
+    most the line being written, which a reader skips (resumable result files)."""
+    import json
+
+    target = Path(os.fspath(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "a", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_modules.base import LongContextModule, SharedEvalStages
-from lightning_modules.io import atomic_open
+from lightning_modules.io import append_jsonl, atomic_open
 from lightning_modules.llm.generation import greedy_generate
 from lightning_modules.llm.loading import load_causal_lm
 from lightning_modules.llm.suite_metrics import score_prediction, summarise
@@ -219,14 +219,8 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
 
     def _append(self, records: List[Dict[str, Any]]) -> None:
         path = self._results_path()
-        if path is None:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        if path is not None:
+            append_jsonl(path, records)
 
     # ------------------------------------------------------------------ Lightning hooks
     def _start(self) -> None:

@@ -59,7 +59,7 @@ class SALEEstimator:
         tau_t = torch.as_tensor(tau, dtype=torch.float64).flatten()
         if (tau_t < 0).any() or tau_t.numel() == 0:
             raise ValueError(f"tau must be >= 0 (one value or one per head), got {tau}")
-        if bits not in (4, 8) and not 2 <= bits <= 8:
+        if not 2 <= bits <= 8:
             raise ValueError(f"bits must be in 2..8, got {bits}")
         if min(block_q, block_k) < 1 or sink < 0 or local < 0:
             raise ValueError(f"invalid blocks/sink/local: {block_q}, {block_k}, {sink}, {local}")
