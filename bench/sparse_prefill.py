@@ -8,6 +8,9 @@ dense attention.
 (a) **synthetic**: structured heads with RoPE (slash, local, sink, needle, diffuse; SmolLM2's head size 64 and
     RoPE base 1e5) at N = 4K and 8K; each method's knob swept; density against relative output error and
     attention recall, and the error interpolated at equal density.
+(a') **spectral**: Prism's blind spot on ``attenuated_slash`` heads (a slash carried by the pairs pooling
+    attenuates, a pedestal on the slow pairs) under three RoPE configurations: how often each estimate's top
+    block is the slash's, and Prism against mean pooling at exactly Prism's per-row block budget.
 (b) **suite**: SmolLM2-135M-Instruct on the long-context suite at 4K and 8K (query-aware: the whole prompt is one
     prefill), accuracy against density per method and setting; records resumable in
     ``bench/results/sparse_prefill_suite.jsonl``.
@@ -33,6 +36,7 @@ RESULTS = REPO / "bench" / "results"
 SYNTH = RESULTS / "sparse_prefill_synthetic.json"
 SUITE = RESULTS / "sparse_prefill_suite.jsonl"
 TIMING = RESULTS / "sparse_prefill_timing.json"
+SPECTRAL = RESULTS / "sparse_prefill_spectral.json"
 FIGURE = REPO / "docs" / "figures" / "sparse_prefill_synthetic.png"
 TASKS = ["niah_single", "niah_multikey", "niah_multivalue", "qa_facts"]
 KNOBS = [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999]
@@ -95,7 +99,8 @@ def _best_within(points: List[Tuple[float, float]], budget: float) -> float:
 
 def synthetic_report(data: Dict[str, Any]) -> str:
     rows = data["rows"]
-    kinds = sorted({r["kind"] for r in rows}, key=["slash", "local", "sink", "needle", "diffuse"].index)
+    order = ["slash", "attenuated_slash", "local", "sink", "needle", "diffuse"]
+    kinds = sorted({r["kind"] for r in rows}, key=order.index)
     methods = ["mean_pool", "xattention", "flexprefill", "prism", "sale"]
     targets = [0.1, 0.2, 0.3, 0.5]
     out = ["| head | method | " + " | ".join(f"density <= {int(100 * t)}%" for t in targets) + " |",
@@ -129,6 +134,97 @@ def synthetic_report(data: Dict[str, Any]) -> str:
         axes[0][-1].legend(fontsize=7)
         fig.tight_layout()
         save_figure(fig, FIGURE)
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------- spectral
+SPECTRAL_CONFIGS = [(64, 1e5, 64, "SmolLM2 (d 64, base 1e5, B 64)"), (128, 1e4, 128, "d 128, base 1e4, B 128"),
+                    (128, 1e6, 128, "d 128, base 1e6, B 128")]
+SPECTRAL_TOP_P = [0.8, 0.9, 0.95]
+
+
+def run_spectral(args) -> Dict[str, Any]:
+    import torch
+
+    import kernels
+    from kernels import BlockLayout
+    from lightning_modules.sparse_prefill.estimators import finish_block_mask, pool_blocks
+    from lightning_modules.sparse_prefill.metrics import (
+        attention_recall,
+        block_attention_mass,
+        matched_budget_mask,
+        relative_output_error,
+        top_block_hit_rate,
+    )
+    from lightning_modules.sparse_prefill.prism import PrismEstimator
+    from lightning_modules.sparse_prefill.synthetic import offset_blocks, structured_heads
+
+    n = 4096
+    rows = []
+    for d, base, block, label in SPECTRAL_CONFIGS:
+        scale, m = d ** -0.5, n // block
+        allowed = torch.ones(m, m, dtype=torch.bool).tril(-2)
+        allowed[:, 0] = False
+        causal = torch.ones(m, m, dtype=torch.bool).tril()
+        for seed in range(args.spectral_heads):
+            q, k, v, info = structured_heads(["attenuated_slash"], n=n, d=d, base=base, seed=seed, block=block)
+            target = offset_blocks(n, info[0]["offsets"][0], block)
+            pooled = pool_blocks(q, block) @ pool_blocks(k, block).transpose(-1, -2)
+            bands = PrismEstimator(block).band_logits(q, k)
+            row = {"config": label, "seed": seed, "offset": info[0]["offsets"][0],
+                   "hit": {name: top_block_hit_rate(x[0, 0], target, allowed)
+                           for name, x in (("mean_pool", pooled), ("prism_high", bands["high"]),
+                                           ("prism_low", bands["low"]))}, "matched": []}
+            mass = block_attention_mass(q, k, scale, block, block)
+            ref, _ = kernels.attention(q, k, v, scale=scale, causal=True)
+            forced = finish_block_mask(torch.zeros(1, 1, m, m, dtype=torch.bool), n, block)
+            for p in SPECTRAL_TOP_P:
+                prism = finish_block_mask(PrismEstimator(block, p)._block_mask(q, k, scale)[0], n, block)
+                mean_pool = matched_budget_mask(pooled.masked_fill(forced, float("inf")), prism.sum(-1), causal)
+                cell = {"top_p": p}
+                for name, mask in (("prism", prism), ("mean_pool", mean_pool)):
+                    layout = BlockLayout.from_block_mask(mask, block, block, (n, n))
+                    o, _ = kernels.attention(q, k, v, scale=scale, causal=True, layout=layout)
+                    cell[name] = {"density": layout.density(causal=True),
+                                  "recall": float(attention_recall(mass, layout)[0, 0]),
+                                  "error": float(relative_output_error(o, ref)[0, 0])}
+                row["matched"].append(cell)
+            rows.append(row)
+        print(f"spectral {label}: done", flush=True)
+    return {"rows": rows, "n": n, "heads": args.spectral_heads}
+
+
+def spectral_report(data: Dict[str, Any]) -> str:
+    rows = data["rows"]
+    out = [f"`attenuated_slash` heads, N = {data['n']}, {data['heads']} heads per configuration. **Slash on top**: "
+           "share of query rows (off the sink and the two diagonal blocks) whose top-scoring block is one the "
+           "slash crosses, mean over heads; *better / worse*: heads where Prism's high band beats / trails mean "
+           "pooling.", "",
+           "| configuration | mean pooling | Prism high band | Prism low band | high band better / worse (heads) |",
+           "|---|---|---|---|---|"]
+    labels = [c[3] for c in SPECTRAL_CONFIGS if any(r["config"] == c[3] for r in rows)]
+    for label in labels:
+        rs = [r for r in rows if r["config"] == label]
+        mean = {k: sum(r["hit"][k] for r in rs) / len(rs) for k in ("mean_pool", "prism_high", "prism_low")}
+        better = sum(r["hit"]["prism_high"] > r["hit"]["mean_pool"] for r in rs)
+        worse = sum(r["hit"]["prism_high"] < r["hit"]["mean_pool"] for r in rs)
+        out.append(f"| {label} | {mean['mean_pool']:.2f} | {mean['prism_high']:.2f} | {mean['prism_low']:.2f} | "
+                   f"{better} / {worse} |")
+    out += ["", "**Equal density**: Prism's selection (top-p per band, union, sink and diagonal) against mean pooling "
+            "keeping exactly as many blocks in every query row (its highest pooled logits after the sink and the "
+            "diagonal); mean over heads (min - max of the per-head difference).", "",
+            "| configuration | top-p | density | recall Prism | recall mean pool | error Prism | error mean pool | "
+            "error Prism - mean pool (min, max) |", "|---|---|---|---|---|---|---|---|"]
+    for label in labels:
+        rs = [r for r in rows if r["config"] == label]
+        for i, p in enumerate(SPECTRAL_TOP_P):
+            cells = [r["matched"][i] for r in rs]
+            avg = lambda m, key: sum(c[m][key] for c in cells) / len(cells)  # noqa: E731
+            diff = [c["prism"]["error"] - c["mean_pool"]["error"] for c in cells]
+            out.append(f"| {label} | {p} | {100 * avg('prism', 'density'):.1f}% | {avg('prism', 'recall'):.3f} | "
+                       f"{avg('mean_pool', 'recall'):.3f} | {avg('prism', 'error'):.3f} | "
+                       f"{avg('mean_pool', 'error'):.3f} | {sum(diff) / len(diff):+.3f} ({min(diff):+.3f}, "
+                       f"{max(diff):+.3f}) |")
     return "\n".join(out)
 
 
@@ -287,10 +383,11 @@ def timing_report(data: Dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", nargs="+", default=["synthetic", "timing", "suite"],
-                        choices=["synthetic", "timing", "suite"])
+    parser.add_argument("--parts", nargs="+", default=["synthetic", "spectral", "timing", "suite"],
+                        choices=["synthetic", "spectral", "timing", "suite"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--seeds", type=int, default=2, help="synthetic head seeds")
+    parser.add_argument("--spectral-heads", type=int, default=16, help="attenuated-slash heads per configuration")
     parser.add_argument("--samples", type=int, default=13, help="suite samples per task (4 tasks)")
     parser.add_argument("--reps", type=int, default=3, help="timing repetitions per layer")
     parser.add_argument("--report-only", action="store_true")
@@ -309,6 +406,8 @@ def main() -> int:
     with torch.no_grad():
         if not args.report_only and "synthetic" in args.parts:
             save_json(SYNTH, run_synthetic(args))
+        if not args.report_only and "spectral" in args.parts:
+            save_json(SPECTRAL, run_spectral(args))
         if not args.report_only and "timing" in args.parts:
             save_json(TIMING, run_timing(args, model, tok))
         if not args.report_only and "suite" in args.parts:
@@ -320,6 +419,8 @@ def main() -> int:
                      "its sweep, mean over lengths and seeds; `-`: the method never gets that sparse):\n\n"
                      + synthetic_report(json.loads(SYNTH.read_text()))
                      + "\n\n![density vs error](figures/sparse_prefill_synthetic.png)")
+    if SPECTRAL.is_file():
+        parts.append("**(a') Prism's blind spot** (`--parts spectral`):\n\n" + spectral_report(json.loads(SPECTRAL.read_text())))
     if TIMING.is_file():
         parts.append("**(c) CPU attention time** (`--parts timing`):\n\n" + timing_report(json.loads(TIMING.read_text())))
     parts.append("**(b) SmolLM2-135M-Instruct on the suite** (`--parts suite`; query-aware prompt as one prefill; "

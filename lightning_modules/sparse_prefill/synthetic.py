@@ -10,6 +10,11 @@ the same frequency bands as in trained models:
   ``content`` - a query and key direction per segment of ``segment`` tokens (topical persistence), whose
   logits vary from block to block. Both survive mean pooling, while the slash itself is attenuated, so a
   full-dimension pooled estimate follows the content and misses the slash (Prism's argument).
+* ``attenuated_slash`` - the head Prism's argument is about: a positional pedestal on the slow pairs
+  (``q_t = R_t c``, ``k_t = R_t c``: logits fall smoothly with distance and survive pooling) plus one slash whose
+  vector lives only in the pairs mean pooling over ``block`` tokens attenuates without erasing
+  (``attenuated_zone[0] < lambda_j(block) < attenuated_zone[1]``). In the full-dimension pooled logit the
+  pedestal outweighs the attenuated slash; in a band without the slow pairs the slash is what is left.
 * ``local`` - slashes at every offset ``0 .. window``: a band along the causal diagonal.
 * ``sink`` - the first ``n_sink`` keys carry a large low-frequency component that every query shares.
 * ``needle`` - the queries of one range share a low-frequency component with one distant run of keys.
@@ -25,11 +30,11 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from lightning_modules.sparse_prefill.rope import apply_rope
+from lightning_modules.sparse_prefill.rope import apply_rope, pooled_attenuation, rope_frequencies
 
-__all__ = ["HEAD_KINDS", "structured_head", "structured_heads"]
+__all__ = ["HEAD_KINDS", "structured_head", "structured_heads", "offset_blocks"]
 
-HEAD_KINDS = ("slash", "local", "sink", "needle", "diffuse")
+HEAD_KINDS = ("slash", "attenuated_slash", "local", "sink", "needle", "diffuse")
 
 
 def _band_vector(d: int, lo: float, hi: float, gen: torch.Generator) -> torch.Tensor:
@@ -49,7 +54,8 @@ def _rotated(vectors: torch.Tensor, positions: torch.Tensor, base: float) -> tor
 
 def structured_head(kind: str, n: int = 4096, d: int = 64, *, base: float = 10000.0, seed: int = 0,
                     sharpness: float = 12.0, noise: float = 0.3, content: float = 3.0, segment: int = 128,
-                    slash_band: float = 0.5
+                    slash_band: float = 0.5, block: int = 64, pedestal: float = 8.0,
+                    attenuated_zone: Tuple[float, float] = (0.2, 0.9)
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Dict[str, object]]:
     """One head: ``q, k, v [N, d]`` (float32, RoPE applied) and a dict describing the planted structure.
 
@@ -64,6 +70,9 @@ def structured_head(kind: str, n: int = 4096, d: int = 64, *, base: float = 1000
         content, segment: ``slash`` heads only: the typical size (logit units) of the per-segment content
             logits on the slow pairs, and the segment length (0 disables content).
         slash_band: ``slash`` / ``local`` heads: the share of the pairs, fastest first, that carries the slash.
+        block, pedestal, attenuated_zone: ``attenuated_slash`` heads only: the pooling block whose attenuation
+            ``lambda_j(block)`` picks the slash's pairs (those inside ``attenuated_zone``; the pair closest to 0.5
+            when none is), and the peak logit of the positional pedestal (on the slower half of the pairs).
     """
     if kind not in HEAD_KINDS:
         raise ValueError(f"kind={kind!r}: valid head kinds are {', '.join(HEAD_KINDS)}")
@@ -108,6 +117,25 @@ def structured_head(kind: str, n: int = 4096, d: int = 64, *, base: float = 1000
             q0 += amp * math.sqrt(w) * u
             k += _rotated(amp * math.sqrt(w) * u.expand(n, d), t + o, base)
         q = _rotated(q0, t, base)
+    elif kind == "attenuated_slash":
+        half = d // 2
+        lam = pooled_attenuation(rope_frequencies(d, base), block)
+        zone = (lam > attenuated_zone[0]) & (lam < attenuated_zone[1])
+        if not zone.any():
+            zone = torch.zeros(half, dtype=torch.bool)
+            zone[int((lam - 0.5).abs().argmin())] = True
+        slow = torch.arange(half) >= half // 2
+
+        def pairs_vector(pairs: torch.Tensor) -> torch.Tensor:
+            u = torch.randn(d, generator=gen, dtype=torch.float64) * torch.cat([pairs, pairs]).double()
+            return u / u.norm()
+
+        c, u = pairs_vector(slow), pairs_vector(zone)
+        a_p = math.sqrt(pedestal * math.sqrt(d))
+        offset = int(torch.randint(max(1, n // 8), max(2, n // 2), (1,), generator=gen))
+        q = _rotated((a_p * c + amp * u).expand(n, d), t, base)
+        k = _rotated((a_p * c).expand(n, d), t, base) + _rotated((amp * u).expand(n, d), t + offset, base)
+        info.update(offsets=[offset], pairs=torch.nonzero(zone).flatten().tolist())
     elif kind == "sink":
         n_sink = 4
         c = _band_vector(d, 0.75, 1.0, gen)  # slow pairs: the alignment survives long distances
@@ -139,3 +167,15 @@ def structured_heads(kinds: Sequence[str], n: int = 4096, d: int = 64, *, base: 
     parts = [structured_head(kind, n, d, base=base, seed=seed * 1000 + h, **kw) for h, kind in enumerate(kinds)]
     q, k, v = (torch.stack([p[i] for p in parts]).unsqueeze(0) for i in range(3))
     return q, k, v, [p[3] for p in parts]
+
+
+def offset_blocks(n: int, offset: int, block: int) -> torch.Tensor:
+    """``[M, M]`` bool (``M = ceil(n / block)``): the (query block, key block) tiles the diagonal ``j = i - offset``
+    crosses, i.e. where a slash at that offset puts its attention."""
+    if offset < 0 or block < 1:
+        raise ValueError(f"need offset >= 0 and block >= 1, got offset={offset}, block={block}")
+    m = -(-n // block)
+    out = torch.zeros(m, m, dtype=torch.bool)
+    i = torch.arange(offset, n)
+    out[i // block, (i - offset) // block] = True
+    return out
