@@ -270,7 +270,7 @@ def run_suite(args, model, tok) -> None:
         for index in range(args.samples):
             for task in TASKS:
                 sid = f"{task}-{n}-{index}"
-                todo = [m for m in SUITE_METHODS if (sid, m) not in done]
+                todo = [m for m in args.methods if (sid, m) not in done]
                 if not todo:
                     continue
                 s = build_sample(task, n, index, haystack, tok, 0)
@@ -353,7 +353,8 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
         sdpa += timed(lambda: F.scaled_dot_product_attention(o.q, o.k, o.v, is_causal=True, scale=o.scale,
                                                              enable_gqa=True))
     result["sdpa_s"] = sdpa
-    for m, (name, kw) in SUITE_METHODS.items():
+    for m in args.methods:
+        name, kw = SUITE_METHODS[m]
         if m == "dense":
             continue
         factory = estimator_factory(prefill_config(name, kw))
@@ -390,6 +391,8 @@ def main() -> int:
     parser.add_argument("--spectral-heads", type=int, default=16, help="attenuated-slash heads per configuration")
     parser.add_argument("--samples", type=int, default=13, help="suite samples per task (4 tasks)")
     parser.add_argument("--reps", type=int, default=3, help="timing repetitions per layer")
+    parser.add_argument("--methods", nargs="+", default=list(SUITE_METHODS), choices=list(SUITE_METHODS),
+                        metavar="METHOD", help="suite / timing methods (default: all of " + ", ".join(SUITE_METHODS) + ")")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()

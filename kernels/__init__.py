@@ -10,6 +10,8 @@ bottom-right causal alignment (``q_offset = N_k - N_q``); every op returns the o
 * :mod:`kernels.triton` - K1/K2 (attention forward/backward), K3 (gather), K5 (column statistics).
 * :mod:`kernels.dispatch` - ``attention``, ``gather_attention``, ``attention_colstats`` with backend choice
   (``LITCTX_KERNEL_BACKEND`` = auto | torch | triton).
+* :mod:`kernels.lowbit_estimate` - SALE's low-bit block estimate without per-element rescaling (torch, any
+  device).
 * :mod:`kernels.merge`, :mod:`kernels.flops`, :mod:`kernels.testing`.
 
 Importing this package imports torch only; triton is imported when a Triton kernel is first used.
@@ -18,6 +20,7 @@ Importing this package imports torch only; triton is imported when a Triton kern
 from kernels.dispatch import attention, attention_colstats, gather_attention, select_backend
 from kernels.flops import attention_flops, layout_pairs, mask_pairs
 from kernels.layouts import BlockLayout, QueryIndex, TokenIndex
+from kernels.lowbit_estimate import lowbit_block_estimate
 from kernels.merge import merge_lse, merge_lse_many
 from kernels.reference import ColStats, lowbit_block_estimate_reference, quantize_qk_lowbit
 
@@ -37,4 +40,5 @@ __all__ = [
     "attention_flops",
     "quantize_qk_lowbit",
     "lowbit_block_estimate_reference",
+    "lowbit_block_estimate",
 ]

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM substrate needs transformers (pip install -e '.[llm]')")
 
+import kernels  # noqa: E402
 from kernels.reference import attention_colstats_reference  # noqa: E402
 from lightning_modules.kv_eviction.methods import (  # noqa: E402
     EVICTION_METHODS,
@@ -495,3 +496,28 @@ def test_a_batch_of_policies_gives_what_each_policy_gives_alone(question):
         assert together[name].tokens == alone[name].tokens, name
         assert together[name].compressed_bytes == alone[name].compressed_bytes, name
     assert together["snapkv"].compressed_bytes < together["full"].compressed_bytes
+
+
+def test_a_replayed_batch_computes_each_windows_statistics_once_with_the_richest_moments(monkeypatch):
+    """H2O and H2O+OBCache rows share one full-prefill pass (the logit moments contain the attention ones)."""
+    from lightning_modules.llm.generation import generate_under_policies
+
+    model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=8)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
+    policies = {name: build_eviction_policy(method_config("h2o", {"compression_ratio": 0.5, "score": score}))
+                for name, score in (("h2o", "attention"), ("h2o+obc", "obcache_kv"))}
+    calls = []
+    real = kernels.attention_colstats
+
+    def counting(q, *args, **kw):
+        if q.shape[2] > 1:  # prefill passes only (decode steps see one query per row)
+            calls.append((kw.get("q_window"), kw.get("moments")))
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(kernels, "attention_colstats", counting)
+    together = generate_under_policies(model, ids, None, policies, 3, (), None, None, batched=True)
+    n_layers = model.config.num_hidden_layers
+    assert calls == [(40, "logit")] * n_layers
+    monkeypatch.setattr(kernels, "attention_colstats", real)
+    alone = generate_under_policies(model, ids, None, policies, 3, (), None, None)
+    assert all(together[n].tokens == alone[n].tokens for n in policies)

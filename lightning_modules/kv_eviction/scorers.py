@@ -11,7 +11,7 @@ Scores are per KV head ``[B, Hk, N]`` (query heads of a GQA group reduced by ``g
 
 from __future__ import annotations
 
-from typing import FrozenSet, Optional
+from typing import FrozenSet, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,10 @@ class AccumulatedScorer:
             self._acc = F.pad(self._acc, (0, n_slots - self._acc.shape[-1]))
         self._acc.scatter_add_(-1, obs.slots.long(), scores)
 
+    def colstats_request(self, obs: KVObservation) -> Tuple[Optional[int], str]:
+        """The ``(window, moments)`` of the column statistics :meth:`update` will read from ``obs``."""
+        return (self.obs_window if obs.phase == "prefill" else None), moments_for(self.score_kind)
+
     def score(self, obs: KVObservation) -> torch.Tensor:
         if self._acc is None:
             raise RuntimeError("AccumulatedScorer.score before any update; the policy installer calls update first")
@@ -109,6 +113,10 @@ class WindowScorer:
 
     def update(self, obs: KVObservation) -> None:
         return None
+
+    def colstats_request(self, obs: KVObservation) -> Tuple[Optional[int], str]:
+        """The ``(window, moments)`` of the column statistics :meth:`score` will read from ``obs``."""
+        return self.window, moments_for(self.score_kind)
 
     def reset(self) -> None:
         return None

@@ -280,6 +280,10 @@ class Scorer(Protocol):
 
     def reset(self) -> None: ...
 
+    # Optional: ``colstats_request(obs) -> (window, moments)`` names the column statistics the scorer will read
+    # from ``obs``; a PolicyBatch replaying one prefill for many rows computes each window once with the richest
+    # moments any row asks for.
+
 
 class _StatelessScorer:
     requires: FrozenSet[str] = frozenset()

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 
 import kernels
+from kernels.reference.colstats import MOMENTS as COLSTATS_MOMENTS
 from lightning_modules.llm.attention import ATTN_NAME, RUNNER_ATTR, ensure_registered, mask_to_key_mask
 from lightning_modules.llm.policy import Action, KVObservation, KVPolicy, PolicyBatch, Schedule
 
@@ -183,6 +184,8 @@ class LayerRunner:
             st.decode_steps += 1
         if st.capacity is None:
             st.capacity = [None] * b
+        if shared:
+            self._prefetch_colstats(obs)
         keeps, acted = [], False
         for i, pol in enumerate(policies):
             ob = obs if shared else obs.row(i)
@@ -212,6 +215,19 @@ class LayerRunner:
                 v = obs.v.expand(b, -1, -1, -1) if shared else obs.v
                 slots, valid = self._apply(keep, k, v, slots, valid)
         st.slots, st.valid = slots, valid
+
+    def _prefetch_colstats(self, obs: KVObservation) -> None:
+        """A shared observation serves every row's scorer: compute each window's column statistics once, with
+        the richest moments any row asks for (a scorer that needs fewer reads them from the same pass)."""
+        want: Dict[Optional[int], int] = {}
+        for pol, scorer in zip(self.policy.policies, self.row_scorers):
+            request = getattr(scorer, "colstats_request", None)
+            if request is None or not pol.acts_on(self.layer):
+                continue
+            window, moments = request(obs)
+            want[window] = max(want.get(window, 0), COLSTATS_MOMENTS.index(moments))
+        for window, rank in want.items():
+            obs.colstats(window, moments=COLSTATS_MOMENTS[rank])
 
     def replay_prefill(self, obs: KVObservation, cache: Any) -> None:
         """Act on a prefill recorded under another policy (see :meth:`PolicySession.replay_prefill`): the

@@ -5,7 +5,8 @@ before each query block, plus its causal diagonal) gives each row's log-sum-exp 
 **estimate**: mean-subtracted queries and keys quantised to ``bits`` (int4 by default) give approximate logits
 ``S~_ij``; the Relative Attention Score ``exp(scale S~_ij - LSE^SL_i)`` over-estimates the true probability
 (its denominator is only the sink + local mass), and a ``block_q x block_k`` tile (64 x 32) is computed when
-some pair reaches the head's threshold ``tau_h`` (:func:`kernels.lowbit_block_estimate_reference`).
+some pair reaches the head's threshold ``tau_h`` (:func:`kernels.lowbit_block_estimate`, equal to
+:func:`kernels.lowbit_block_estimate_reference` up to ties within float rounding).
 ``tau_h = 0`` runs the head dense. The **compute pass** covers the selected tiles outside the sink + local
 band through :func:`kernels.attention`, merged with the exact pass by :func:`kernels.merge_lse`.
 
@@ -82,7 +83,7 @@ class SALEEstimator:
         exact = kernels.attention(q, k, v, scale=scale, causal=True, layout=exact_layout)
         t0 = time.perf_counter()
         tau = self._tau(hq) if tau is None else tau
-        keep = kernels.lowbit_block_estimate_reference(q, k, exact[1], tau, scale=scale, block_q=self.block_q,
+        keep = kernels.lowbit_block_estimate(q, k, exact[1], tau, scale=scale, block_q=self.block_q,
                                                        block_k=self.block_k, bits=self.bits,
                                                        group_size=self.group_size)
         layout = BlockLayout.from_block_mask(keep.to_block_mask() | exact_layout.to_block_mask(), self.block_q,

@@ -1,0 +1,73 @@
+"""The fast low-bit block estimate against the reference definition (SALE's selection pass)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import lowbit_block_estimate, lowbit_block_estimate_reference
+from kernels.reference.lowbit import lowbit_scores_reference, quantize_qk_lowbit
+
+CASES = [  # b, hq, hk, n_q, n_k, d, block_q, block_k, causal, bits, group
+    (1, 2, 1, 200, 200, 16, 32, 16, True, 4, 1),
+    (2, 4, 2, 130, 130, 8, 16, 8, True, 8, 1),
+    (1, 3, 3, 70, 150, 16, 16, 32, True, 4, 4),   # Nq < Nk: bottom-right causal
+    (1, 2, 2, 96, 77, 8, 32, 16, False, 4, 1),    # non-causal, ragged keys
+    (1, 2, 1, 64, 64, 16, 64, 32, True, 4, 1),    # one query block
+]
+
+
+def _inputs(case, dtype, seed):
+    b, hq, hk, n_q, n_k, d = case[:6]
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n_q, d, generator=gen, dtype=torch.float64) * 1.5
+    k = torch.randn(b, hk, n_k, d, generator=gen, dtype=torch.float64) * 1.5
+    lse = torch.randn(b, hq, n_q, generator=gen, dtype=torch.float64) + 2.0
+    return q.to(dtype), k.to(dtype), lse.to(dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_fast_estimate_equals_the_reference_in_float64(case):
+    _, hq, *_rest = case
+    block_q, block_k, causal, bits, group = case[6:]
+    for seed in range(3):
+        q, k, lse = _inputs(case, torch.float64, seed)
+        tau = torch.tensor([0.0, 200.0, 2.0][:hq] + [20.0] * max(0, hq - 3), dtype=torch.float64)
+        kw = dict(scale=0.3, block_q=block_q, block_k=block_k, bits=bits, group_size=group, causal=causal)
+        want = lowbit_block_estimate_reference(q, k, lse, tau, **kw).to_block_mask()
+        got = lowbit_block_estimate(q, k, lse, tau, chunk_rows=block_q * 2, **kw).to_block_mask()
+        assert torch.equal(got, want)
+        assert int(want.sum()) > 0
+        if want[0, 0].numel() >= 8:  # on larger grids the thresholds also skip something
+            assert int(want.sum()) < want.numel()
+
+
+def test_fast_estimate_differs_from_the_reference_only_at_float_ties():
+    case = (1, 4, 2, 256, 256, 32, 32, 16, True, 4, 1)
+    q, k, lse = _inputs(case, torch.float32, 7)
+    scale = 32 ** -0.5
+    tau = 0.01
+    want = lowbit_block_estimate_reference(q, k, lse, tau, scale=scale, block_q=32, block_k=16).to_block_mask()
+    got = lowbit_block_estimate(q, k, lse, tau, scale=scale, block_q=32, block_k=16, chunk_rows=100).to_block_mask()
+    diff = torch.nonzero(got != want).tolist()
+    if diff:  # every disagreement: the block's best pair is within rounding of the threshold
+        lb = quantize_qk_lowbit(q.double(), k.double(), 4, 1)
+        for bb, h, mi, mj in diff:
+            ras = scale * lowbit_scores_reference(lb, slice(mi * 32, (mi + 1) * 32))[bb, h] - lse[bb, h, mi * 32:(mi + 1) * 32].double().unsqueeze(-1)
+            rows = torch.arange(mi * 32, (mi + 1) * 32).view(-1, 1)
+            cols = torch.arange(256).view(1, -1)
+            blk = ras.masked_fill(cols > rows, -math.inf)[:, mj * 16:(mj + 1) * 16]
+            assert abs(float(blk.max()) - math.log(tau)) < 1e-4
+    assert len(diff) <= 2
+
+
+def test_fast_estimate_names_bad_inputs():
+    q, k, lse = _inputs((1, 2, 1, 64, 64, 8), torch.float32, 0)
+    with pytest.raises(ValueError, match="lse must be"):
+        lowbit_block_estimate(q, k, lse[..., :10], 0.1)
+    with pytest.raises(ValueError, match="tau must be"):
+        lowbit_block_estimate(q, k, lse, [0.1, 0.2, 0.3])
+    with pytest.raises(ValueError, match="chunk_rows"):
+        lowbit_block_estimate(q, k, lse, 0.1, chunk_rows=0)
