@@ -28,7 +28,7 @@ import torch
 
 from kernels.layouts import BlockLayout, causal_block_mask, resolve_q_offset
 from kernels.reference.attention import check_qkv
-from kernels.reference.lowbit import quantize_qk_lowbit
+from kernels.reference.lowbit import check_estimate_inputs, quantize_qk_lowbit
 
 __all__ = ["lowbit_block_estimate"]
 
@@ -48,15 +48,9 @@ def lowbit_block_estimate(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
         chunk_rows: query rows per matmul (rounded up to a multiple of ``block_q``).
     """
     b, hq, hk, n_q, n_k, d, _ = check_qkv(q, k, k)
-    if tuple(lse.shape) != (b, hq, n_q):
-        raise ValueError(f"lse must be [B, Hq, Nq]=[{b}, {hq}, {n_q}], got {list(lse.shape)}")
+    tau_t = check_estimate_inputs(lse, tau, b, hq, n_q)
     if min(block_q, block_k, chunk_rows) < 1:
         raise ValueError(f"block_q, block_k and chunk_rows must be >= 1, got {block_q}, {block_k}, {chunk_rows}")
-    tau_t = torch.as_tensor(tau, dtype=torch.float64).flatten()
-    if tau_t.numel() == 1:
-        tau_t = tau_t.expand(hq)
-    if tau_t.numel() != hq or (tau_t < 0).any():
-        raise ValueError(f"tau must be one non-negative value or {hq} (one per query head), got {tau_t.tolist()}")
     off = resolve_q_offset(n_q, n_k, q_offset)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if scale <= 0:

@@ -89,6 +89,19 @@ def lowbit_scores_reference(lb: LowBitQK, rows: Optional[slice] = None) -> torch
     return dots * qs.unsqueeze(-1) * ks.unsqueeze(-2) + lb.bias.unsqueeze(-2)
 
 
+def check_estimate_inputs(lse: torch.Tensor, tau: Union[float, Sequence[float], torch.Tensor], b: int, hq: int,
+                          n_q: int) -> torch.Tensor:
+    """Validate an estimate's ``lse [B, Hq, Nq]`` and thresholds; returns ``tau`` as ``[Hq]`` float64."""
+    if tuple(lse.shape) != (b, hq, n_q):
+        raise ValueError(f"lse must be [B, Hq, Nq]=[{b}, {hq}, {n_q}], got {list(lse.shape)}")
+    tau_t = torch.as_tensor(tau, dtype=torch.float64).flatten()
+    if tau_t.numel() == 1:
+        tau_t = tau_t.expand(hq)
+    if tau_t.numel() != hq or (tau_t < 0).any():
+        raise ValueError(f"tau must be one non-negative value or {hq} (one per query head), got {tau_t.tolist()}")
+    return tau_t
+
+
 def lowbit_block_estimate_reference(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
                                     tau: Union[float, Sequence[float], torch.Tensor], *,
                                     scale: Optional[float] = None, block_q: int = 64, block_k: int = 32,
@@ -103,13 +116,7 @@ def lowbit_block_estimate_reference(q: torch.Tensor, k: torch.Tensor, lse: torch
     Processes one query block at a time: memory ``O(block_q x Nk)`` per head.
     """
     b, hq, _, n_q, n_k, d, _ = check_qkv(q, k, k)
-    if tuple(lse.shape) != (b, hq, n_q):
-        raise ValueError(f"lse must be [B, Hq, Nq]=[{b}, {hq}, {n_q}], got {list(lse.shape)}")
-    tau_t = torch.as_tensor(tau, dtype=torch.float64).flatten()
-    if tau_t.numel() == 1:
-        tau_t = tau_t.expand(hq)
-    if tau_t.numel() != hq or (tau_t < 0).any():
-        raise ValueError(f"tau must be one non-negative value or {hq} (one per query head), got {tau_t.tolist()}")
+    tau_t = check_estimate_inputs(lse, tau, b, hq, n_q)
     off = resolve_q_offset(n_q, n_k, q_offset)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     lb = quantize_qk_lowbit(q, k, bits, group_size)
