@@ -234,10 +234,14 @@ SUITE_METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "mean_pool@0.9": ("mean_pool_prefill", {"top_p": 0.9}),
     "xattention@0.9": ("xattention", {"threshold": 0.9}),
     "flexprefill@0.9": ("flexprefill", {"gamma": 0.9}),
+    "flexprefill@0.8": ("flexprefill", {"gamma": 0.8}),
     "prism@0.9": ("prism", {"top_p": 0.9}),
     "prism@0.95": ("prism", {"top_p": 0.95}),
     "sale@0.004": ("sale", {"tau": 0.004}),
-    "sale@0.001": ("sale", {"tau": 0.001}),
+    "sale@0.03": ("sale", {"tau": 0.03}),
+    "sale@0.2": ("sale", {"tau": 0.2}),
+    "sale@2": ("sale", {"tau": 2.0}),
+    "sale@10": ("sale", {"tau": 10.0}),
 }
 
 
@@ -353,6 +357,10 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
         sdpa += timed(lambda: F.scaled_dot_product_attention(o.q, o.k, o.v, is_causal=True, scale=o.scale,
                                                              enable_gqa=True))
     result["sdpa_s"] = sdpa
+    if TIMING.is_file():  # keep the other methods of an earlier run on the same prompt (relative to its own SDPA)
+        old = json.loads(TIMING.read_text())
+        if (old.get("n"), old.get("layers")) == (result["n"], result["layers"]):
+            result["methods"].update({m: r for m, r in old.get("methods", {}).items() if m not in args.methods})
     for m in args.methods:
         name, kw = SUITE_METHODS[m]
         if m == "dense":
@@ -366,19 +374,22 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
             est_s += sorted(st.estimate_seconds for st in stats)[len(stats) // 2]
             dens += stats[-1].density / len(obs)
         result["methods"][m] = {"total_s": total, "estimate_s": est_s, "density": dens,
-                                "speedup_vs_sdpa": sdpa / total, "estimate_share_of_sdpa": est_s / sdpa}
+                                "speedup_vs_sdpa": sdpa / total, "estimate_share_of_sdpa": est_s / sdpa,
+                                "sdpa_s": sdpa}
         print(f"timing {m}: {total:.2f} s vs SDPA {sdpa:.2f} s (density {100 * dens:.1f}%)", flush=True)
     return result
 
 
 def timing_report(data: Dict[str, Any]) -> str:
     out = [f"One {data['n']}-token prompt, {data['layers']} layers, median of {data['reps']} per layer; dense SDPA "
-           f"(`F.scaled_dot_product_attention`, causal, GQA) {data['sdpa_s']:.2f} s in all.", "",
-           "| method | density | estimate + sparse attention s | speed-up vs SDPA | estimate / SDPA time |",
-           "|---|---|---|---|---|"]
-    for m, r in data["methods"].items():
+           f"(`F.scaled_dot_product_attention`, causal, GQA) {data['sdpa_s']:.2f} s in all (methods timed in an "
+           "earlier run on the same prompt are compared with that run's SDPA, in the last column).", "",
+           "| method | density | estimate + sparse attention s | speed-up vs SDPA | estimate / SDPA time | SDPA s |",
+           "|---|---|---|---|---|---|"]
+    order = {m: i for i, m in enumerate(SUITE_METHODS)}
+    for m, r in sorted(data["methods"].items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])):
         out.append(f"| {m} | {100 * r['density']:.1f}% | {r['total_s']:.2f} | {r['speedup_vs_sdpa']:.2f}x | "
-                   f"{100 * r['estimate_share_of_sdpa']:.1f}% |")
+                   f"{100 * r['estimate_share_of_sdpa']:.1f}% | {r.get('sdpa_s', data['sdpa_s']):.2f} |")
     return "\n".join(out)
 
 
