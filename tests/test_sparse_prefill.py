@@ -299,7 +299,11 @@ def test_installing_a_sparse_prefill_is_exact_when_it_keeps_every_block_and_is_r
     torch.testing.assert_close(full, ref, atol=1e-5, rtol=0)
     assert not torch.allclose(sparse, ref, atol=1e-4)
     assert s.summary()["calls"] == len(s.runners) and s.summary()["density"] == 1.0
-    assert sp.summary()["density"] < 1.0 and set(sp.summary()["density_by_layer"]) == set(sp.runners)
+    summ = sp.summary()
+    assert summ["density"] < 1.0 and set(summ["density_by_layer"]) == set(sp.runners)
+    assert set(summ["estimate_seconds_by_layer"]) == set(sp.runners)
+    assert sum(summ["estimate_seconds_by_layer"].values()) == pytest.approx(summ["estimate_seconds"])
+    assert all(t > 0 for t in summ["estimate_seconds_by_layer"].values())
     assert not any(hasattr(m, RUNNER_ATTR) for m in attention_modules(model))
     assert model.config._attn_implementation == impl
 

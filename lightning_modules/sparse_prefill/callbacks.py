@@ -80,8 +80,9 @@ class SparsePrefillCallback(EvalStageSwitch):
         lines = [f"[litctx] sparse prefill {type(self.cfg).__name__} ({stage}): {summary['calls']} layer calls, "
                  f"density {100 * summary['density']:.1f}%, estimator {summary['estimate_seconds']:.2f} s, "
                  f"attention {summary['attention_seconds']:.2f} s",
-                 "  layer  density"]
-        lines += [f"  {layer:5d}  {100 * d:6.1f}%" for layer, d in summary["density_by_layer"].items()]
+                 "  layer  density  estimator s"]
+        est = summary["estimate_seconds_by_layer"]
+        lines += [f"  {layer:5d}  {100 * d:6.1f}%  {est[layer]:11.3f}" for layer, d in summary["density_by_layer"].items()]
         print("\n".join(lines), flush=True)
         if trainer.is_global_zero:
             path = _run_dir(trainer) / f"sparse_prefill_{stage}.json"

@@ -30,16 +30,20 @@ class SparsePrefillSession:
     records: List[Dict[str, Any]] = field(default_factory=list)
 
     def summary(self) -> Dict[str, Any]:
-        """Mean density per layer and overall, and the summed estimator / attention seconds."""
+        """Mean density per layer and overall, the summed estimator / attention seconds, and the estimator
+        seconds per layer."""
         if not self.records:
             return {"calls": 0}
         per_layer: Dict[int, List[float]] = {}
+        est_by_layer: Dict[int, float] = {}
         for r in self.records:
             per_layer.setdefault(r["layer"], []).append(r["density"])
+            est_by_layer[r["layer"]] = est_by_layer.get(r["layer"], 0.0) + r["estimate_seconds"]
         return {
             "calls": len(self.records),
             "density": sum(r["density"] for r in self.records) / len(self.records),
             "density_by_layer": {layer: sum(v) / len(v) for layer, v in sorted(per_layer.items())},
+            "estimate_seconds_by_layer": dict(sorted(est_by_layer.items())),
             "estimate_seconds": sum(r["estimate_seconds"] for r in self.records),
             "attention_seconds": sum(r["compute_seconds"] for r in self.records),
         }
