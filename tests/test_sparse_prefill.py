@@ -79,9 +79,10 @@ def _qk(n=256, hq=4, hk=2, d=16, seed=0):
             torch.randn(1, hk, n, d, generator=gen))
 
 
-def test_xattention_block_scores_are_sums_of_strided_anti_diagonals():
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 16])
+def test_xattention_block_scores_are_sums_of_strided_anti_diagonals(chunk_blocks):
     q, k, v = _qk(n=128, hq=2, hk=2, d=8)
-    est = XAttentionEstimator(block=32, stride=4, threshold=0.5)
+    est = XAttentionEstimator(block=32, stride=4, threshold=0.5, chunk_blocks=chunk_blocks)
     s, n = 4, 128
     scale = 8 ** -0.5
     r = n // s

@@ -194,15 +194,19 @@ class XAttentionEstimator(BlockEstimator):
 
     Args:
         block: block size (a multiple of ``stride``); stride: ``S`` (8 in XAttention); threshold: ``tau`` (0.9).
+        chunk_blocks: query blocks scored per matmul, each chunk against only the key prefix it can see.
     """
 
     name = "xattention"
 
-    def __init__(self, block: int = 64, stride: int = 8, threshold: float = 0.9) -> None:
+    def __init__(self, block: int = 64, stride: int = 8, threshold: float = 0.9, chunk_blocks: int = 16) -> None:
         if stride < 1 or block % stride:
             raise ValueError(f"block ({block}) must be a multiple of stride ({stride})")
+        if chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
         top_p_mask(torch.ones(1), threshold)
         self.block, self.stride, self.threshold = int(block), int(stride), float(threshold)
+        self.chunk_blocks = int(chunk_blocks)
 
     def _block_mask(self, q, k, scale):
         b, hq, n, d = q.shape
@@ -217,10 +221,14 @@ class XAttentionEstimator(BlockEstimator):
         r = n_pad // s
         q_rows = qf.view(b, hq, r, s, d).flip(3).reshape(b, hq, r, s * d)  # q[rS + S-1-s] for s = 0..S-1
         k_rows = kq.view(b, hq, r, s * d)  # k[cS + s]
-        logits = torch.matmul(q_rows, k_rows.transpose(-1, -2)) * (scale / s)
-        probs = _causal_softmax(logits)
         t = self.block // s
-        block_scores = probs.view(b, hq, m, t, m, t).sum((3, 5))
+        block_scores = q_rows.new_zeros(b, hq, m, m)
+        for m0 in range(0, m, self.chunk_blocks):  # query blocks in chunks, each against its causal key prefix
+            m1 = min(m, m0 + self.chunk_blocks)
+            logits = torch.matmul(q_rows[:, :, m0 * t:m1 * t], k_rows[:, :, :m1 * t].transpose(-1, -2)) * (scale / s)
+            causal = torch.ones((m1 - m0) * t, m1 * t, dtype=torch.bool, device=q.device).tril(diagonal=m0 * t)
+            probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
+            block_scores[:, :, m0:m1, :m1] = probs.view(b, hq, m1 - m0, t, m1, t).sum((3, 5))
         return cumulative_threshold_mask(block_scores, self.threshold), {}
 
 
