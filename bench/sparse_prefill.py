@@ -97,6 +97,19 @@ def _best_within(points: List[Tuple[float, float]], budget: float) -> float:
     return min(errors) if errors else float("nan")
 
 
+def cell_value(rows: List[Dict[str, Any]], data: Dict[str, Any], kind: str, method: str, budget: float) -> float:
+    """Mean over lengths and seeds of the lowest error ``method`` reaches within ``budget`` on ``kind`` heads
+    (nan when it never gets that sparse in any run)."""
+    vals = []
+    for n in data["lengths"]:
+        for seed in range(data["seeds"]):
+            pts = [(r["density"], r["error"]) for r in rows if r["kind"] == kind and r["method"] == method
+                   and r["n"] == n and r["seed"] == seed]
+            vals.append(_best_within(pts, budget))
+    vals = [v for v in vals if v == v]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
 def synthetic_report(data: Dict[str, Any]) -> str:
     rows = data["rows"]
     order = ["slash", "attenuated_slash", "local", "sink", "needle", "diffuse"]
@@ -109,14 +122,28 @@ def synthetic_report(data: Dict[str, Any]) -> str:
         for m in methods:
             cells = []
             for t in targets:
-                vals = []
-                for n in data["lengths"]:
-                    for seed in range(data["seeds"]):
-                        pts = [(r["density"], r["error"]) for r in rows if r["kind"] == kind and r["method"] == m
-                               and r["n"] == n and r["seed"] == seed]
-                        vals.append(_best_within(pts, t))
-                vals = [v for v in vals if v == v]
-                cells.append(f"{sum(vals) / len(vals):.3f}" if vals else "-")
+                v = cell_value(rows, data, kind, m, t)
+                cells.append(f"{v:.3f}" if v == v else "-")
+            out.append(f"| {kind} | {m} | " + " | ".join(cells) + " |")
+    out += ["", "Prism's and SALE's error in the same cells against plain mean pooling / against the best of the "
+            "block-selection baselines (mean pooling, XAttention, FlexPrefill): `below`, `equal` (within 0.005), "
+            "`above`, or `-` where a side never gets that sparse:", "",
+            "| head | method | " + " | ".join(f"density <= {int(100 * t)}%" for t in targets) + " |",
+            "|---|---|" + "---|" * len(targets)]
+
+    def verdict(mine: float, base: float) -> str:
+        if mine != mine or base != base:
+            return "-"
+        return "equal" if abs(mine - base) <= 0.005 else ("below" if mine < base else "above")
+
+    for kind in kinds:
+        for m in ("prism", "sale"):
+            cells = []
+            for t in targets:
+                mine = cell_value(rows, data, kind, m, t)
+                base = [cell_value(rows, data, kind, b, t) for b in ("mean_pool", "xattention", "flexprefill")]
+                best = min((v for v in base if v == v), default=float("nan"))
+                cells.append(f"{verdict(mine, base[0])} / {verdict(mine, best)}")
             out.append(f"| {kind} | {m} | " + " | ".join(cells) + " |")
     plt = pyplot()
     if plt is not None:
