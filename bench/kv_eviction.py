@@ -174,10 +174,11 @@ def run_throughput(args, model, tok) -> None:
         res = generate_under_policies(model, s["context_ids"].unsqueeze(0), None,
                                       {f"{m}@{r}": p for (m, r), p in methods.items()}, 33, (),
                                       s["question_ids"].unsqueeze(0), None)
-        append_jsonl(args.results, [{"kind": "throughput", "id": sid, "length": length, "protocol": "compress_then_ask", "method": m,
-                 "ratio": r, "decode_s": res[f"{m}@{r}"].decode_seconds, "decode_steps": res[f"{m}@{r}"].decode_steps,
-                 "compressed_bytes": res[f"{m}@{r}"].compressed_bytes, "cache_bytes": res[f"{m}@{r}"].cache_bytes}
-                for m, r in methods])
+        append_jsonl(args.results, [
+            {"kind": "throughput", "id": sid, "length": length, "protocol": "compress_then_ask", "method": m,
+             "ratio": r, "decode_s": res[f"{m}@{r}"].decode_seconds, "decode_steps": res[f"{m}@{r}"].decode_steps,
+             "compressed_bytes": res[f"{m}@{r}"].compressed_bytes, "cache_bytes": res[f"{m}@{r}"].cache_bytes}
+            for m, r in methods])
         print(f"throughput sample {index + 1}/{args.throughput_samples} done", flush=True)
 
 

@@ -37,15 +37,19 @@ __all__ = ["HEAD_KINDS", "structured_head", "structured_heads", "offset_blocks"]
 HEAD_KINDS = ("slash", "attenuated_slash", "local", "sink", "needle", "diffuse")
 
 
+def _pairs_vector(d: int, pairs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random unit vector whose energy lies in the RoPE pairs where ``pairs [d/2]`` is nonzero."""
+    mask = torch.cat([pairs, pairs]).to(torch.float64)
+    u = torch.randn(d, generator=gen, dtype=torch.float64) * mask
+    return u / u.norm()
+
+
 def _band_vector(d: int, lo: float, hi: float, gen: torch.Generator) -> torch.Tensor:
     """A unit vector whose energy lies in the RoPE pairs ``[lo, hi)`` (fractions of ``d/2``; pair 0 = fastest)."""
     half = d // 2
     pairs = torch.zeros(half, dtype=torch.float64)
-    a, b = int(lo * half), max(int(lo * half) + 1, int(hi * half))
-    pairs[a:b] = 1.0
-    mask = torch.cat([pairs, pairs])
-    u = torch.randn(d, generator=gen, dtype=torch.float64) * mask
-    return u / u.norm()
+    pairs[int(lo * half):max(int(lo * half) + 1, int(hi * half))] = 1.0
+    return _pairs_vector(d, pairs, gen)
 
 
 def _rotated(vectors: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
@@ -125,12 +129,7 @@ def structured_head(kind: str, n: int = 4096, d: int = 64, *, base: float = 1000
             zone = torch.zeros(half, dtype=torch.bool)
             zone[int((lam - 0.5).abs().argmin())] = True
         slow = torch.arange(half) >= half // 2
-
-        def pairs_vector(pairs: torch.Tensor) -> torch.Tensor:
-            u = torch.randn(d, generator=gen, dtype=torch.float64) * torch.cat([pairs, pairs]).double()
-            return u / u.norm()
-
-        c, u = pairs_vector(slow), pairs_vector(zone)
+        c, u = _pairs_vector(d, slow, gen), _pairs_vector(d, zone, gen)
         a_p = math.sqrt(pedestal * math.sqrt(d))
         offset = int(torch.randint(max(1, n // 8), max(2, n // 2), (1,), generator=gen))
         q = _rotated((a_p * c + amp * u).expand(n, d), t, base)
