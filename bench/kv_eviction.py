@@ -233,6 +233,32 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def pooled_obcache_rows(by: Dict[Tuple, Dict[str, Dict[str, Any]]], args, paired_bootstrap) -> List[str]:
+    """Markdown rows: each OBCache variant minus its base (and all four together), one difference per
+    (protocol, length, sample) averaged over the compression ratios (and pairs), bootstrapped over those units."""
+    def unit_diffs(pairs):
+        units = {}
+        for protocol in args.protocols:
+            for length in args.lengths:
+                for base, obc in pairs:
+                    for r in args.ratios:
+                        a, b = by.get((protocol, length, obc, r), {}), by.get((protocol, length, base, r), {})
+                        for i in set(a) & set(b):
+                            units.setdefault((protocol, length, i), []).append(a[i]["score"] - b[i]["score"])
+        return [_mean(v) for v in units.values()]
+
+    rows = []
+    for label, pairs in [(f"{obc} - {base}", [(base, obc)]) for base, obc in PAIRS] + [("all four", list(PAIRS))]:
+        d = unit_diffs(pairs)
+        if not d:
+            continue
+        bs = paired_bootstrap(d, [0.0] * len(d), seed=1)
+        verdict = "**holds**" if bs["lo"] > 0 else ("reversed" if bs["hi"] < 0 else "not resolved")
+        rows.append(f"| {label} | {100 * bs['diff']:+.2f} [{100 * bs['lo']:+.2f}, {100 * bs['hi']:+.2f}] {verdict} "
+                    f"| {len(d)} |")
+    return ["| OBCache vs base | accuracy points | units |", "|---|---|---|"] + rows if rows else []
+
+
 def report(args, rank_quality) -> str:
     from lightning_modules.llm.suite_metrics import paired_bootstrap
 
@@ -303,6 +329,11 @@ def report(args, rank_quality) -> str:
         axes[0][-1].legend(fontsize=6, loc="lower left")
         fig.tight_layout()
         save_figure(fig, FIGURE if args.results == RESULTS else args.results.with_suffix(".png"))
+    pooled = pooled_obcache_rows(by, args, paired_bootstrap)
+    if pooled:
+        sections.append("**OBCache minus its base, pooled over protocols, lengths and compression ratios** (each "
+                        "sample's difference averaged over the cells it appears in, then bootstrapped over samples, "
+                        "so one sample counts once per protocol and length; 95% interval):\n\n" + "\n".join(pooled))
     thr = [r for r in read_records(args.results) if r.get("kind") == "throughput"]
     thr_rows = []
     if thr:
