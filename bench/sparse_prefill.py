@@ -334,8 +334,8 @@ def suite_report(args) -> str:
             and int(r["id"].rsplit("-", 1)[1]) < args.samples]
     if not recs:
         return "(no suite records yet)"
-    out = ["| length | method | accuracy % | vs dense (paired 95% CI) | density | estimate s | attention s | n |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| length | method | accuracy % | dense on the same samples % | vs dense (paired 95% CI) | density | "
+           "estimate s | attention s | n |", "|---|---|---|---|---|---|---|---|---|"]
     for n in args.lengths:
         by = {m: {r["id"]: r for r in recs if r["length"] == n and r["method"] == m} for m in SUITE_METHODS}
         dense = by["dense"]
@@ -345,11 +345,12 @@ def suite_report(args) -> str:
             ids = sorted(set(cell) & set(dense))
             acc = 100 * sum(r["score"] for r in cell.values()) / len(cell)
             ci = "-"
+            same = f"{100 * sum(dense[i]['score'] for i in ids) / len(ids):.1f}" if ids else "-"
             if m != "dense" and ids:
                 bs = paired_bootstrap([cell[i]["score"] for i in ids], [dense[i]["score"] for i in ids], seed=1)
                 ci = f"{100 * bs['diff']:+.1f} [{100 * bs['lo']:+.1f}, {100 * bs['hi']:+.1f}]"
             mean = lambda key: sum(r[key] for r in cell.values()) / len(cell)  # noqa: E731
-            out.append(f"| {n // 1024}K | {m} | {acc:.1f} | {ci} | {100 * mean('density'):.1f}% | "
+            out.append(f"| {n // 1024}K | {m} | {acc:.1f} | {same} | {ci} | {100 * mean('density'):.1f}% | "
                        f"{mean('estimate_s'):.2f} | {mean('attention_s'):.2f} | {len(cell)} |")
     return "\n".join(out)
 
@@ -469,7 +470,8 @@ def main() -> int:
     if TIMING.is_file():
         parts.append("**(c) CPU attention time** (`--parts timing`):\n\n" + timing_report(json.loads(TIMING.read_text())))
     parts.append("**(b) SmolLM2-135M-Instruct on the suite** (`--parts suite`; query-aware prompt as one prefill; "
-                 f"{len(TASKS)} tasks x {args.samples} samples per length):\n\n" + suite_report(args))
+                 f"{len(TASKS)} tasks x up to {args.samples} samples per length; sample i puts the needle at depth "
+                 "(i mod 5) / 4; n: samples a row has):\n\n" + suite_report(args))
     body = "Command: `python bench/sparse_prefill.py` (parts as listed).\n\n" + "\n\n".join(parts) + "\n"
     write_section("sparse_prefill", body, "Sparse prefill: SALE, Prism and block-selection baselines")
     print(body)
