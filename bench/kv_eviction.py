@@ -233,9 +233,11 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def pooled_obcache_rows(by: Dict[Tuple, Dict[str, Dict[str, Any]]], args, paired_bootstrap) -> List[str]:
+def pooled_obcache_rows(by: Dict[Tuple, Dict[str, Dict[str, Any]]], args) -> List[str]:
     """Markdown rows: each OBCache variant minus its base (and all four together), one difference per
     (protocol, length, sample) averaged over the compression ratios (and pairs), bootstrapped over those units."""
+    from lightning_modules.llm.suite_metrics import paired_bootstrap
+
     def unit_diffs(pairs):
         units = {}
         for protocol in args.protocols:
@@ -243,7 +245,7 @@ def pooled_obcache_rows(by: Dict[Tuple, Dict[str, Dict[str, Any]]], args, paired
                 for base, obc in pairs:
                     for r in args.ratios:
                         a, b = by.get((protocol, length, obc, r), {}), by.get((protocol, length, base, r), {})
-                        for i in set(a) & set(b):
+                        for i in sorted(set(a) & set(b)):
                             units.setdefault((protocol, length, i), []).append(a[i]["score"] - b[i]["score"])
         return [_mean(v) for v in units.values()]
 
@@ -329,7 +331,7 @@ def report(args, rank_quality) -> str:
         axes[0][-1].legend(fontsize=6, loc="lower left")
         fig.tight_layout()
         save_figure(fig, FIGURE if args.results == RESULTS else args.results.with_suffix(".png"))
-    pooled = pooled_obcache_rows(by, args, paired_bootstrap)
+    pooled = pooled_obcache_rows(by, args)
     if pooled:
         sections.append("**OBCache minus its base, pooled over protocols, lengths and compression ratios** (each "
                         "sample's difference averaged over the cells it appears in, then bootstrapped over samples, "
