@@ -471,7 +471,8 @@ def main() -> int:
         parts.append("**(c) CPU attention time** (`--parts timing`):\n\n" + timing_report(json.loads(TIMING.read_text())))
     parts.append("**(b) SmolLM2-135M-Instruct on the suite** (`--parts suite`; query-aware prompt as one prefill; "
                  f"{len(TASKS)} tasks x up to {args.samples} samples per length; sample i puts the needle at depth "
-                 "(i mod 5) / 4; n: samples a row has):\n\n" + suite_report(args))
+                 "(i mod 5) / 4; n: samples a row has; the exact `--methods` / `--samples` runs are listed in "
+                 "docs/sparse_prefill.md):\n\n" + suite_report(args))
     body = "Command: `python bench/sparse_prefill.py` (parts as listed).\n\n" + "\n\n".join(parts) + "\n"
     write_section("sparse_prefill", body, "Sparse prefill: SALE, Prism and block-selection baselines")
     print(body)
