@@ -233,6 +233,11 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _verdict(bs: Dict[str, float]) -> str:
+    """Whether a bootstrap interval of (OBCache - base) excludes zero, and on which side."""
+    return "**holds**" if bs["lo"] > 0 else ("reversed" if bs["hi"] < 0 else "not resolved")
+
+
 def pooled_obcache_rows(by: Dict[Tuple, Dict[str, Dict[str, Any]]], args) -> List[str]:
     """Markdown rows: each OBCache variant minus its base (and all four together), one difference per
     (protocol, length, sample) averaged over the compression ratios (and pairs), bootstrapped over those units."""
@@ -255,8 +260,7 @@ def pooled_obcache_rows(by: Dict[Tuple, Dict[str, Dict[str, Any]]], args) -> Lis
         if not d:
             continue
         bs = paired_bootstrap(d, [0.0] * len(d), seed=1)
-        verdict = "**holds**" if bs["lo"] > 0 else ("reversed" if bs["hi"] < 0 else "not resolved")
-        rows.append(f"| {label} | {100 * bs['diff']:+.2f} [{100 * bs['lo']:+.2f}, {100 * bs['hi']:+.2f}] {verdict} "
+        rows.append(f"| {label} | {100 * bs['diff']:+.2f} [{100 * bs['lo']:+.2f}, {100 * bs['hi']:+.2f}] {_verdict(bs)} "
                     f"| {len(d)} |")
     return ["| OBCache vs base | accuracy points | units |", "|---|---|---|"] + rows if rows else []
 
@@ -264,7 +268,8 @@ def pooled_obcache_rows(by: Dict[Tuple, Dict[str, Dict[str, Any]]], args) -> Lis
 def report(args, rank_quality) -> str:
     from lightning_modules.llm.suite_metrics import paired_bootstrap
 
-    recs = [r for r in read_records(args.results) if r.get("kind", "suite") == "suite" and r["task"] in args.tasks
+    records = read_records(args.results)
+    recs = [r for r in records if r.get("kind", "suite") == "suite" and r["task"] in args.tasks
             and r["length"] in args.lengths and int(r["id"].rsplit("-", 1)[1]) < args.samples]
     by = {}
     for r in recs:
@@ -300,8 +305,7 @@ def report(args, rank_quality) -> str:
                     cells.append("-")
                     continue
                 bs = paired_bootstrap([a[i]["score"] for i in ids], [b[i]["score"] for i in ids], seed=1)
-                verdict = "**holds**" if bs["lo"] > 0 else ("reversed" if bs["hi"] < 0 else "not resolved")
-                cells.append(f"{100 * bs['diff']:+.1f} [{100 * bs['lo']:+.1f}, {100 * bs['hi']:+.1f}] {verdict}")
+                cells.append(f"{100 * bs['diff']:+.1f} [{100 * bs['lo']:+.1f}, {100 * bs['hi']:+.1f}] {_verdict(bs)}")
             pair_rows.append(f"| {obc} - {base} | " + " | ".join(cells) + " |")
         mem_rows = ["| method | " + " | ".join(f"{int(100 * r)}% evicted" for r in args.ratios) + " |",
                     "|---|" + "---|" * len(args.ratios)]
@@ -336,7 +340,7 @@ def report(args, rank_quality) -> str:
         sections.append("**OBCache minus its base, pooled over protocols, lengths and compression ratios** (each "
                         "sample's difference averaged over the cells it appears in, then bootstrapped over samples, "
                         "so one sample counts once per protocol and length; 95% interval):\n\n" + "\n".join(pooled))
-    thr = [r for r in read_records(args.results) if r.get("kind") == "throughput"]
+    thr = [r for r in records if r.get("kind") == "throughput"]
     thr_rows = []
     if thr:
         full_tps = {r["id"]: r["decode_steps"] / r["decode_s"] for r in thr if r["method"] == "full"}

@@ -111,9 +111,9 @@ def cell_value(rows: List[Dict[str, Any]], data: Dict[str, Any], kind: str, meth
 
 
 def synthetic_report(data: Dict[str, Any]) -> str:
-    rows = data["rows"]
     from lightning_modules.sparse_prefill.synthetic import HEAD_KINDS
 
+    rows = data["rows"]
     kinds = sorted({r["kind"] for r in rows}, key=HEAD_KINDS.index)
     missing = [k for k in HEAD_KINDS if k not in kinds]
     methods = ["mean_pool", "xattention", "flexprefill", "prism", "sale"]
