@@ -15,7 +15,8 @@ dense attention.
     prefill), accuracy against density per method and setting; records resumable in
     ``bench/results/sparse_prefill_suite.jsonl``.
 (c) **timing**: one 8K prompt's per-layer q, k, v; CPU time of dense SDPA against each method's estimate +
-    sparse attention, and the estimate as a fraction of dense attention time.
+    sparse attention, and the estimate as a fraction of dense attention time; with a SALE method, also the floor
+    of SALE's estimate on this machine (its integer GEMM alone, exact int8) and the best speed-up it leaves.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ TIMING = RESULTS / "sparse_prefill_timing.json"
 SPECTRAL = RESULTS / "sparse_prefill_spectral.json"
 FIGURE = REPO / "docs" / "figures" / "sparse_prefill_synthetic.png"
 TASKS = ["niah_single", "niah_multikey", "niah_multivalue", "qa_facts"]
+DEFAULT_SAMPLES = 13
 KNOBS = [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999]
 SALE_TAUS = [0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.004, 0.001, 0.0002]
 
@@ -302,7 +304,7 @@ def run_suite(args, model, tok) -> None:
     haystack = Haystack(pydoc_documents(), tok)
     stops = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
     for n in args.lengths:
-        for index in range(args.samples):
+        for index in range(args.samples or DEFAULT_SAMPLES):
             for task in TASKS:
                 sid = f"{task}-{n}-{index}"
                 todo = [m for m in args.methods if (sid, m) not in done]
@@ -327,11 +329,19 @@ def run_suite(args, model, tok) -> None:
                       flush=True)
 
 
+def suite_samples(args) -> int:
+    """Samples per task the report covers: ``--samples``, or the most any (task, length) has on record."""
+    if args.samples is not None:
+        return args.samples
+    indices = [int(r["id"].rsplit("-", 1)[1]) for r in _read_jsonl(SUITE) if r["length"] in args.lengths]
+    return max(indices, default=-1) + 1
+
+
 def suite_report(args) -> str:
     from lightning_modules.llm.suite_metrics import paired_bootstrap
 
     recs = [r for r in _read_jsonl(SUITE) if r["length"] in args.lengths and r["task"] in TASKS
-            and int(r["id"].rsplit("-", 1)[1]) < args.samples]
+            and (args.samples is None or int(r["id"].rsplit("-", 1)[1]) < args.samples)]
     if not recs:
         return "(no suite records yet)"
     out = ["| length | method | accuracy % | dense on the same samples % | vs dense (paired 95% CI) | density | "
@@ -389,10 +399,18 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
         sdpa += timed(lambda: F.scaled_dot_product_attention(o.q, o.k, o.v, is_causal=True, scale=o.scale,
                                                              enable_gqa=True))
     result["sdpa_s"] = sdpa
+    old_data: Dict[str, Any] = {}
     if TIMING.is_file():  # keep the other methods of an earlier run on the same prompt (relative to its own SDPA)
         old = json.loads(TIMING.read_text())
         if (old.get("n"), old.get("layers")) == (result["n"], result["layers"]):
+            old_data = old
             result["methods"].update({m: r for m, r in old.get("methods", {}).items() if m not in args.methods})
+    if any(m.startswith("sale") for m in args.methods):
+        result["sale_floor"] = sale_estimate_floor(obs, timed)
+        print(f"timing SALE estimate GEMM alone: int8 {result['sale_floor']['int8_gemm_s']:.2f} s, fp32 "
+              f"{result['sale_floor']['fp32_gemm_s']:.2f} s", flush=True)
+    elif "sale_floor" in old_data:
+        result["sale_floor"] = old_data["sale_floor"]
     for m in args.methods:
         name, kw = SUITE_METHODS[m]
         if m == "dense":
@@ -412,6 +430,30 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
     return result
 
 
+def sale_estimate_floor(obs, timed, chunk_rows: int = 512) -> Dict[str, float]:
+    """Seconds of SALE's estimate GEMM alone over all layers: the integer products ``Qq_i . Kq_j`` of every
+    causal pair (query chunks of ``chunk_rows`` against their causal key prefix, the query heads of a KV group
+    stacked), as exact int8 x int8 -> int32 (``torch._int_mm``, the fastest exact form on a CPU) and as fp32.
+    No threshold, no pooling: a floor under any CPU implementation of the estimate."""
+    import torch
+
+    from kernels.reference.lowbit import quantize_qk_lowbit
+
+    int8_s = fp32_s = 0.0
+    for o in obs.values():
+        lb = quantize_qk_lowbit(o.q, o.k, 4, 1)
+        b, hq, n, d = lb.q_int.shape
+        hk = lb.k_int.shape[1]
+        qg = lb.q_int.reshape(b, hk, hq // hk, n, d)
+        chunks = [(r0, min(n, r0 + chunk_rows)) for r0 in range(0, n, chunk_rows)]
+        operands = [(qg[bi, h, :, r0:r1].reshape(-1, d).contiguous(), lb.k_int[bi, h, :r1].t())
+                    for bi in range(b) for h in range(hk) for r0, r1 in chunks]
+        operands_f = [(a.float(), k.float()) for a, k in operands]
+        int8_s += timed(lambda: [torch._int_mm(a, k) for a, k in operands])
+        fp32_s += timed(lambda: [torch.mm(a, k) for a, k in operands_f])
+    return {"int8_gemm_s": int8_s, "fp32_gemm_s": fp32_s, "chunk_rows": chunk_rows}
+
+
 def timing_report(data: Dict[str, Any]) -> str:
     out = [f"One {data['n']}-token prompt, {data['layers']} layers, median of {data['reps']} per layer; dense SDPA "
            f"(`F.scaled_dot_product_attention`, causal, GQA) {data['sdpa_s']:.2f} s in all (methods timed in an "
@@ -422,6 +464,19 @@ def timing_report(data: Dict[str, Any]) -> str:
     for m, r in sorted(data["methods"].items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])):
         out.append(f"| {m} | {100 * r['density']:.1f}% | {r['total_s']:.2f} | {r['speedup_vs_sdpa']:.2f}x | "
                    f"{100 * r['estimate_share_of_sdpa']:.1f}% | {r.get('sdpa_s', data['sdpa_s']):.2f} |")
+    floor = data.get("sale_floor")
+    if floor:
+        sdpa = data["sdpa_s"]
+        out += ["", f"SALE on CPU, the estimate's integer GEMM alone (every causal pair, no threshold or pooling; "
+                f"`sale_estimate_floor`): int8 -> int32 `torch._int_mm` {floor['int8_gemm_s']:.2f} s "
+                f"({100 * floor['int8_gemm_s'] / sdpa:.0f}% of SDPA), fp32 {floor['fp32_gemm_s']:.2f} s. Best "
+                "speed-up SALE could reach on this CPU with its measured exact + sparse passes:", "",
+                "| method | exact + sparse passes s | with a free estimate | with only the int8 GEMM as estimate |",
+                "|---|---|---|---|"]
+        for m, r in data["methods"].items():
+            if m.startswith("sale") and r.get("sdpa_s", sdpa) == sdpa:
+                rest = r["total_s"] - r["estimate_s"]
+                out.append(f"| {m} | {rest:.2f} | {sdpa / rest:.2f}x | {sdpa / (rest + floor['int8_gemm_s']):.2f}x |")
     return "\n".join(out)
 
 
@@ -432,7 +487,9 @@ def main() -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--seeds", type=int, default=2, help="synthetic head seeds")
     parser.add_argument("--spectral-heads", type=int, default=16, help="attenuated-slash heads per configuration")
-    parser.add_argument("--samples", type=int, default=13, help="suite samples per task (4 tasks)")
+    parser.add_argument("--samples", type=int, default=None,
+                        help=f"suite samples per task (4 tasks): runs indices below it (default {DEFAULT_SAMPLES}); "
+                             "the report reads records below it (default: all)")
     parser.add_argument("--reps", type=int, default=3, help="timing repetitions per layer")
     parser.add_argument("--methods", nargs="+", default=list(SUITE_METHODS), choices=list(SUITE_METHODS),
                         metavar="METHOD", help="suite / timing methods (default: all of " + ", ".join(SUITE_METHODS) + ")")
@@ -470,7 +527,7 @@ def main() -> int:
     if TIMING.is_file():
         parts.append("**(c) CPU attention time** (`--parts timing`):\n\n" + timing_report(json.loads(TIMING.read_text())))
     parts.append("**(b) SmolLM2-135M-Instruct on the suite** (`--parts suite`; query-aware prompt as one prefill; "
-                 f"{len(TASKS)} tasks x up to {args.samples} samples per length; sample i puts the needle at depth "
+                 f"{len(TASKS)} tasks x up to {suite_samples(args)} samples per length; sample i puts the needle at depth "
                  "(i mod 5) / 4; n: samples a row has; the exact `--methods` / `--samples` runs are listed in "
                  "docs/sparse_prefill.md):\n\n" + suite_report(args))
     body = "Command: `python bench/sparse_prefill.py` (parts as listed).\n\n" + "\n\n".join(parts) + "\n"
