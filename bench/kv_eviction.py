@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
 
-from lightning_modules.io import append_jsonl  # noqa: E402
+from lightning_modules.io import append_jsonl, read_jsonl  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kv_eviction_smollm2.jsonl"
 FIGURE = REPO / "docs" / "figures" / "kv_eviction_smollm2.png"
@@ -74,15 +74,8 @@ def build_policies(ratios) -> Dict[Tuple[str, float], Any]:
 
 
 def read_records(path: Path) -> List[Dict[str, Any]]:
-    out: Dict[Tuple, Dict[str, Any]] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill: that run repeats
-            out[(rec["id"], rec["protocol"], rec["method"], rec["ratio"], rec.get("kind", "suite"))] = rec
-    return list(out.values())
+    """One record per (sample, protocol, method, ratio, kind); a line cut by a kill is skipped (that run repeats)."""
+    return read_jsonl(path, key=lambda r: (r["id"], r["protocol"], r["method"], r["ratio"], r.get("kind", "suite")))
 
 
 def stop_ids(tok) -> List[int]:

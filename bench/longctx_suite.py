@@ -13,29 +13,24 @@ rerun skips it. With the full cache the two protocols are the same computation, 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import REPO, write_section  # noqa: E402
 
+from lightning_modules.io import read_jsonl  # noqa: E402
 from lightning_modules.llm.report import plot_depth_grid  # noqa: E402
 from lightning_modules.llm.suite_metrics import depth_grid, markdown_table, summarise  # noqa: E402
 
 
 def read_records(path: Path, samples: int, lengths, model: str) -> list:
-    out = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            task, length, index = rec["id"].rsplit("-", 2)
-            if int(length) in lengths and int(index) < samples and rec.get("model") == model and rec.get("seed") == 0:
-                out[rec["id"]] = rec
-    return list(out.values())
+    """The last record per sample id among those of ``model`` (seed 0), ``lengths`` and indices below ``samples``."""
+    def wanted(rec) -> bool:
+        _, length, index = rec["id"].rsplit("-", 2)
+        return int(length) in lengths and int(index) < samples and rec.get("model") == model and rec.get("seed") == 0
+
+    return list({r["id"]: r for r in read_jsonl(path) if wanted(r)}.values())
 
 
 def main() -> int:

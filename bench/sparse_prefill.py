@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
 
-from lightning_modules.io import append_jsonl  # noqa: E402
+from lightning_modules.io import append_jsonl, read_jsonl  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 SYNTH = RESULTS / "sparse_prefill_synthetic.json"
@@ -278,16 +278,14 @@ SUITE_METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
 }
 
 
-def _read_jsonl(path: Path) -> List[Dict[str, Any]]:
-    out = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            out[(r["id"], r["method"])] = r
-    return list(out.values())
+def suite_records() -> List[Dict[str, Any]]:
+    """The suite's records, one per (sample, method)."""
+    return read_jsonl(SUITE, key=lambda r: (r["id"], r["method"]))
+
+
+def _index(rec: Dict[str, Any]) -> int:
+    """A suite record's sample index (ids are ``task-length-index``)."""
+    return int(rec["id"].rsplit("-", 1)[1])
 
 
 def run_suite(args, model, tok) -> None:
@@ -300,7 +298,7 @@ def run_suite(args, model, tok) -> None:
     from lightning_modules.sparse_prefill.methods import estimator_factory, prefill_config
     from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
-    done = {(r["id"], r["method"]) for r in _read_jsonl(SUITE)}
+    done = {(r["id"], r["method"]) for r in suite_records()}
     haystack = Haystack(pydoc_documents(), tok)
     stops = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
     for n in args.lengths:
@@ -329,21 +327,15 @@ def run_suite(args, model, tok) -> None:
                       flush=True)
 
 
-def suite_samples(args) -> int:
-    """Samples per task the report covers: ``--samples``, or the most any (task, length) has on record."""
-    if args.samples is not None:
-        return args.samples
-    indices = [int(r["id"].rsplit("-", 1)[1]) for r in _read_jsonl(SUITE) if r["length"] in args.lengths]
-    return max(indices, default=-1) + 1
-
-
-def suite_report(args) -> str:
+def suite_report(args) -> Tuple[str, int]:
+    """The suite table and the samples per task it covers (``--samples``, or all on record)."""
     from lightning_modules.llm.suite_metrics import paired_bootstrap
 
-    recs = [r for r in _read_jsonl(SUITE) if r["length"] in args.lengths and r["task"] in TASKS
-            and (args.samples is None or int(r["id"].rsplit("-", 1)[1]) < args.samples)]
+    recs = [r for r in suite_records() if r["length"] in args.lengths and r["task"] in TASKS
+            and (args.samples is None or _index(r) < args.samples)]
     if not recs:
-        return "(no suite records yet)"
+        return "(no suite records yet)", 0
+    samples = max(_index(r) for r in recs) + 1
     out = ["| length | method | accuracy % | dense on the same samples % | vs dense (paired 95% CI) | density | "
            "estimate s | attention s | n |", "|---|---|---|---|---|---|---|---|---|"]
     for n in args.lengths:
@@ -362,7 +354,7 @@ def suite_report(args) -> str:
             mean = lambda key: sum(r[key] for r in cell.values()) / len(cell)  # noqa: E731
             out.append(f"| {n // 1024}K | {m} | {acc:.1f} | {same} | {ci} | {100 * mean('density'):.1f}% | "
                        f"{mean('estimate_s'):.2f} | {mean('attention_s'):.2f} | {len(cell)} |")
-    return "\n".join(out)
+    return "\n".join(out), samples
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -406,7 +398,7 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
             old_data = old
             result["methods"].update({m: r for m, r in old.get("methods", {}).items() if m not in args.methods})
     if any(m.startswith("sale") for m in args.methods):
-        result["sale_floor"] = sale_estimate_floor(obs, timed)
+        result["sale_floor"] = dict(sale_estimate_floor(obs, timed), sdpa_s=sdpa)
         print(f"timing SALE estimate GEMM alone: int8 {result['sale_floor']['int8_gemm_s']:.2f} s, fp32 "
               f"{result['sale_floor']['fp32_gemm_s']:.2f} s", flush=True)
     elif "sale_floor" in old_data:
@@ -433,8 +425,8 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
 def sale_estimate_floor(obs, timed, chunk_rows: int = 512) -> Dict[str, float]:
     """Seconds of SALE's estimate GEMM alone over all layers: the integer products ``Qq_i . Kq_j`` of every
     causal pair (query chunks of ``chunk_rows`` against their causal key prefix, the query heads of a KV group
-    stacked), as exact int8 x int8 -> int32 (``torch._int_mm``, the fastest exact form on a CPU) and as fp32.
-    No threshold, no pooling: a floor under any CPU implementation of the estimate."""
+    stacked), as exact int8 x int8 -> int32 (``torch._int_mm``, the fastest exact integer product torch has on a
+    CPU) and as fp32. No threshold, no pooling: a floor under any CPU implementation of the estimate."""
     import torch
 
     from kernels.reference.lowbit import quantize_qk_lowbit
@@ -466,7 +458,7 @@ def timing_report(data: Dict[str, Any]) -> str:
                    f"{100 * r['estimate_share_of_sdpa']:.1f}% | {r.get('sdpa_s', data['sdpa_s']):.2f} |")
     floor = data.get("sale_floor")
     if floor:
-        sdpa = data["sdpa_s"]
+        sdpa = floor.get("sdpa_s", data["sdpa_s"])  # the SDPA of the run that measured the floor
         out += ["", f"SALE on CPU, the estimate's integer GEMM alone (every causal pair, no threshold or pooling; "
                 f"`sale_estimate_floor`): int8 -> int32 `torch._int_mm` {floor['int8_gemm_s']:.2f} s "
                 f"({100 * floor['int8_gemm_s'] / sdpa:.0f}% of SDPA), fp32 {floor['fp32_gemm_s']:.2f} s. Best "
@@ -526,10 +518,11 @@ def main() -> int:
         parts.append("**(a') Prism's blind spot** (`--parts spectral`):\n\n" + spectral_report(json.loads(SPECTRAL.read_text())))
     if TIMING.is_file():
         parts.append("**(c) CPU attention time** (`--parts timing`):\n\n" + timing_report(json.loads(TIMING.read_text())))
+    table, samples = suite_report(args)
     parts.append("**(b) SmolLM2-135M-Instruct on the suite** (`--parts suite`; query-aware prompt as one prefill; "
-                 f"{len(TASKS)} tasks x up to {suite_samples(args)} samples per length; sample i puts the needle at depth "
+                 f"{len(TASKS)} tasks x up to {samples} samples per length; sample i puts the needle at depth "
                  "(i mod 5) / 4; n: samples a row has; the exact `--methods` / `--samples` runs are listed in "
-                 "docs/sparse_prefill.md):\n\n" + suite_report(args))
+                 "docs/sparse_prefill.md):\n\n" + table)
     body = "Command: `python bench/sparse_prefill.py` (parts as listed).\n\n" + "\n\n".join(parts) + "\n"
     write_section("sparse_prefill", body, "Sparse prefill: SALE, Prism and block-selection baselines")
     print(body)

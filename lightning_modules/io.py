@@ -1,4 +1,4 @@
-"""Checkpoint input/output: atomic saves and weights-only loading.
+"""Checkpoint input/output: atomic saves and weights-only loading; resumable JSONL result files.
 
 Lightning's default local save goes through an fsspec transaction whose temporary file lives in the system
 temp folder; when that is another file system the final move is a copy, and a kill during the copy leaves a
@@ -13,12 +13,12 @@ import difflib
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import IO, Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-__all__ = ["append_jsonl", "atomic_open", "default_cache_dir", "AtomicCheckpointIO", "load_checkpoint", "load_weights"]
+__all__ = ["append_jsonl", "read_jsonl", "atomic_open", "default_cache_dir", "AtomicCheckpointIO", "load_checkpoint", "load_weights"]
 
 
 def default_cache_dir() -> Path:
@@ -38,6 +38,25 @@ def append_jsonl(path: Any, records: Any) -> None:
             f.write(json.dumps(rec) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_jsonl(path: Any, key: Optional[Callable[[Dict[str, Any]], Hashable]] = None) -> List[Dict[str, Any]]:
+    """Records of a file written by :func:`append_jsonl` (none when it does not exist), skipping a line cut by a
+    kill. With ``key``, one record per key: the last written (a rerun supersedes an earlier record)."""
+    import json
+
+    target = Path(os.fspath(path))
+    if not target.is_file():
+        return []
+    records = []
+    for line in target.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    if key is None:
+        return records
+    return list({key(r): r for r in records}.values())
 
 
 @contextlib.contextmanager

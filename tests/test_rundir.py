@@ -81,3 +81,19 @@ def test_atomic_write_and_markers(tmp_path):
     mark(tmp_path, "DONE")
     meta = json.loads((tmp_path / "run.json").read_text())
     assert [h["status"] for h in meta["history"]] == ["STARTED", "FAILED", "STARTED", "DONE"]
+
+
+def test_result_lines_survive_a_cut_line_and_a_rerun_supersedes(tmp_path):
+    from lightning_modules.io import append_jsonl, read_jsonl
+
+    path = tmp_path / "res" / "r.jsonl"
+    assert read_jsonl(path) == []
+    append_jsonl(path, [{"id": "a", "v": 1}, {"id": "b", "v": 2}])
+    with open(path, "a") as f:
+        f.write('{"id": "c", "v"')  # a kill mid-line
+    assert [r["id"] for r in read_jsonl(path)] == ["a", "b"]
+    with open(path, "a") as f:
+        f.write("\n")
+    append_jsonl(path, [{"id": "a", "v": 3}])
+    assert len(read_jsonl(path)) == 3
+    assert {r["id"]: r["v"] for r in read_jsonl(path, key=lambda r: r["id"])} == {"a": 3, "b": 2}
