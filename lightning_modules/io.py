@@ -28,12 +28,20 @@ def default_cache_dir() -> Path:
 
 def append_jsonl(path: Any, records: Any) -> None:
     """Append one JSON line per record to ``path`` (created with its folder) and sync it: a kill loses at
-    most the line being written, which a reader skips (resumable result files)."""
+    most the line being written, which a reader skips (resumable result files). A line cut by an earlier kill
+    is ended first, so the first new record starts a line of its own."""
     import json
 
     target = Path(os.fspath(path))
     target.parent.mkdir(parents=True, exist_ok=True)
+    cut = False
+    if target.is_file() and target.stat().st_size:
+        with open(target, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            cut = f.read(1) != b"\n"
     with open(target, "a", encoding="utf-8") as f:
+        if cut:
+            f.write("\n")
         for rec in records:
             f.write(json.dumps(rec) + "\n")
         f.flush()

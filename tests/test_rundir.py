@@ -92,8 +92,6 @@ def test_result_lines_survive_a_cut_line_and_a_rerun_supersedes(tmp_path):
     with open(path, "a") as f:
         f.write('{"id": "c", "v"')  # a kill mid-line
     assert [r["id"] for r in read_jsonl(path)] == ["a", "b"]
-    with open(path, "a") as f:
-        f.write("\n")
-    append_jsonl(path, [{"id": "a", "v": 3}])
+    append_jsonl(path, [{"id": "a", "v": 3}])  # the rerun's first record must not be glued to the cut line
     assert len(read_jsonl(path)) == 3
     assert {r["id"]: r["v"] for r in read_jsonl(path, key=lambda r: r["id"])} == {"a": 3, "b": 2}

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_modules.base import LongContextModule, SharedEvalStages
-from lightning_modules.io import append_jsonl, atomic_open
+from lightning_modules.io import append_jsonl, atomic_open, read_jsonl
 from lightning_modules.llm.generation import greedy_generate
 from lightning_modules.llm.loading import load_causal_lm
 from lightning_modules.llm.suite_metrics import score_prediction, summarise
@@ -205,17 +205,12 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
     def _load_done(self) -> None:
         self._done = {}
         path = self._results_path()
-        if path is None or not path.is_file():
+        if path is None:
             return
-        for line in path.read_text().splitlines():
-            if line.strip():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut by a kill: that sample runs again
-                if (rec.get("protocol") == self.cfg.protocol and rec.get("model") == self.cfg.model
-                        and rec.get("policy", "full") == self.policy_name()):
-                    self._done[(rec["id"], rec.get("seed"))] = rec
+        for rec in read_jsonl(path):  # a line cut by a kill is skipped: that sample runs again
+            if (rec.get("protocol") == self.cfg.protocol and rec.get("model") == self.cfg.model
+                    and rec.get("policy", "full") == self.policy_name()):
+                self._done[(rec["id"], rec.get("seed"))] = rec
 
     def _append(self, records: List[Dict[str, Any]]) -> None:
         path = self._results_path()
