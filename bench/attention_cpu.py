@@ -9,8 +9,8 @@ Forward and backward at N = 16K. Reports time, speed-up over SDPA and the fracti
 (speed-up x density) reached; writes ``docs/results.md``, ``bench/results/attention_cpu.json`` and
 ``docs/figures/attention_cpu.png`` (``--plot-only`` redraws it from the JSON).
 
-    python bench/attention_cpu.py            # ~5 minutes on 2 cores
-    python bench/attention_cpu.py --quick    # N = 4K only
+    python -m bench.attention_cpu            # ~5 minutes on 2 cores
+    python -m bench.attention_cpu --quick    # N = 4K only
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from _report import REPO, save_figure, save_json, write_section
+from bench._report import REPO, save_figure, save_json, write_section
 
 import kernels
 from kernels import BlockLayout
@@ -170,7 +170,7 @@ def main() -> None:
                 heads=args.heads, dim=args.dim, block=args.block, repeats=args.repeats, seed=args.seed,
                 flex=flex_note)
     save_json(args.cache, dict(meta=meta, forward=rows, backward=bwd_rows))
-    body = [f"Command: `python bench/attention_cpu.py` (fp32, B = 1, {args.heads} heads, d = {args.dim}, "
+    body = [f"Command: `python -m bench.attention_cpu` (fp32, B = 1, {args.heads} heads, d = {args.dim}, "
             f"{args.block} x {args.block} blocks, causal, random per-head layouts with diagonal + sink, seed "
             f"{args.seed}, best of {args.repeats} (N = 32K: {max(1, args.repeats - 1)}); torch {torch.__version__}, "
             f"{meta['threads']} threads). FlexAttention: {flex_note}.",

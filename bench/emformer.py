@@ -2,8 +2,8 @@
 one-step control, persistence and climatology; and the merged multi-scale convolution's speed against three
 separate convolutions.
 
-    python bench/emformer.py                   # 3 seeds (about 25 min per seed on 2 CPU cores)
-    python bench/emformer.py --seeds 0 --pretrain-steps 200 --finetune-batches 10   # a quick look
+    python -m bench.emformer                   # 3 seeds (about 25 min per seed on 2 CPU cores)
+    python -m bench.emformer --seeds 0 --pretrain-steps 200 --finetune-batches 10   # a quick look
 
 Protocol (per seed, synthetic ERA5 32 x 64, 12 channels, 6-hourly):
 1. pre-train ``emformer_tiny`` on one-step targets for ``--pretrain-steps`` optimizer steps;
@@ -21,12 +21,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, cached_run, load_cache, pyplot, save_figure, save_json, write_section  # noqa: E402
+import torch
 
-import torch  # noqa: E402
+from bench._report import REPO, cached_run, load_cache, pyplot, save_figure, save_json, write_section
+from litctx_common.stats import mean_sd
 
 CACHE = REPO / "bench" / "results" / "emformer.json"
 KEY_CHANNELS = ("geopotential@500", "temperature@850", "2m_temperature")
@@ -119,10 +118,6 @@ def run_seed(seed: int, args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def _mean_sd(values):
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def report(cache: dict, args) -> None:
     seeds = sorted(cache["runs"], key=int)
     runs = [cache["runs"][s] for s in seeds]
@@ -141,10 +136,10 @@ def report(cache: dict, args) -> None:
     for lead in range(leads):
         cells = []
         for arm in arms:
-            m, s = _mean_sd([norm_rmse(r, arm, lead) for r in runs])
+            m, s, _ = mean_sd([norm_rmse(r, arm, lead) for r in runs])
             cells.append(f"{m:.4f} ± {s:.4f}")
         diffs = [norm_rmse(r, "rollout", lead) / norm_rmse(r, "control", lead) - 1 for r in runs]
-        dm, ds = _mean_sd(diffs)
+        dm, ds, _ = mean_sd(diffs)
         verdict.append(dm)
         lines.append(f"| {6 * (lead + 1)} | " + " | ".join(cells) + f" | {100 * dm:+.2f}% ± {100 * ds:.2f} |")
     table = "\n".join(lines)
@@ -154,7 +149,7 @@ def report(cache: dict, args) -> None:
             continue
         for metric in ("rmse", "acc"):
             for lead in sorted({0, min(3, leads - 1), leads - 1}):
-                vals = [f"{_mean_sd([chan(r, a, metric, name, lead) for r in runs])[0]:.3g}"
+                vals = [f"{mean_sd([chan(r, a, metric, name, lead) for r in runs])[0]:.3g}"
                         for a in ("persistence", "climatology", "control", "rollout")]
                 key_rows.append(f"| {name} | {metric.upper()} | {6 * (lead + 1)} h | " + " | ".join(vals) + " |")
     beats_persistence = all(norm_rmse(r, "rollout", lead) < norm_rmse(r, "persistence", lead)
@@ -162,12 +157,12 @@ def report(cache: dict, args) -> None:
     losses = [f"{name} at {6 * (lead + 1)} h" for name in channels for lead in range(leads)
               if statistics.mean(chan(r, "rollout", "rmse", name, lead) for r in runs)
               >= statistics.mean(chan(r, "persistence", "rmse", name, lead) for r in runs)]
-    lead1 = _mean_sd([norm_rmse(r, "rollout", 0) / norm_rmse(r, "control", 0) - 1 for r in runs])
+    lead1 = mean_sd([norm_rmse(r, "rollout", 0) / norm_rmse(r, "control", 0) - 1 for r in runs])
     late = [v for i, v in enumerate(verdict) if i >= 2]
     conv = cache.get("conv", [])
     conv_rows = ["| case (B=8, fwd+bwd) | merged (ms) | three convs (ms) | speed-up |", "|---|---|---|---|"]
     conv_rows += [f"| {r['case']} | {r['merged_ms']:.2f} | {r['separate_ms']:.2f} | {r['speedup']:.2f}x |" for r in conv]
-    body = f"""Command: `python bench/emformer.py --seeds {' '.join(seeds)} --pretrain-steps {args.pretrain_steps} \
+    body = f"""Command: `python -m bench.emformer --seeds {' '.join(seeds)} --pretrain-steps {args.pretrain_steps} \
 --finetune-batches {args.finetune_batches} --rollout {args.rollout}` ({len(runs)} seed(s); mean ± sd over seeds).
 Synthetic ERA5 (WB2 layout, 32 x 64, 12 channels, 6-hourly; train 2000, test Mar-Apr 2001), `emformer_tiny`
 pre-trained {args.pretrain_steps} steps per seed. Fine-tuning arms start from the same
@@ -204,14 +199,14 @@ The paper's 5.69x speed-up was measured on GPU (dense 2304-channel convolutions)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     hours = [6 * (i + 1) for i in range(leads)]
     for arm in arms:
-        means = [_mean_sd([norm_rmse(r, arm, lead) for r in runs])[0] for lead in range(leads)]
+        means = [mean_sd([norm_rmse(r, arm, lead) for r in runs])[0] for lead in range(leads)]
         axes[0].plot(hours, means, marker="o", ms=3, label=arm)
     axes[0].set_xlabel("lead (h)")
     axes[0].set_ylabel("RMSE (normalised, mean of 12 channels)")
     axes[0].legend(fontsize=8)
     if "geopotential@500" in channels:
         for arm in arms:
-            means = [_mean_sd([chan(r, arm, "acc", "geopotential@500", lead) for r in runs])[0] for lead in range(leads)]
+            means = [mean_sd([chan(r, arm, "acc", "geopotential@500", lead) for r in runs])[0] for lead in range(leads)]
             axes[1].plot(hours, means, marker="o", ms=3, label=arm)
         axes[1].set_xlabel("lead (h)")
         axes[1].set_ylabel("Z500 ACC")

@@ -2,7 +2,7 @@
 # The prepared GPU check for the shared attention kernels (one H200, well under 10 minutes):
 #   1. the Triton parity tests compiled on CUDA (fp16 and bf16, N = 4K-16K): tests/kernels/test_triton_gpu.py
 #   2. dense K1 against SDPA/FlashAttention and block-sparse K1 at densities {5,10,25,50,100}% at N = 16K-64K:
-#      bench/triton_attention_gpu.py
+#      python -m bench.triton_attention_gpu
 # Everything it measures lands as JSON/logs in $OUT (default bench/results/gpu). Usage:
 #   bash bench/gpu_check.sh            # on a machine with a CUDA GPU, torch and triton
 set -uo pipefail
@@ -28,7 +28,7 @@ timeout 270 "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider -o addop
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu parity tests: exit $tests_rc after $(( $(date +%s) - start )) s"
-timeout 200 "$PY" bench/triton_attention_gpu.py --budget-s 170 --out "$OUT/triton_attention_gpu.json" 2>&1 | tee "$OUT/bench.log"
+timeout 200 "$PY" -m bench.triton_attention_gpu --budget-s 170 --out "$OUT/triton_attention_gpu.json" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "gpu bench: exit $bench_rc after $(( $(date +%s) - start )) s"
 echo "{\"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"seconds\": $(( $(date +%s) - start ))}" > "$OUT/summary.json"

@@ -1,7 +1,7 @@
 """Render the GPU check's JSON (``bench/gpu_check.sh`` -> ``bench/results/gpu/``) into ``docs/results.md``.
 
     bash bench/gpu_check.sh                      # on the GPU machine, OUT=bench/results/gpu
-    python bench/gpu_report.py                   # here: writes the 'attention_gpu' section
+    python -m bench.gpu_report                   # here: writes the 'attention_gpu' section
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from _report import REPO, write_section
+from bench._report import REPO, write_section
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """KV-cache eviction on the long-context suite with SmolLM2-135M-Instruct: every baseline and its OBCache
 variant side by side with the full cache, at several compression ratios, lengths and both protocols.
 
-    python bench/kv_eviction.py                        # run (or continue) and write docs/results.md
-    python bench/kv_eviction.py --report-only          # rewrite the section from the records so far
-    python bench/kv_eviction.py --samples 2 --lengths 2048 --ratios 0.75 --protocols compress_then_ask
+    python -m bench.kv_eviction                        # run (or continue) and write docs/results.md
+    python -m bench.kv_eviction --report-only          # rewrite the section from the records so far
+    python -m bench.kv_eviction --samples 2 --lengths 2048 --ratios 0.75 --protocols compress_then_ask
 
 Each sample's context is prefilled once; every (method, ratio) then compresses that same prefill
 (:func:`~lightning_modules.llm.generation.generate_under_policies`, identical to running the method alone),
@@ -25,20 +25,18 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
+from bench._report import REPO, pyplot, save_figure, save_json, write_section
 
-from lightning_modules.io import append_jsonl, read_jsonl  # noqa: E402
+from litctx_common.io import append_jsonl, read_jsonl  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "kv_eviction_smollm2.jsonl"
 FIGURE = REPO / "docs" / "figures" / "kv_eviction_smollm2.png"
 TASKS = ["niah_single", "niah_multikey", "niah_multivalue", "qa_facts"]
 OBC = "obcache_kv"
-# method -> (builder name, config fields without the budget); "+obc" variants swap the score
+# label -> (method name, config fields without the budget; policy_grid sets each ratio); "+obc" variants swap the score
 METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "random": ("random_eviction", {}),
     "recent": ("recent_eviction", {}),
@@ -57,48 +55,26 @@ COLORS = {"random": "0.6", "recent": "tab:brown", "streaming_llm": "tab:green", 
           "tova": "tab:orange", "adakv": "tab:purple"}  # a base and its OBCache variant share a colour
 
 
-def build_policies(ratios) -> Dict[Tuple[str, float], Any]:
-    from lightning_modules.kv_eviction.methods import build_eviction_policy, method_config
-    from lightning_modules.llm.policy import KVPolicy
-
-    policies: Dict[Tuple[str, float], Any] = {("full", 0.0): KVPolicy()}
-    for name, (builder, args) in METHODS.items():
-        for r in ratios:
-            args_r = dict(args)
-            if builder == "adakv":
-                args_r["base_args"] = {**args["base_args"], "compression_ratio": r}
-            else:
-                args_r["compression_ratio"] = r
-            policies[(name, r)] = build_eviction_policy(method_config(builder, args_r))
-    return policies
-
-
 def read_records(path: Path) -> List[Dict[str, Any]]:
     """One record per (sample, protocol, method, ratio, kind); a line cut by a kill is skipped (that run repeats)."""
     return read_jsonl(path, key=lambda r: (r["id"], r["protocol"], r["method"], r["ratio"], r.get("kind", "suite")))
 
 
-def stop_ids(tok) -> List[int]:
-    stops = {tok.eos_token_id}
-    for extra in ("<|im_end|>", "<|endoftext|>"):
-        tid = tok.convert_tokens_to_ids(extra)
-        if isinstance(tid, int) and tid != tok.unk_token_id:
-            stops.add(tid)
-    return sorted(s for s in stops if s is not None)
-
-
 def run_suite(args, model, tok) -> None:
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
-    from lightning_modules.llm.generation import record_prefill
+    from lightning_modules.kv_eviction.methods import policy_grid
+    from lightning_modules.llm.generation import record_prefill, stop_token_ids
     from lightning_modules.llm.suite_metrics import score_prediction
 
-    policies = build_policies(args.ratios)
+    policies = policy_grid(METHODS, args.ratios)
     done = {(r["id"], r["protocol"], r["method"], r["ratio"]) for r in read_records(args.results) if r.get("kind", "suite") == "suite"}
     haystack = Haystack(pydoc_documents(), tok)
-    stops = stop_ids(tok)
+    stops = stop_token_ids(tok, model)
     keys = [(p, n, t, i) for p in args.protocols for n in args.lengths for i in range(args.samples) for t in args.tasks]
-    t_start = time.perf_counter()
+    from litctx_common.timing import clock
+
+    t_start = clock(model.device)
     for count, (protocol, length, task, index) in enumerate(keys):
         sid = f"{task}-{length}-{index}"
         todo = {k: pol for k, pol in policies.items() if (sid, protocol, k[0], k[1]) not in done}
@@ -126,7 +102,7 @@ def run_suite(args, model, tok) -> None:
                          "compress_s": res.compress_seconds, "decode_s": res.decode_seconds,
                          "decode_steps": res.decode_steps, "prefill_s": res.prefill_seconds})
         append_jsonl(args.results, recs)
-        elapsed = time.perf_counter() - t_start
+        elapsed = clock(model.device) - t_start
         print(f"[{count + 1}/{len(keys)}] {protocol} {sid}: {len(recs)} runs, "
               f"full={next((x['score'] for x in recs if x['method'] == 'full'), float('nan')):.2f} "
               f"({elapsed / 60:.1f} min so far)", flush=True)
@@ -142,23 +118,13 @@ def run_throughput(args, model, tok) -> None:
     """Decode tokens/s on a fixed 32-token greedy decode (no stop token) at the longest length."""
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
-    from lightning_modules.kv_eviction.methods import build_eviction_policy, method_config
+    from lightning_modules.kv_eviction.methods import policy_grid
     from lightning_modules.llm.generation import generate_under_policies
-    from lightning_modules.llm.policy import KVPolicy
 
     length = max(args.lengths)
     done = {(r["id"], r["method"], r["ratio"]) for r in read_records(args.results) if r.get("kind") == "throughput"}
     haystack = Haystack(pydoc_documents(), tok)
-    methods = {("full", 0.0): KVPolicy()}
-    for name in ("snapkv", "streaming_llm", "h2o", "adakv"):
-        builder, base = METHODS[name]
-        for r in args.ratios:
-            a = dict(base)
-            if builder == "adakv":
-                a["base_args"] = {**base["base_args"], "compression_ratio": r}
-            else:
-                a["compression_ratio"] = r
-            methods[(name, r)] = build_eviction_policy(method_config(builder, a))
+    methods = policy_grid({name: METHODS[name] for name in ("snapkv", "streaming_llm", "h2o", "adakv")}, args.ratios)
     for index in range(args.throughput_samples):
         sid = f"niah_single-{length}-{index}"
         if all((sid, m, r) in done for m, r in methods):
@@ -360,7 +326,7 @@ def report(args, rank_quality) -> str:
     expected = n_per * len(args.lengths) * len(args.protocols) * (1 + len(METHODS) * len(args.ratios))
     status = ("complete" if len(recs) >= expected else
               f"**partial**: {len(recs)} of {expected} suite runs so far; resumable")
-    body = f"""Command: `python bench/kv_eviction.py` ({status}; SmolLM2-135M-Instruct fp32, greedy, suite seed 0; tasks
+    body = f"""Command: `python -m bench.kv_eviction` ({status}; SmolLM2-135M-Instruct fp32, greedy, suite seed 0; tasks
 {', '.join(args.tasks)} with {args.samples} samples each = {n_per} samples per cell; one prefill per sample
 shared by every method, which then compresses it exactly as when installed alone). Budgets are per KV head and
 include sinks / windows / recent tokens; H2O, TOVA and StreamingLLM also evict at every decode step. OBCache

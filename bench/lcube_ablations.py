@@ -10,7 +10,7 @@
 Each variant trains the recipe's default budget (8 epochs of 100 batches of 32 sequences) for every seed.
 The table is written to docs/results.md.
 
-    python bench/lcube_ablations.py --seeds 0 1
+    python -m bench.lcube_ablations --seeds 0 1
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 import warnings
 from pathlib import Path
 
-from _report import REPO, save_json, write_section
+from bench._report import REPO, save_json, write_section
 
 VARIANTS = {
     "default (learned positions, random starts 0.25, haar)": [],
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         vals = [cache[f"{name}|{s}"][key] for s in args.seeds]
         return f"{statistics.fmean(vals):.3f} [{min(vals):.3f}, {max(vals):.3f}]"
 
-    lines = [f"Command: `python bench/lcube_ablations.py --seeds {' '.join(map(str, args.seeds))}` "
+    lines = [f"Command: `python -m bench.lcube_ablations --seeds {' '.join(map(str, args.seeds))}` "
              f"(CPU, 2 cores; mean [min, max] over seeds {args.seeds}). Recipe `lcube` at its defaults: L = 256, "
              "dim 16, transformer d_model 64 x 2 layers, 800 steps of 32 sequences; test on 256 fresh sequences.", "",
              "| variant | test KL/token | test utilization |", "|---|---|---|"]

@@ -5,7 +5,7 @@
 2. Exact conditionals for long sequences: the tree Kalman filter against the dense baseline (Cholesky of the
    ``[L D, L D]`` covariance and one triangular solve per batch), time and largest error, in one run.
 
-    python bench/lcube_generator.py
+    python -m bench.lcube_generator
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _report import REPO, write_section
+from bench._report import REPO, write_section
 
 from datamodules.synth.hierarchical_gaussian import HierarchicalGaussian
 
@@ -76,8 +76,9 @@ def timing(lengths, dim, width, n, dense_limit):
 
 
 # another process running the filter's bare loop on torch's default thread pool (e.g. a second rank or sweep trial)
-BUSY = ("import sys\nsys.path.insert(0, %r)\nfrom datamodules.synth.hierarchical_gaussian import HierarchicalGaussian\n"
-        "g = HierarchicalGaussian(length=2048, dim=32)\nwhile True:\n    g._filter(None, 0, 200)" % str(REPO))
+# (run with the repository as its working directory, so `python -c` finds the packages)
+BUSY = ("from datamodules.synth.hierarchical_gaussian import HierarchicalGaussian\n"
+        "g = HierarchicalGaussian(length=2048, dim=32)\nwhile True:\n    g._filter(None, 0, 200)")
 
 
 def thread_pool_cost(steps=64):
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     lengths = [32, 64, 128, 256, 512]
     law = slopes([0.0, 0.25, 0.5, 0.75], lengths)
     speed = timing(args.timing_lengths, args.dim, args.width, args.sequences, args.dense_limit)
-    lines = ["Command: `python bench/lcube_generator.py` (CPU, 2 cores, float64). Deterministic: "
+    lines = ["Command: `python -m bench.lcube_generator` (CPU, 2 cores, float64). Deterministic: "
              "no seeds involved in the MI law; timings are single runs.", "",
              "Bipartite MI law, brute force from the dense covariance (dim 8, info_scale 0.05):", "",
              "| target beta | width | I_BP(L/2; L) at L = " + ", ".join(map(str, lengths)) + " | fitted slope |",
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
         lines.append(f"| {L} | {state} | {tf:.2f} | " + (f"{td:.2f} | {err:.1e}" if td is not None else
                                                             f"not run (L*D > {args.dense_limit}) | -") + " |")
     idle = [thread_pool_cost() for _ in range(5)]
-    busy = subprocess.Popen([sys.executable, "-c", BUSY])  # a second process on the same cores
+    busy = subprocess.Popen([sys.executable, "-c", BUSY], cwd=REPO)  # a second process on the same cores
     try:
         time.sleep(3)
         loaded = [thread_pool_cost() for _ in range(5)]

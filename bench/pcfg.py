@@ -8,8 +8,8 @@ the same validation set; then probe the final model: a logistic regression per (
 scored on 1,000 others, for the argmax-inside label of each span (``lightning_modules/pcfg/probes.py``). The
 hand-set log-depth construction (``lightning_modules/pcfg/construction.py``) is scored on the same strings.
 
-    python bench/pcfg.py                 # 3 seeds, about 5 minutes on 2 cores
-    python bench/pcfg.py --report-only   # rewrite the table and figure from bench/results/pcfg.json
+    python -m bench.pcfg                 # 3 seeds, about 5 minutes on 2 cores
+    python -m bench.pcfg --report-only   # rewrite the table and figure from bench/results/pcfg.json
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, cached_run, load_cache, pyplot, save_figure, save_json, write_section  # noqa: E402
+from bench._report import REPO, cached_run, load_cache, pyplot, save_figure, save_json, write_section
+from litctx_common.stats import mean_sd
 
 ORDERS = {1: "unigram", 2: "bigram", 3: "trigram"}
 
@@ -99,17 +99,11 @@ def construction_kl() -> float:
     return float((exact.exp() * (exact - built)).nan_to_num(0.0).sum(-1).mean())
 
 
-def _mean_sd(values: List[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.4f}"
-    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
-
-
 def report(args, cache) -> str:
     runs = [cache["runs"][str(s)] for s in args.seeds if str(s) in cache["runs"]]
     if not runs:
         return "no runs yet"
-    lines = [f"`python bench/pcfg.py --seeds {' '.join(map(str, args.seeds))}` (recipe `pcfg`: depth 4 = 16 tokens, "
+    lines = [f"`python -m bench.pcfg --seeds {' '.join(map(str, args.seeds))}` (recipe `pcfg`: depth 4 = 16 tokens, "
              f"8 symbols per level, 3 productions, grammar seed 0; {args.epochs} epochs x 100 steps x 64 fresh "
              "strings; n-grams fitted on as many fresh strings as the transformer had seen, add-0.5 smoothing; "
              "KL in nats per token on the 512 validation strings, mean ± sd over seeds).", "",
@@ -117,16 +111,16 @@ def report(args, cache) -> str:
              "strings | per seed (end) |", "|---|---|---|---|"]
     first = [r["curve"][0][1] for r in runs]
     last = [r["curve"][-1][1] for r in runs]
-    lines.append(f"| transformer (4 layers, d 64) | {_mean_sd(first)} | {_mean_sd(last)} | "
+    lines.append(f"| transformer (4 layers, d 64) | {mean_sd(first).text()} | {mean_sd(last).text()} | "
                  f"{', '.join(f'{v:.4f}' for v in last)} |")
     for name in ORDERS.values():
         f = [r["ngram"][name][0][1] for r in runs]
         e = [r["ngram"][name][-1][1] for r in runs]
-        lines.append(f"| {name} | {_mean_sd(f)} | {_mean_sd(e)} | {', '.join(f'{v:.4f}' for v in e)} |")
+        lines.append(f"| {name} | {mean_sd(f).text()} | {mean_sd(e).text()} | {', '.join(f'{v:.4f}' for v in e)} |")
     if "construction_kl" in cache:
         lines.append(f"| log-depth construction (hand-set, 8 layers, no training) | - | {cache['construction_kl']:.1e} | - |")
     test = [r["test_kl"] for r in runs]
-    lines += ["", f"Transformer test KL (1,024 strings, best checkpoint): {_mean_sd(test)}; trigram/transformer ratio at "
+    lines += ["", f"Transformer test KL (1,024 strings, best checkpoint): {mean_sd(test).text()}; trigram/transformer ratio at "
               f"the end: {statistics.mean(e) / statistics.mean(last):.1f}x.", ""]
     # probes: mean accuracy per layer and level
     keys = sorted({tuple(map(int, k.split("|"))) for k in runs[0]["probes"]})

@@ -1,9 +1,9 @@
 """Sparse prefill: SALE and Prism against block-selection baselines (mean pooling, XAttention, FlexPrefill) and
 dense attention.
 
-    python bench/sparse_prefill.py                         # every part, then docs/results.md
-    python bench/sparse_prefill.py --parts synthetic       # (a) only
-    python bench/sparse_prefill.py --report-only
+    python -m bench.sparse_prefill                         # every part, then docs/results.md
+    python -m bench.sparse_prefill --parts synthetic       # (a) only
+    python -m bench.sparse_prefill --report-only
 
 (a) **synthetic**: structured heads with RoPE (slash, local, sink, needle, diffuse; SmolLM2's head size 64 and
     RoPE base 1e5) at N = 4K and 8K; each method's knob swept; density against relative output error and
@@ -24,14 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import REPO, pyplot, save_figure, save_json, write_section  # noqa: E402
+from bench._report import REPO, pyplot, save_figure, save_json, write_section
 
-from lightning_modules.io import append_jsonl, read_jsonl  # noqa: E402
+from litctx_common.io import append_jsonl, read_jsonl  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 SYNTH = RESULTS / "sparse_prefill_synthetic.json"
@@ -46,17 +43,22 @@ SALE_TAUS = [0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.004, 0.001, 0.0002]
 
 
 def estimators(block: int = 64) -> Dict[str, List[Tuple[float, Any]]]:
-    """Method -> [(knob, estimator)] sweeps for the synthetic part."""
-    from lightning_modules.sparse_prefill.estimators import FlexPrefillEstimator, MeanPoolEstimator, XAttentionEstimator
-    from lightning_modules.sparse_prefill.prism import PrismEstimator
-    from lightning_modules.sparse_prefill.sale import SALEEstimator
+    """Method -> [(knob, estimator)] sweeps for the synthetic part (every other field at its config default;
+    FlexPrefill's exact slice is one block)."""
+    from lightning_modules.sparse_prefill.methods import (
+        FlexPrefillConfig,
+        MeanPoolConfig,
+        PrismConfig,
+        SALEConfig,
+        XAttentionConfig,
+    )
 
     return {
-        "mean_pool": [(p, MeanPoolEstimator(block, p)) for p in KNOBS],
-        "prism": [(p, PrismEstimator(block, p)) for p in KNOBS],
-        "xattention": [(p, XAttentionEstimator(block, 8, p)) for p in KNOBS],
-        "flexprefill": [(p, FlexPrefillEstimator(block, p, 0.1, block)) for p in KNOBS],
-        "sale": [(t, SALEEstimator(t)) for t in SALE_TAUS],
+        "mean_pool": [(p, MeanPoolConfig(block=block, top_p=p).estimator()) for p in KNOBS],
+        "prism": [(p, PrismConfig(block=block, top_p=p).estimator()) for p in KNOBS],
+        "xattention": [(p, XAttentionConfig(block=block, threshold=p).estimator()) for p in KNOBS],
+        "flexprefill": [(p, FlexPrefillConfig(block=block, gamma=p, last_q=block).estimator()) for p in KNOBS],
+        "sale": [(t, SALEConfig(tau=t).estimator()) for t in SALE_TAUS],
     }
 
 
@@ -189,7 +191,7 @@ def run_spectral(args) -> Dict[str, Any]:
         relative_output_error,
         top_block_hit_rate,
     )
-    from lightning_modules.sparse_prefill.prism import PrismEstimator
+    from lightning_modules.sparse_prefill.methods import PrismConfig
     from lightning_modules.sparse_prefill.synthetic import offset_blocks, structured_heads
 
     n = 4096
@@ -203,7 +205,7 @@ def run_spectral(args) -> Dict[str, Any]:
             q, k, v, info = structured_heads(["attenuated_slash"], n=n, d=d, base=base, seed=seed, block=block)
             target = offset_blocks(n, info[0]["offsets"][0], block)
             pooled = pool_blocks(q, block) @ pool_blocks(k, block).transpose(-1, -2)
-            bands = PrismEstimator(block).band_logits(q, k)
+            bands = PrismConfig(block=block).estimator().band_logits(q, k)
             row = {"config": label, "seed": seed, "offset": info[0]["offsets"][0],
                    "hit": {name: top_block_hit_rate(x[0, 0], target, allowed)
                            for name, x in (("mean_pool", pooled), ("prism_high", bands["high"]),
@@ -212,7 +214,7 @@ def run_spectral(args) -> Dict[str, Any]:
             ref, _ = kernels.attention(q, k, v, scale=scale, causal=True)
             forced = finish_block_mask(torch.zeros(1, 1, m, m, dtype=torch.bool), n, block)
             for p in SPECTRAL_TOP_P:
-                prism = finish_block_mask(PrismEstimator(block, p)._block_mask(q, k, scale)[0], n, block)
+                prism = PrismConfig(block=block, top_p=p).estimator().selected_block_mask(q, k, scale)[0]
                 mean_pool = matched_budget_mask(pooled.masked_fill(forced, float("inf")), prism.sum(-1), causal)
                 cell = {"top_p": p}
                 for name, mask in (("prism", prism), ("mean_pool", mean_pool)):
@@ -293,14 +295,14 @@ def run_suite(args, model, tok) -> None:
 
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
-    from lightning_modules.llm.generation import greedy_generate
+    from lightning_modules.llm.generation import greedy_generate, stop_token_ids
     from lightning_modules.llm.suite_metrics import score_prediction
-    from lightning_modules.sparse_prefill.methods import estimator_factory, prefill_config
+    from lightning_modules.sparse_prefill.methods import prefill_config
     from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
     done = {(r["id"], r["method"]) for r in suite_records()}
     haystack = Haystack(pydoc_documents(), tok)
-    stops = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+    stops = stop_token_ids(tok, model)
     for n in args.lengths:
         for index in range(args.samples or DEFAULT_SAMPLES):
             for task in TASKS:
@@ -314,7 +316,7 @@ def run_suite(args, model, tok) -> None:
                 for m in todo:
                     name, kw = SUITE_METHODS[m]
                     cfg = prefill_config(name, kw)
-                    with install_sparse_prefill(model, estimator_factory(cfg), min_length=cfg.min_length) as sess:
+                    with install_sparse_prefill(model, cfg.build(), min_length=cfg.min_length, layers=cfg.layers) as sess:
                         res = greedy_generate(model, prompt, None, s["max_new_tokens"], stops)
                     text = tok.decode(res.tokens[0], skip_special_tokens=True)
                     summ = sess.summary()
@@ -368,7 +370,7 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
     from lightning_modules.llm.policy import KVPolicy
     from lightning_modules.llm.session import install_policy
     from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
-    from lightning_modules.sparse_prefill.methods import estimator_factory, prefill_config
+    from lightning_modules.sparse_prefill.methods import prefill_config
 
     n = max(args.lengths)
     s = build_sample("niah_single", n, 0, Haystack(pydoc_documents(), tok), tok, 0)
@@ -377,13 +379,10 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
         lm.feed(torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0))
     obs = rec.prefill_observations
 
-    def timed(fn, reps=args.reps):
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+    from litctx_common.timing import time_call
+
+    def timed(fn, reps=args.reps):  # median of synchronised runs (the device of the recorded prefill)
+        return time_call(fn, reps, device=obs[0].q, reduce="median")
 
     result: Dict[str, Any] = {"n": int(obs[0].q.shape[2]), "layers": len(obs), "reps": args.reps, "methods": {}}
     sdpa = 0.0
@@ -407,7 +406,7 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
         name, kw = SUITE_METHODS[m]
         if m == "dense":
             continue
-        factory = estimator_factory(prefill_config(name, kw))
+        factory = prefill_config(name, kw).build()
         est_s = total = dens = 0.0
         for layer, o in obs.items():
             est = factory(layer)
@@ -523,7 +522,7 @@ def main() -> int:
                  f"{len(TASKS)} tasks x up to {samples} samples per length; sample i puts the needle at depth "
                  "(i mod 5) / 4; n: samples a row has; the exact `--methods` / `--samples` runs are listed in "
                  "docs/sparse_prefill.md):\n\n" + table)
-    body = "Command: `python bench/sparse_prefill.py` (parts as listed).\n\n" + "\n\n".join(parts) + "\n"
+    body = "Command: `python -m bench.sparse_prefill` (parts as listed).\n\n" + "\n\n".join(parts) + "\n"
     write_section("sparse_prefill", body, "Sparse prefill: SALE, Prism and block-selection baselines")
     print(body)
     return 0

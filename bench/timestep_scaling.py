@@ -6,8 +6,8 @@ are binned into T in {4, 8, 16, 32, 64} frames, so the gap between the two burst
 reports test accuracy on 512 held-out streams. Also: fused LIF scan against the step-by-step loop, forward +
 backward at T = 64, in the same process.
 
-    python bench/timestep_scaling.py                          # 5 T x 2 neurons x 3 seeds
-    python bench/timestep_scaling.py --steps 4 16 64 --epochs 5   # the reduced run reported in docs/results.md
+    python -m bench.timestep_scaling                          # 5 T x 2 neurons x 3 seeds
+    python -m bench.timestep_scaling --steps 4 16 64 --epochs 5   # the reduced run reported in docs/results.md
 
 Results are cached per configuration in ``bench/results/timestep_scaling.json`` (a rerun continues); the
 table goes to ``docs/results.md`` and the plot to ``docs/figures/timestep_scaling.png``.
@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 import warnings
 from pathlib import Path
 from typing import Dict
 
-from _report import REPO, load_cache, save_figure, save_json, write_section
+from bench._report import REPO, load_cache, save_figure, save_json, write_section
 
 RECIPES = {"events": {"lif": "spiking_events", "ts": "spiking_events_ts"},
            "digits": {"lif": "spiking_digits", "ts": "spiking_digits_ts"},
@@ -64,10 +63,12 @@ def train_and_test(args, neuron: str, steps: int, seed: int) -> Dict[str, float]
                  f"trainer.max_epochs={args.epochs}",
                  "logging.progress=none", "logging.tensorboard=false", "trainer.extra.enable_model_summary=false",
                  f"name=bench-{args.dataset}-{neuron}-T{steps}-s{seed}-e{args.epochs}-{args.task}", "resume=auto"]
-    start = time.time()
+    from litctx_common.timing import clock
+
+    start = clock()
     run = build(RECIPES[args.dataset][neuron], overrides)
     metrics = run_stages(run)
-    return {"acc": float(metrics["test/acc"]), "loss": float(metrics["test/loss"]), "seconds": time.time() - start}
+    return {"acc": float(metrics["test/acc"]), "loss": float(metrics["test/loss"]), "seconds": clock() - start}
 
 
 def _key(args, neuron: str, steps: int, seed: int) -> str:
@@ -86,19 +87,19 @@ def speed(neuron: str = "lif", steps: int = 64, repeats: int = 3) -> Dict[str, f
     import torch
 
     from lightning_modules.spiking import LIF, TSNeuron
+    from litctx_common.timing import Stopwatch
 
     x = torch.rand(steps, 32, 64, 64) * 2
     out = {}
     for impl in ("loop", "fused"):
         layer = LIF(implementation=impl) if neuron == "lif" else TSNeuron(channels=64, implementation=impl,
                                                                              forget_period=16)
-        best = float("inf")
+        watch = Stopwatch(x)
         for _ in range(repeats):
-            xx = x.clone().requires_grad_(True)
-            t0 = time.perf_counter()
-            layer(xx).sum().backward()
-            best = min(best, time.perf_counter() - t0)
-        out[impl] = best
+            xx = x.clone().requires_grad_(True)  # the copy is not timed
+            with watch:
+                layer(xx).sum().backward()
+        out[impl] = min(watch.laps)
     out["speedup"] = out["loop"] / out["fused"]
     return out
 
@@ -113,7 +114,7 @@ def report(args, cache) -> str:
     else:
         what = (f"GunPoint (aeon's copy) resampled to T, 50 training series, the same {args.epochs} epochs at every T, "
                 "test on 105 series")
-    lines = [f"Command: `python bench/timestep_scaling.py --dataset {args.dataset} --steps "
+    lines = [f"Command: `python -m bench.timestep_scaling --dataset {args.dataset} --steps "
              f"{' '.join(map(str, args.steps))} --epochs {args.epochs}` ({what}; seeds "
              f"{', '.join(map(str, args.seeds))}; CPU, 2 cores).", "",
              "| neuron | " + " | ".join(f"T = {t}" for t in args.steps) + " |",

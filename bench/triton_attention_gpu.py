@@ -11,7 +11,7 @@ repetitions); compilation happens in the first (warm-up) call. Results go to the
 A wall-clock budget (``--budget-s``, default 210 s) skips whatever would run past it (recorded as skipped), so
 the whole script fits in about 4 minutes on an H200 including compilation.
 
-Usage: ``python bench/triton_attention_gpu.py --out results/triton_attention_gpu.json [--dtype fp16]``
+Usage: ``python -m bench.triton_attention_gpu --out results/triton_attention_gpu.json [--dtype fp16]``
 """
 
 from __future__ import annotations
@@ -24,24 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-
-def causal_fwd_flops(b: int, h: int, n: int, d: int) -> float:
-    """4 * B * H * N^2 * d / 2 (two matmuls, half the matrix)."""
-    return 4.0 * b * h * n * n * d * 0.5
-
-
-def random_layout(h: int, n: int, block: int, density: float, seed: int, device):
-    """Per-head random causal layout whose pair density is ``density`` (the same generator as
-    ``bench/attention_cpu.py``: diagonal and sink always kept), moved to ``device``."""
-    from kernels.layouts import BlockLayout
-
-    return BlockLayout.random_causal(n, block, density, heads=h, seed=seed).to(device)
+from kernels.flops import attention_flops, mask_pairs
+from kernels.layouts import BlockLayout
 
 
 def main(argv=None) -> int:
@@ -106,7 +92,7 @@ def main(argv=None) -> int:
         q, k, v = (torch.randn(b, h, n, d, generator=gen, device=dev, dtype=dtype) for _ in range(3))
         do = torch.randn_like(q)
         row = {"N": n}
-        flops = causal_fwd_flops(b, h, n, d)
+        pairs = b * h * mask_pairs(n, n, causal=True)  # exact causal pairs, N (N + 1) / 2 per head
 
         def sdpa_fwd():
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -140,7 +126,7 @@ def main(argv=None) -> int:
                 row["sdpa_flash_fwd_bwd_ms"] = bench(sdpa_fb, grad_to_none=[qg, kg, vg])
         for key in ("triton_fwd", "sdpa_flash_fwd", "triton_fwd_bwd", "sdpa_flash_fwd_bwd"):
             if f"{key}_ms" in row:
-                f = flops * (3.5 if "bwd" in key else 1.0)
+                f = attention_flops(pairs, d, backward="bwd" in key)
                 row[f"{key}_tflops"] = f / (row[f"{key}_ms"] * 1e-3) / 1e12
         if "sdpa_flash_fwd_ms" in row:
             row["fwd_ratio_triton_over_sdpa"] = row["triton_fwd_ms"] / row["sdpa_flash_fwd_ms"]
@@ -176,7 +162,7 @@ def main(argv=None) -> int:
         for dens in densities:
             if over_budget(f"sparse N={n} density={dens}"):
                 continue
-            lay = random_layout(h, n, 128, dens, seed=int(dens * 1000) + n, device=dev)
+            lay = BlockLayout.random_causal(n, 128, dens, heads=h, seed=int(dens * 1000) + n, device=dev)
             blocks = lay.to_block_mask()
             m = blocks.shape[-1]
             causal_blocks = m * (m + 1) // 2

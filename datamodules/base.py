@@ -15,29 +15,17 @@ The Trainer is built with ``use_distributed_sampler=False``: these samplers shar
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
-__all__ = ["stable_seed", "default_cache_dir", "StreamPosition", "IndexBatchSampler", "ResumableDataLoader", "LoaderConfig",
+from litctx_common.seeding import stable_seed
+
+__all__ = ["StreamPosition", "IndexBatchSampler", "ResumableDataLoader", "LoaderConfig",
            "StreamDataModule", "SplitsDataModule"]
-
-
-def default_cache_dir() -> Path:
-    """Where DataModules cache prepared data: ``$LITCTX_CACHE_DIR`` or ``~/.cache/litctx``."""
-    return Path(os.environ.get("LITCTX_CACHE_DIR") or Path.home() / ".cache" / "litctx")
-
-
-def stable_seed(*parts: Any) -> int:
-    """A 63-bit seed derived from ``parts`` that is the same on every machine and Python run."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 @dataclass

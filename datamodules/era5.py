@@ -33,8 +33,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import LoaderConfig, SplitsDataModule, default_cache_dir
+from datamodules.base import LoaderConfig, SplitsDataModule
 from datamodules.synth.era5 import SURFACE_VARIABLES, SyntheticERA5Config, write_era5
+from litctx_common.io import atomic_path, atomic_write_text
+from litctx_common.paths import default_cache_dir
 
 __all__ = ["ERA5DataConfig", "ERA5DataModule", "normalize_era5", "open_era5", "channel_names", "SHORT_NAMES"]
 
@@ -276,16 +278,14 @@ class ERA5DataModule(SplitsDataModule):
         path = self._cache_root() / "splits" / f"{key}.npy"
         if not path.exists():
             n_t = part.sizes["time"]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             c = len(channel_names(self.cfg.variables, self.cfg.levels, ds))
-            out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
-                                            shape=(n_t, c, part.sizes["latitude"], part.sizes["longitude"]))
-            for t0 in range(0, n_t, 128):
-                out[t0:t0 + 128] = _stack(part, self.cfg.variables, self.cfg.levels, t0, min(n_t, t0 + 128))
-            out.flush()
-            del out
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp:
+                out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32,
+                                                shape=(n_t, c, part.sizes["latitude"], part.sizes["longitude"]))
+                for t0 in range(0, n_t, 128):
+                    out[t0:t0 + 128] = _stack(part, self.cfg.variables, self.cfg.levels, t0, min(n_t, t0 + 128))
+                out.flush()
+                del out
         return np.load(path, mmap_mode="r"), part["time"].values
 
     def _stats(self, train: np.ndarray, source: str) -> Tuple[np.ndarray, np.ndarray]:
@@ -305,28 +305,32 @@ class ERA5DataModule(SplitsDataModule):
         if (std <= 0).any():
             flat = [c for c, s in zip(self.channels, std) if s <= 0]
             raise ValueError(f"channel(s) {flat} are constant over the training period; drop them")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"channels": self.channels, "mean": mean.tolist(), "std": std.tolist()}))
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps({"channels": self.channels, "mean": mean.tolist(), "std": std.tolist()}))
         return mean, std
 
     @staticmethod
     def _hourly_means(train: np.ndarray, train_times: np.ndarray) -> Dict[int, np.ndarray]:
-        """The training period's mean state per hour of day (the climatology when none is given)."""
-        hours = (train_times - train_times.astype("datetime64[D]")).astype("timedelta64[h]").astype(int)
-        return {int(h): np.asarray(train[hours == h]).mean(0) for h in np.unique(hours)}
+        """The training period's mean state per hour of day (the climatology when none is given):
+        ``train [T, C, H, W]`` at ``train_times [T]`` (datetime64) -> ``{hour: [C, H, W]}``."""
+        import xarray as xr
+
+        da = xr.DataArray(train, dims=("time", "channel", "latitude", "longitude"), coords={"time": train_times})
+        means = da.groupby("time.hour").mean("time")
+        return {int(h): means.sel(hour=h).values for h in means["hour"].values}
 
     def _climatology(self, clim: Any, times: np.ndarray, hourly: Optional[Dict[int, np.ndarray]]) -> np.ndarray:
         """Climatology at ``times`` in physical units ``[T, C, H, W]``: from an opened WB2 climatology dataset,
         or (``clim`` None) from the training period's ``hourly`` means."""
-        hours = ((times - times.astype("datetime64[D]")).astype("timedelta64[h]").astype(int))
+        import xarray as xr
+
+        stamps = xr.DataArray(np.asarray(times), dims="sample").dt
+        hours = stamps.hour.values
         if clim is None:
             missing = sorted(set(int(h) for h in hours) - set(hourly))
             if missing:
                 raise ValueError(f"hours {missing} never occur in the training period; pass data.args.climatology")
             return np.stack([hourly[int(h)] for h in hours]).astype(np.float32)
-        doy = ((times - times.astype("datetime64[Y]")).astype("timedelta64[D]").astype(int) + 1)
+        doy = stamps.dayofyear.values
         part = clim.sel(hour=xr_index(hours), dayofyear=xr_index(doy))
         arrays = []
         pressure = [v for v in self.cfg.variables if "level" in clim[v].dims]

@@ -14,7 +14,8 @@ from typing import Dict, Optional
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import LoaderConfig, SplitsDataModule, stable_seed
+from datamodules.base import LoaderConfig, SplitsDataModule
+from litctx_common.seeding import stable_seed
 from datamodules.synth.events import TemporalOrderEvents, to_frames
 
 __all__ = ["EventFramesConfig", "EventFramesDataModule", "EventFrameSet"]

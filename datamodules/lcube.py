@@ -16,7 +16,8 @@ from typing import Dict, List, Optional
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import StreamDataModule, stable_seed
+from datamodules.base import StreamDataModule
+from litctx_common.seeding import stable_seed
 from datamodules.synth.hierarchical_gaussian import HierarchicalGaussian, HierarchicalGaussianConfig
 
 __all__ = ["LCubeDataConfig", "LCubeDataModule", "GeneratedSequences", "ExactSequenceSet"]

@@ -39,7 +39,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.base import StreamDataModule, stable_seed
+from datamodules.base import StreamDataModule
+from litctx_common.seeding import stable_seed
 from datamodules.text import load_tokenizer_folder, read_documents
 
 __all__ = ["TASKS", "SuiteConfig", "LongContextSuite", "LongContextSuiteDataModule", "Haystack", "collate_suite",

@@ -47,8 +47,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +56,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import LoaderConfig, SplitsDataModule, default_cache_dir, stable_seed
+from datamodules.base import LoaderConfig, SplitsDataModule
+from litctx_common.io import atomic_path
+from litctx_common.paths import default_cache_dir
+from litctx_common.seeding import stable_seed
 
 __all__ = [
     "MEGDataConfig",
@@ -72,7 +73,6 @@ __all__ = [
     "robust_scale",
     "normalise_positions",
     "sensor_geometry",
-    "default_cache_dir",
 ]
 
 RAW_PATTERNS = ("*_meg.fif", "*_meg.fif.gz", "*raw.fif", "*raw.fif.gz", "*raw_sss.fif", "*.ds", "*.con", "*.sqd",
@@ -82,26 +82,25 @@ SUPPORTED = "FIF (.fif, .fif.gz), CTF (.ds directory), KIT/Ricoh (.con, .sqd), 4
 
 # ---------------------------------------------------------------------------------------------- reading
 def read_raw(path: str | os.PathLike, preload: bool = True):
-    """Open one raw MEG recording with the matching ``mne.io`` reader (see :data:`SUPPORTED`)."""
+    """Open one raw MEG recording (see :data:`SUPPORTED`): ``mne.io.read_raw``, which picks the reader by the
+    name's ending (FIF, CTF ``.ds``, KIT ``.con``/``.sqd``), or ``mne.io.read_raw_bti`` for a 4D/BTi
+    ``c,rfDC`` file (or its folder), which has no ending to dispatch on."""
     import mne
 
     path = Path(path)
-    name = path.name.lower()
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such MEG recording")
-    if name.endswith((".fif", ".fif.gz")):
-        return mne.io.read_raw_fif(path, preload=preload, verbose="error")
-    if path.is_dir() and name.endswith(".ds"):
-        return mne.io.read_raw_ctf(path, preload=preload, system_clock="truncate", verbose="error")
-    if name.endswith((".con", ".sqd")):
-        return mne.io.read_raw_kit(path, preload=preload, verbose="error")
     pdf = path / "c,rfDC" if path.is_dir() else path
     if pdf.name == "c,rfDC" and pdf.is_file():
         config = pdf.with_name("config")
         head_shape = pdf.with_name("hs_file")
         return mne.io.read_raw_bti(pdf, config_fname=config, preload=preload, verbose="error",
                                    head_shape_fname=head_shape if head_shape.is_file() else None)
-    raise ValueError(f"{path}: not a recognised MEG recording; supported: {SUPPORTED}")
+    name = path.name.lower()
+    if not name.endswith((".fif", ".fif.gz", ".ds", ".con", ".sqd")) or name.endswith(".ds") != path.is_dir():
+        raise ValueError(f"{path}: not a recognised MEG recording; supported: {SUPPORTED}")
+    extra = {"system_clock": "truncate"} if name.endswith(".ds") else {}  # CTF: cut where the system clock stops
+    return mne.io.read_raw(path, preload=preload, verbose="error", **extra)
 
 
 def _subject_of(path: Path) -> str:
@@ -121,8 +120,9 @@ def find_recordings(path: str | os.PathLike, subjects: Optional[Sequence[str]] =
         found = set()
         for pattern in RAW_PATTERNS:
             for p in root.rglob(pattern):
-                if p.name.startswith(".tmp-") or any(part.lower().endswith(".ds") for part in p.parent.parts):
-                    continue
+                inner = p.relative_to(root).parts
+                if any(part.startswith(".") for part in inner) or any(part.lower().endswith(".ds") for part in p.parent.parts):
+                    continue  # a hidden part: a file being written (litctx_common.io.atomic_path) or not data
                 found.add(p.parent if p.name == "c,rfDC" else p)
         found = sorted(found)
     if subjects is not None:
@@ -288,19 +288,10 @@ def preprocess_recording(path: str | os.PathLike, cfg: PreprocessConfig, cache_d
         meta = {"source": str(path), "subject": _subject_of(path), "sfreq": cfg.sfreq, "ch_names": raw.ch_names,
                 "sensor_xyzdir": xyzdir.tolist(), "sensor_types": types.tolist(),
                 "word_samples": samples.tolist(), "words": words, "shape": list(data.shape)}
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
-        try:
+        with atomic_path(entry, keep_existing=True) as tmp:  # keep_existing: another process finished it first
+            tmp.mkdir()
             np.save(tmp / "data.npy", data)
             (tmp / "meta.json").write_text(json.dumps(meta))
-            try:
-                os.replace(tmp, entry)
-            except OSError:  # another process finished the same entry first
-                if not (entry / "meta.json").is_file():
-                    raise
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
     meta = json.loads((entry / "meta.json").read_text())
     return Recording(
         path=path, subject=meta["subject"], data=np.load(entry / "data.npy", mmap_mode="r"), sfreq=meta["sfreq"],

@@ -15,7 +15,8 @@ from typing import Dict, Optional
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import LoaderConfig, StreamDataModule, stable_seed
+from datamodules.base import LoaderConfig, StreamDataModule
+from litctx_common.seeding import stable_seed
 from datamodules.synth.pcfg import FixedDepthPCFG, PCFGConfig
 
 __all__ = ["PCFGDataConfig", "PCFGDataModule", "GrammarStrings", "ExactGrammarSet"]

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.base import LoaderConfig, SplitsDataModule, stable_seed
+from datamodules.base import LoaderConfig, SplitsDataModule
+from litctx_common.seeding import stable_seed
 
 __all__ = ["read_ts", "resample", "TimeSeriesConfig", "TimeSeriesDataModule", "shipped_dataset_dir"]
 

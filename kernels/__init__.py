@@ -9,7 +9,8 @@ bottom-right causal alignment (``q_offset = N_k - N_q``); every op returns the o
 * :mod:`kernels.cpu_sparse` - block-sparse attention on CPU that skips unlisted blocks.
 * :mod:`kernels.triton` - K1/K2 (attention forward/backward), K3 (gather), K5 (column statistics).
 * :mod:`kernels.dispatch` - ``attention``, ``gather_attention``, ``attention_colstats`` with backend choice
-  (``LITCTX_KERNEL_BACKEND`` = auto | torch | triton).
+  (``LITCTX_KERNEL_BACKEND`` = auto | torch | triton | reference); ``attention`` takes a per-key ``key_mask``
+  (fused on CPU and in the Triton kernels).
 * :mod:`kernels.lowbit_estimate` - SALE's low-bit block estimate without per-element rescaling (torch, any
   device).
 * :mod:`kernels.merge`, :mod:`kernels.flops`, :mod:`kernels.testing`.

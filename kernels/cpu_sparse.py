@@ -12,7 +12,10 @@ on the same gathered inputs, scattered back with ``index_add_`` (GQA groups accu
 Memory: one gather holds at most ``max_workspace_bytes`` of K and V (default 4 MiB: a gather that stays in cache
 measured faster than one large gather); no ``N x N`` tensor is built.
 Supports softmax scores, causal / sliding-window / non-causal masks, any ``q_offset``, GQA, ragged lengths,
-fp32/fp64/fp16/bf16 (whatever the CPU flash kernel accepts). A gradient flowing into the returned LSE is
+fp32/fp64/fp16/bf16 (whatever the CPU flash kernel accepts), and a per-key mask ``key_mask [B, Hq, Nk]``
+(padding, KV-policy masks): its blocks are gathered beside K and V and added to the bucket's element mask, giving
+one ``[n, 1, block_q, c * block_k]`` additive mask per chunk (the size of the chunk's gathered K/V at
+``block_q = d + dv``); rows whose every key is masked get ``o = 0``, ``lse = -inf``. A gradient flowing into the returned LSE is
 handled by recomputing that backward with the chunked reference.
 """
 
@@ -167,7 +170,8 @@ def _chunks(bucket: Bucket, per_entry_bytes: int, limit: int):
 
 class _BlockSparseCPU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan: BucketPlan, scale: float, layout: BlockLayout, mask_args: tuple, limit: int):
+    def forward(ctx, q, k, v, plan: BucketPlan, scale: float, layout: BlockLayout, mask_args: tuple, limit: int,
+                key_mask: Optional[torch.Tensor]):
         bq, bk = layout.block_q, layout.block_k
         b, hq, n_q, d = q.shape
         dv = v.shape[-1]
@@ -184,6 +188,8 @@ class _BlockSparseCPU(torch.autograd.Function):
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         k_ws = _workspace(plan, bk, d, k.dtype, limit, d + dv)
         v_ws = _workspace(plan, bk, dv, v.dtype, limit, d + dv)
+        km_blocks = _key_mask_blocks(key_mask, pk, bk, q.dtype)
+        mq = pq // bq
         for bucket in plan.buckets:
             c = bucket.kv_ids.shape[1]
             for sl in _chunks(bucket, c * bk * (d + dv) * k.element_size(), limit):
@@ -192,8 +198,16 @@ class _BlockSparseCPU(torch.autograd.Function):
                 flat = bucket.kv_ids[sl].reshape(-1)
                 kg, vg = _gather_kv(k_blocks, v_blocks, flat, n, c, k_ws, v_ws)
                 qg = q_blocks.index_select(0, ids).unsqueeze(1)
-                og, lg = flash(qg, kg, vg, 0.0, False, attn_mask=bucket.mask, scale=scale)
-                if bucket.empty_rows is not None:
+                mask = bucket.mask
+                if km_blocks is not None:
+                    mask = _chunk_mask(km_blocks, bucket, sl, mq, pk // bk)
+                og, lg = flash(qg, kg, vg, 0.0, False, attn_mask=mask, scale=scale)
+                if km_blocks is not None:
+                    dead = torch.isneginf(mask).all(-1)  # [n, 1, bq]: every key of the row masked
+                    if bool(dead.any()):
+                        lg = lg.masked_fill(dead, float("-inf"))
+                        og = og.masked_fill(dead.unsqueeze(-1), 0.0)
+                elif bucket.empty_rows is not None:
                     lg = lg.masked_fill(bucket.empty_rows, float("-inf"))
                 o_blocks.index_copy_(0, ids, og.view(n, bq, dv))
                 lse_blocks.index_copy_(0, ids, lg.view(n, bq).to(lse_dtype))
@@ -201,7 +215,7 @@ class _BlockSparseCPU(torch.autograd.Function):
         lse = lse_blocks.view(b, hq, pq)[:, :, :n_q]
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.plan, ctx.scale, ctx.bq, ctx.bk, ctx.limit = plan, scale, bq, bk, limit
-        ctx.layout = layout
+        ctx.layout, ctx.key_mask = layout, key_mask
         ctx.causal, ctx.q_offset, ctx.window = mask_args
         return o, lse
 
@@ -229,6 +243,8 @@ class _BlockSparseCPU(torch.autograd.Function):
         flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         k_ws = _workspace(plan, bk, d, k.dtype, limit, d + dv)
         v_ws = _workspace(plan, bk, dv, v.dtype, limit, d + dv)
+        km_blocks = _key_mask_blocks(ctx.key_mask, pk, bk, q.dtype)
+        mq = pq // bq
         for bucket in plan.buckets:
             c = bucket.kv_ids.shape[1]
             for sl in _chunks(bucket, c * bk * (d + dv) * k.element_size(), limit):
@@ -236,11 +252,12 @@ class _BlockSparseCPU(torch.autograd.Function):
                 n = ids.numel()
                 flat = bucket.kv_ids[sl].reshape(-1)
                 kg, vg = _gather_kv(k_blocks, v_blocks, flat, n, c, k_ws, v_ws)
+                mask = bucket.mask if km_blocks is None else _chunk_mask(km_blocks, bucket, sl, mq, pk // bk)
                 dqg, dkg, dvg = flash_bwd(go_blocks.index_select(0, ids).unsqueeze(1),
                                           q_blocks.index_select(0, ids).unsqueeze(1), kg, vg,
                                           o_blocks.index_select(0, ids).unsqueeze(1),
                                           lse_b.index_select(0, ids).unsqueeze(1),
-                                          0.0, False, attn_mask=bucket.mask, scale=scale)
+                                          0.0, False, attn_mask=mask, scale=scale)
                 dq_blocks.index_copy_(0, ids, dqg.view(n, bq, d))
                 dk_blocks.index_add_(0, flat, dkg.reshape(n * c, bk, d))  # GQA heads add into their kv head
                 dv_blocks.index_add_(0, flat, dvg.reshape(n * c, bk, dv))
@@ -248,7 +265,26 @@ class _BlockSparseCPU(torch.autograd.Function):
         hk, n_k = k.shape[1], k.shape[2]
         dk = dk_blocks.view(b, hk, pk, d)[:, :, :n_k]
         dvv = dv_blocks.view(b, hk, pk, dv)[:, :, :n_k]
-        return dq, dk, dvv, None, None, None, None, None
+        return dq, dk, dvv, None, None, None, None, None, None
+
+
+def _key_mask_blocks(key_mask: Optional[torch.Tensor], pk: int, bk: int,
+                     dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """Boolean ``key_mask [B, Hq, Nk]`` -> additive ``[B * Hq * Mk, bk]`` (0 / -inf; padded keys -inf)."""
+    if key_mask is None:
+        return None
+    keep = F.pad(key_mask, (0, pk - key_mask.shape[-1]), value=False)
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, float("-inf")).reshape(-1, bk)
+
+
+def _chunk_mask(km_blocks: torch.Tensor, bucket: Bucket, sl: slice, mq: int, mk: int) -> torch.Tensor:
+    """The additive ``[n, 1, bq, c * bk]`` mask of one chunk: the bucket's element mask plus each entry's key-mask
+    blocks (entry ``e`` = flat query block of head row ``e // Mq``; its key block ``j`` = ``kv_id % Mk``)."""
+    ids, kv_ids = bucket.q_ids[sl], bucket.kv_ids[sl]
+    n, c = kv_ids.shape
+    rows = (ids // mq).view(-1, 1) * mk + kv_ids % mk  # [n, c] into [B * Hq * Mk]
+    km = km_blocks.index_select(0, rows.reshape(-1)).view(n, 1, 1, -1)  # [n, 1, 1, c * bk]
+    return km if bucket.mask is None else bucket.mask + km
 
 
 def _gather_kv(k_blocks: torch.Tensor, v_blocks: torch.Tensor, flat: torch.Tensor, n: int, c: int,
@@ -280,7 +316,7 @@ def _reference_backward(ctx, q, k, v, grad_o, grad_lse):
     with torch.enable_grad():
         qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
         o, lse = attention_reference(qr, kr, vr, scale=ctx.scale, causal=ctx.causal, q_offset=ctx.q_offset,
-                                     window=ctx.window, layout=ctx.layout)
+                                     window=ctx.window, layout=ctx.layout, key_mask=ctx.key_mask)
         outs, grads = [], []
         if grad_o is not None:
             outs.append(o)
@@ -288,15 +324,16 @@ def _reference_backward(ctx, q, k, v, grad_o, grad_lse):
         outs.append(lse)
         grads.append(grad_lse.to(lse.dtype))
         dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads, allow_unused=True)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, *,
                                scale: Optional[float] = None, causal: bool = True, q_offset: Optional[int] = None,
                                window: Optional[int] = None, max_workspace_bytes: int = _MAX_WORKSPACE_BYTES,
-                               ) -> Tuple[torch.Tensor, torch.Tensor]:
+                               key_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q [B, Hq, Nq, d]`` over the blocks of ``layout`` (and the element mask) with
-    ``k [B, Hk, Nk, d]``, ``v [B, Hk, Nk, dv]`` on CPU tensors.
+    ``k [B, Hk, Nk, d]``, ``v [B, Hk, Nk, dv]`` on CPU tensors; ``key_mask`` (boolean ``[B, Hq, Nk]``, True =
+    attend) removes keys per batch row and query head.
 
     Returns ``o [B, Hq, Nq, dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` (float32; float64 for float64); rows with no valid key give
     ``o = 0``, ``lse = -inf``. Differentiable in q, k, v (and through ``lse``).
@@ -310,14 +347,19 @@ def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         raise ValueError(f"window={window} needs causal=True and window >= 1")
     off = resolve_q_offset(n_q, n_k, q_offset)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if key_mask is not None:
+        if tuple(key_mask.shape) != (b, hq, n_k):
+            raise ValueError(f"key_mask must be [B, Hq, Nk]=[{b}, {hq}, {n_k}], got {list(key_mask.shape)}")
+        key_mask = key_mask.to(device=q.device, dtype=torch.bool)
     if d != dv:  # the CPU flash kernel needs one head size: zero-pad to the larger (exact), slice the output
         width = max(d, dv)
         o, lse = block_sparse_attention_cpu(F.pad(q, (0, width - d)), F.pad(k, (0, width - d)),
                                             F.pad(v, (0, width - dv)), layout, scale=scale, causal=causal,
-                                            q_offset=off, window=window, max_workspace_bytes=max_workspace_bytes)
+                                            q_offset=off, window=window, max_workspace_bytes=max_workspace_bytes,
+                                            key_mask=key_mask)
         return o[..., :dv], lse
     plan = plan_buckets(layout, b, hq, hk, causal=causal, q_offset=off, window=window, dtype=q.dtype)
     fn = _BlockSparseCPU
     o, lse = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, layout, (causal, off, window),
-                      int(max_workspace_bytes))
+                      int(max_workspace_bytes), key_mask)
     return o, lse

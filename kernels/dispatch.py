@@ -4,14 +4,19 @@ Backends:
 
 * ``torch`` - always available. On CPU, softmax attention with a dense, causal, window or block layout runs
   through :mod:`kernels.cpu_sparse` (fused flash calls that skip unlisted blocks) or PyTorch's CPU flash
-  kernel directly when the layout covers the whole mask; everything else (LSSA/LSSAR, query subsets, gather
-  attention, column statistics, CUDA without Triton) runs the chunked references of :mod:`kernels.reference`.
+  kernel directly when the layout covers the whole mask, with or without a ``key_mask`` (passed to the flash
+  kernel as a broadcast additive ``[B, 1|H, 1, Nk]`` mask, or gathered per key block by the block-sparse path);
+  everything else (LSSA/LSSAR, query subsets, gather attention, column statistics, CUDA without Triton) runs
+  the chunked references of :mod:`kernels.reference`.
 * ``triton`` - the kernels of :mod:`kernels.triton`; chosen automatically for CUDA tensors when Triton
-  imports and the call is supported (``verify``). On CPU only when asked for explicitly *and*
-  ``TRITON_INTERPRET=1`` (tests).
+  imports and the call is supported (``verify``; K1/K2 take a key mask). On CPU only when asked for explicitly
+  *and* ``TRITON_INTERPRET=1`` (tests).
+* ``reference`` - only when asked for: every op runs its chunked reference (the pre-fused path, kept for
+  benchmarks and for bisecting a numerical difference).
 
-``LITCTX_KERNEL_BACKEND`` in ``{auto, torch, triton}`` overrides the automatic choice (``torch`` is the kill
-switch); a ``backend=`` argument overrides both. Each (op, backend, reason) decision is logged once at INFO.
+``LITCTX_KERNEL_BACKEND`` in ``{auto, torch, triton, reference}`` overrides the automatic choice (``torch`` is
+the kill switch for Triton); a ``backend=`` argument overrides both. Each (op, backend, reason) decision is
+logged once at INFO.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ __all__ = ["attention", "gather_attention", "attention_colstats", "select_backen
 log = logging.getLogger("litctx.kernels")
 
 BACKEND_ENV = "LITCTX_KERNEL_BACKEND"
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "reference")
 
 
 def _eager_only(fn):
@@ -85,14 +90,19 @@ def _triton_verify(op: str, q: torch.Tensor, **kw) -> Tuple[bool, str]:
         return False, f"{q.device.type} tensors need TRITON_INTERPRET=1 for the triton backend"
     if kw.get("score_mode", "softmax") not in ("softmax", "lssa"):
         return False, f"score_mode={kw['score_mode']!r} has no triton kernel (reference used)"
-    if kw.get("key_mask") is not None:
-        return False, "key masks are reference-only"
+    if kw.get("key_mask") is not None and op != "attention":
+        return False, f"key masks have no triton kernel for {op} (reference used)"
+    if kw.get("key_mask") is not None and kw.get("score_mode", "softmax") != "softmax":
+        return False, "key masks are served by the triton kernel in softmax mode only (reference used)"
     return True, "supported"
 
 
 def select_backend(op: str, q: torch.Tensor, backend: Optional[str] = None, **kw) -> str:
-    """``"triton"`` or ``"torch"`` for this call (and log the decision once)."""
+    """``"triton"``, ``"torch"`` or ``"reference"`` (only when requested) for this call; logs the decision once."""
     choice = _requested(backend)
+    if choice == "reference":
+        _log_once(op, "reference", "requested")
+        return "reference"
     if choice == "torch":
         _log_once(op, "torch", "requested")
         return "torch"
@@ -121,8 +131,14 @@ def _layout_covers_mask(layout: BlockLayout, causal: bool, q_offset: int, window
     return bool((have | ~need).all())
 
 
-def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention on CPU through fused flash calls (dense when possible, block-sparse otherwise)."""
+def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout,
+                 key_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention on CPU through fused flash calls (dense when possible, block-sparse otherwise).
+
+    ``key_mask``: None or boolean ``[B, 1|Hk|Hq, Nk]`` (validated). The dense route hands it to the flash kernel
+    as an additive ``[B, 1|H, 1, Nk]`` mask broadcast over the queries (no ``Nq x Nk`` tensor); the block-sparse
+    route (windows, a ``q_offset`` inside the sequence, layouts) gathers it per key block.
+    """
     from kernels.cpu_sparse import block_sparse_attention_cpu
 
     n_q, n_k = q.shape[2], k.shape[2]
@@ -135,7 +151,8 @@ def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout) -> Tuple[t
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         width = max(d, dv)
         o, lse = _cpu_softmax(F.pad(q, (0, width - d)), F.pad(k, (0, width - d)), F.pad(v, (0, width - dv)),
-                              scale=scale, causal=causal, q_offset=q_offset, window=window, layout=layout)
+                              scale=scale, causal=causal, q_offset=q_offset, window=window, layout=layout,
+                              key_mask=key_mask)
         return o[..., :dv], lse
     off = resolve_q_offset(n_q, n_k, q_offset)
     if layout is not None and _layout_covers_mask(layout, causal, off, window):
@@ -143,6 +160,8 @@ def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout) -> Tuple[t
     if causal and window is None and off >= n_k - 1:
         causal = False  # every query sees every key (e.g. one decode step): the causal mask is all ones
     if layout is None and window is None and (not causal or off == 0):
+        if key_mask is not None:
+            return _cpu_dense_masked(q, k, v, key_mask, scale=scale, causal=causal)
         if q.shape[1] != k.shape[1]:  # GQA: the CPU flash kernel needs one head count
             b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
             g = hq // hk
@@ -157,43 +176,100 @@ def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout) -> Tuple[t
         block = 128
         layout = (BlockLayout.causal(n_q, n_k, block, block, q_offset=off, window=window) if causal
                   else BlockLayout.full(n_q, n_k, block))
-    _log_once("attention", "torch", "cpu: block-sparse flash path")
-    return block_sparse_attention_cpu(q, k, v, layout, scale=scale, causal=causal, q_offset=off, window=window)
+    _log_once("attention", "torch", "cpu: block-sparse flash path" + (" with a key mask" if key_mask is not None
+                                                                       else ""))
+    if key_mask is not None:
+        key_mask = expand_key_mask(key_mask, q, k)
+    return block_sparse_attention_cpu(q, k, v, layout, scale=scale, causal=causal, q_offset=off, window=window,
+                                      key_mask=key_mask)
+
+
+def empty_rows(key_mask: torch.Tensor, n_q: int, q_offset: int, causal: bool,
+               window: Optional[int]) -> torch.Tensor:
+    """Boolean ``[B, H, Nq]``: query rows with no valid key under ``key_mask [B, H, Nk]`` and the causal/window
+    element mask (row ``i`` at key position ``i + q_offset``). Prefix sums of the mask: ``O(B H (Nq + Nk))``."""
+    n_k = key_mask.shape[-1]
+    counts = torch.nn.functional.pad(key_mask.to(torch.int32).cumsum(-1), (1, 0))  # [B, H, Nk + 1]
+    pos = torch.arange(n_q, device=key_mask.device) + q_offset
+    if causal:
+        hi = (pos + 1).clamp(0, n_k)
+        lo = (pos - window + 1).clamp(0, n_k) if window is not None else torch.zeros_like(pos)
+    else:
+        hi, lo = torch.full_like(pos, n_k), torch.zeros_like(pos)
+    return (counts[..., hi] - counts[..., lo]) <= 0
+
+
+def _cpu_dense_masked(q, k, v, key_mask, *, scale, causal) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dense (``causal`` = top-left, ``q_offset = 0``) softmax attention with a key mask through one CPU flash
+    call. ``key_mask [B, Hm, Nk]``, ``Hm in (1, Hk, Hq)``. Without causality and with a mask shared by each GQA
+    group, the group's queries fold into one kv head (no copy of K/V); otherwise K/V are repeated per query head.
+    Rows with no valid key give ``o = 0``, ``lse = -inf`` (the reference's convention)."""
+    b, hq, n_q, d = q.shape
+    hk, n_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g, hm = hq // hk, key_mask.shape[1]
+    key_mask = key_mask.to(torch.bool)
+    additive = torch.zeros(key_mask.shape, dtype=q.dtype).masked_fill_(~key_mask, float("-inf")).unsqueeze(2)
+    if g > 1 and not causal and hm in (1, hk):
+        _log_once("attention", "torch", "cpu: dense flash kernel with a key mask, GQA groups folded")
+        o, lse = _flash_cpu(q.reshape(b, hk, g * n_q, d), k, v, scale=scale, causal=False, attn_mask=additive)
+        o, lse = o.reshape(b, hq, n_q, dv), lse.reshape(b, hq, n_q)
+    else:
+        if g > 1:
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            if hm == hk:
+                additive = additive.repeat_interleave(g, dim=1)
+        _log_once("attention", "torch", "cpu: dense flash kernel with a key mask")
+        o, lse = _flash_cpu(q, k, v, scale=scale, causal=causal, attn_mask=additive)
+    # the flash kernel already writes o = 0 for such rows (tested) but reports lse = 0: set it to -inf
+    empty = empty_rows(key_mask, n_q, 0, causal, None)  # [B, Hm, Nq]
+    if bool(empty.any()):
+        if hm == hk and g > 1:
+            empty = empty.repeat_interleave(g, dim=1)
+        lse = lse.masked_fill(empty.expand(b, hq, n_q), float("-inf"))
+    return o, lse
 
 
 class _FlashCPU(torch.autograd.Function):
-    """PyTorch's CPU flash attention with its LSE (natural log) as a second, differentiable-through-o output."""
+    """PyTorch's CPU flash attention with its LSE (natural log) as a second, differentiable-through-o output.
+    ``attn_mask``: None or an additive mask broadcastable to ``[B, H, Nq, Nk]`` in q's dtype (0 / -inf)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal):
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    def forward(ctx, q, k, v, scale, causal, attn_mask):
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=attn_mask,
+                                                                            scale=scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.scale, ctx.causal = scale, causal
+        ctx.scale, ctx.causal, ctx.attn_mask = scale, causal, attn_mask
         return o, lse
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
         q, k, v, o, lse = ctx.saved_tensors
         if grad_lse is not None and bool((grad_lse != 0).any()):
+            key_mask = None
+            if ctx.attn_mask is not None:  # [B', H', 1, Nk] additive -> boolean [B, H, Nk]
+                key_mask = (ctx.attn_mask[:, :, 0] == 0).expand(q.shape[0], q.shape[1], k.shape[2])
             with torch.enable_grad():
                 qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
-                o2, lse2 = attention_reference(qr, kr, vr, scale=ctx.scale, causal=ctx.causal)
+                o2, lse2 = attention_reference(qr, kr, vr, scale=ctx.scale, causal=ctx.causal,
+                                               q_offset=0 if ctx.causal else None, key_mask=key_mask)
                 outs = [lse2] + ([o2] if grad_o is not None else [])
-                grads = [grad_lse.to(lse2.dtype)] + ([grad_o] if grad_o is not None else [])
+                # rows without a valid key have lse = -inf in the reference: no gradient flows there
+                grads = [torch.nan_to_num(grad_lse.to(lse2.dtype), posinf=0.0, neginf=0.0)
+                         .masked_fill(torch.isneginf(lse2), 0.0)] + ([grad_o] if grad_o is not None else [])
                 dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads)
-            return dq, dk, dv, None, None
+            return dq, dk, dv, None, None, None
         if grad_o is None:
             grad_o = torch.zeros_like(o)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_o.contiguous(), q, k, v, o, lse, 0.0, ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None
+            grad_o.contiguous(), q, k, v, o, lse, 0.0, ctx.causal, attn_mask=ctx.attn_mask, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
-def _flash_cpu(q, k, v, *, scale, causal):
+def _flash_cpu(q, k, v, *, scale, causal, attn_mask: Optional[torch.Tensor] = None):
     import math
 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, lse = _FlashCPU.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, causal)
+    o, lse = _FlashCPU.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, causal, attn_mask)
     if q.dtype != torch.float64:
         lse = lse.float()
     return o, lse
@@ -210,8 +286,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     ``Hq > Hk``), with a causal/window element mask, an optional block layout and an optional query subset.
 
     ``key_mask`` (boolean ``[B, 1|Hk|Hq, Nk]``, True = attend) removes keys per batch row and head on top of
-    the element mask: padding, or entries a KV-cache policy masked. Calls with a key mask run the chunked
-    reference (no fused kernel takes one).
+    the element mask: padding, or entries a KV-cache policy masked. Softmax calls with a key mask run fused: on
+    CPU through the flash kernel (an additive ``[B, 1|H, 1, Nk]`` mask; windows, inner ``q_offset`` and layouts
+    through the block-sparse path), on CUDA through Triton K1/K2. A row whose every key is masked gives
+    ``o = 0``, ``lse = -inf``, as in the reference.
 
     Semantics are those of :func:`kernels.reference.attention_reference`; returns ``(o, lse)`` with
     ``o [B, Hq, Nq|Nc, dv]`` and a natural-log ``lse [B, Hq, Nq|Nc]``. ``backend`` overrides the dispatcher.
@@ -222,12 +300,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     if window is not None and (not causal or window < 1):
         raise ValueError(f"window={window} needs causal=True and window >= 1")
     if key_mask is not None:
-        key_mask = expand_key_mask(key_mask, q, k)
+        key_mask = check_key_mask(key_mask, q, k)
     chosen = select_backend("attention", q, backend, score_mode=score_mode, key_mask=key_mask)
-    if key_mask is not None:
-        return attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
-                                   layout=layout, q_index=q_index, score_mode=score_mode, lssar_power=lssar_power,
-                                   lssar_offset_rows=lssar_offset_rows, key_mask=key_mask)
     if chosen == "triton":
         from kernels.triton.attention import triton_attention
 
@@ -235,21 +309,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
                 layout, causal, resolve_q_offset(q.shape[2], k.shape[2], q_offset), window):
             layout = None  # the dense kernel skips masked tiles without index loads (measured ~1.7x faster)
         return triton_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
-                                layout=layout, q_index=q_index, score_mode=score_mode)
-    if q.device.type == "cpu" and score_mode == "softmax" and q_index is None:
-        return _cpu_softmax(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window, layout=layout)
+                                layout=layout, q_index=q_index, score_mode=score_mode, key_mask=key_mask)
+    if chosen == "torch" and q.device.type == "cpu" and score_mode == "softmax" and q_index is None:
+        return _cpu_softmax(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window, layout=layout,
+                            key_mask=key_mask)
+    if key_mask is not None:
+        key_mask = expand_key_mask(key_mask, q, k)
     return attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
                                layout=layout, q_index=q_index, score_mode=score_mode, lssar_power=lssar_power,
-                               lssar_offset_rows=lssar_offset_rows)
+                               lssar_offset_rows=lssar_offset_rows, key_mask=key_mask)
+
+
+def check_key_mask(key_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Validate a key mask ``[B, 1|Hk|Hq, Nk]`` (boolean, or 0/1 integers) against ``q [B, Hq, Nq, d]`` and
+    ``k [B, Hk, Nk, d]``; returns it as a boolean tensor on q's device, head count unchanged."""
+    b, hq, hk, n_k = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
+    if not isinstance(key_mask, torch.Tensor) or key_mask.dim() != 3 or key_mask.shape[0] != b \
+            or key_mask.shape[2] != n_k or key_mask.shape[1] not in (1, hk, hq):
+        got = list(key_mask.shape) if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
+        raise ValueError(f"key_mask must be [B, 1|Hk|Hq, Nk] = [{b}, 1|{hk}|{hq}, {n_k}], got {got}")
+    if key_mask.dtype.is_floating_point or key_mask.dtype.is_complex:
+        raise TypeError(f"key_mask must be boolean (True = attend), got {key_mask.dtype}")
+    return key_mask.to(device=q.device, dtype=torch.bool)
 
 
 def expand_key_mask(key_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """A boolean key mask ``[B, 1|Hk|Hq, Nk]`` as ``[B, Hq, Nk]`` (kv head ``j`` serves query heads
     ``j*g .. j*g+g-1``)."""
     b, hq, hk, n_k = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
-    if key_mask.dim() != 3 or key_mask.shape[0] != b or key_mask.shape[2] != n_k or key_mask.shape[1] not in (1, hk, hq):
-        raise ValueError(f"key_mask must be [B, 1|Hk|Hq, Nk] = [{b}, 1|{hk}|{hq}, {n_k}], got {list(key_mask.shape)}")
-    key_mask = key_mask.to(device=q.device, dtype=torch.bool)
+    key_mask = check_key_mask(key_mask, q, k)
     if key_mask.shape[1] == hq:
         return key_mask
     if key_mask.shape[1] == 1:

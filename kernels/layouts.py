@@ -20,7 +20,16 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["BlockLayout", "QueryIndex", "TokenIndex", "compact_mask", "resolve_q_offset"]
+__all__ = [
+    "BlockLayout",
+    "QueryIndex",
+    "TokenIndex",
+    "compact_mask",
+    "resolve_q_offset",
+    "row_pair_counts",
+    "mask_pairs",
+    "layout_pairs",
+]
 
 
 def resolve_q_offset(n_q: int, n_k: int, q_offset: Optional[int]) -> int:
@@ -255,9 +264,7 @@ class BlockLayout:
     # --- accounting --------------------------------------------------------------------------------------
     def density(self, causal: bool = True, q_offset: Optional[int] = None, window: Optional[int] = None) -> float:
         """Computed (query, key) pairs over the pairs of the dense (causal / window) mask, averaged over
-        ``B x H``; exact counts (see :mod:`kernels.flops`)."""
-        from kernels.flops import layout_pairs, mask_pairs
-
+        ``B x H``; exact counts (:func:`layout_pairs`, :func:`mask_pairs`)."""
         computed = layout_pairs(self, causal=causal, q_offset=q_offset, window=window)
         total = mask_pairs(*self.seq_lens, causal=causal, q_offset=q_offset, window=window)
         b, h = self.shape
@@ -355,3 +362,46 @@ class TokenIndex:
         tgt = torch.where(self.idx < 0, torch.full_like(self.idx, self.n_k), self.idx).long()
         mask.scatter_(-1, tgt, True)
         return mask[..., : self.n_k]
+
+
+# --- exact pair counts (the FLOP proxies of kernels.flops build on these) ------------------------------------
+def row_pair_counts(rows: torch.Tensor, c0, c1, n_k: int, *, causal: bool, q_offset: int,
+                    window: Optional[int]) -> torch.Tensor:
+    """Valid keys of query rows ``rows`` within key columns ``[c0, c1]`` (inclusive; broadcastable tensors)."""
+    lo = torch.as_tensor(c0, device=rows.device)
+    hi = torch.clamp(torch.as_tensor(c1, device=rows.device), max=n_k - 1)
+    if causal:
+        p = rows + q_offset
+        hi = torch.minimum(hi, p)
+        if window is not None:
+            lo = torch.maximum(lo, p - window + 1)
+    return torch.clamp(hi - lo + 1, min=0) + torch.zeros_like(rows)
+
+
+def mask_pairs(n_q: int, n_k: int, *, causal: bool = True, q_offset: Optional[int] = None,
+               window: Optional[int] = None) -> int:
+    """Pairs allowed by the dense causal / window mask (exact)."""
+    off = resolve_q_offset(n_q, n_k, q_offset)
+    rows = torch.arange(n_q, dtype=torch.int64)
+    return int(row_pair_counts(rows, 0, n_k - 1, n_k, causal=causal, q_offset=off, window=window).sum())
+
+
+def layout_pairs(layout: BlockLayout, *, causal: bool = True, q_offset: Optional[int] = None,
+                 window: Optional[int] = None) -> torch.Tensor:
+    """Computed pairs per (batch, head) of a layout under the element mask: ``[B, H]`` int64 (exact).
+
+    Cost ``O(blocks x block_q)``; the N x N mask is never built.
+    """
+    n_q, n_k = layout.seq_lens
+    off = resolve_q_offset(n_q, n_k, q_offset)
+    bm = layout.to_block_mask().cpu()  # [B, H, Mq, Mk]
+    mq, mk = bm.shape[-2:]
+    c0 = (torch.arange(mk) * layout.block_k).view(1, mk)
+    c1 = torch.clamp(c0 + layout.block_k, max=n_k) - 1
+    per_block = torch.zeros(mq, mk, dtype=torch.int64)
+    q0 = torch.arange(mq) * layout.block_q
+    for t in range(layout.block_q):
+        rows = (q0 + t).view(mq, 1)
+        cnt = row_pair_counts(rows, c0, c1, n_k, causal=causal, q_offset=off, window=window)
+        per_block += torch.where(rows < n_q, cnt, torch.zeros_like(cnt))
+    return (bm.to(torch.int64) * per_block).sum(dim=(-1, -2))

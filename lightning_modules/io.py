@@ -1,89 +1,26 @@
-"""Checkpoint input/output: atomic saves and weights-only loading; resumable JSONL result files.
+"""Checkpoint input/output: atomic saves and weights-only loading.
 
 Lightning's default local save goes through an fsspec transaction whose temporary file lives in the system
 temp folder; when that is another file system the final move is a copy, and a kill during the copy leaves a
-truncated checkpoint. :class:`AtomicCheckpointIO` writes next to the target and renames, so a checkpoint
-file is always either the previous complete one or the new complete one.
+truncated checkpoint. :class:`AtomicCheckpointIO` writes through :func:`litctx_common.io.atomic_open` (next to
+the target, then a rename), so a checkpoint file is always either the previous complete one or the new one.
+The atomic-write and JSONL helpers themselves live in :mod:`litctx_common.io` (``datamodules`` and the
+benchmarks need them too); ``atomic_open``, ``append_jsonl`` and ``read_jsonl`` are re-exported here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import os
-import tempfile
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-__all__ = ["append_jsonl", "read_jsonl", "atomic_open", "default_cache_dir", "AtomicCheckpointIO", "load_checkpoint", "load_weights"]
+from litctx_common.io import append_jsonl, atomic_open, read_jsonl
 
-
-def default_cache_dir() -> Path:
-    """Where prepared data and converted models are cached: ``$LITCTX_CACHE_DIR`` or ``~/.cache/litctx``."""
-    return Path(os.environ.get("LITCTX_CACHE_DIR") or Path.home() / ".cache" / "litctx")
-
-
-def append_jsonl(path: Any, records: Any) -> None:
-    """Append one JSON line per record to ``path`` (created with its folder) and sync it: a kill loses at
-    most the line being written, which a reader skips (resumable result files). A line cut by an earlier kill
-    is ended first, so the first new record starts a line of its own."""
-    import json
-
-    target = Path(os.fspath(path))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    cut = False
-    if target.is_file() and target.stat().st_size:
-        with open(target, "rb") as f:
-            f.seek(-1, os.SEEK_END)
-            cut = f.read(1) != b"\n"
-    with open(target, "a", encoding="utf-8") as f:
-        if cut:
-            f.write("\n")
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def read_jsonl(path: Any, key: Optional[Callable[[Dict[str, Any]], Hashable]] = None) -> List[Dict[str, Any]]:
-    """Records of a file written by :func:`append_jsonl` (none when it does not exist), skipping a line cut by a
-    kill. With ``key``, one record per key: the last written (a rerun supersedes an earlier record)."""
-    import json
-
-    target = Path(os.fspath(path))
-    if not target.is_file():
-        return []
-    records = []
-    for line in target.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    if key is None:
-        return records
-    return list({key(r): r for r in records}.values())
-
-
-@contextlib.contextmanager
-def atomic_open(path: Any, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
-    """Open a temporary file next to ``path`` for writing; on a clean exit it is flushed, synced and renamed
-    over ``path``, on an exception it is removed. Readers see the old file or the new one, never a part."""
-    target = Path(os.fspath(path))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode, **kwargs) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+__all__ = ["append_jsonl", "read_jsonl", "atomic_open", "AtomicCheckpointIO", "load_checkpoint", "load_weights"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -15,7 +15,7 @@ import os
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from lightning_modules.io import atomic_open
+from litctx_common.io import atomic_open
 
 __all__ = ["ResumableCSVLogger"]
 

@@ -9,28 +9,31 @@ Merge order (later wins)::
 The merged tree is in struct mode: an unknown key is an error that names the nearest valid keys, a value of
 the wrong type names the key and the type it expects, and every error says which layer (file or command-line
 item) it came from. ``method.args``, ``data.args`` and each callback's ``args`` are free-form here and are
-validated against the component's own config class by :mod:`recipes.registry`.
+validated against the component's own config class by :mod:`recipes.registry`; the validated args come back
+complete (every field, defaults included) and replace the given ones, so ``config.yaml`` and the fingerprint
+record every value a run used (provenance ``default`` for the values no layer set).
 
 Command-line grammar:
     ``key=value``   YAML-typed assignment (``trainer.max_steps=100``, ``stages=[fit]``, ``name=null``)
-    ``~key``        delete an entry of a free-form mapping (``~callbacks.lr``, ``~method.args.dropout``)
+    ``~key``        delete an entry of a free-form mapping (``~callbacks.lr``; ``~method.args.dropout`` restores
+                    the config class's default)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import OmegaConfBaseException
 
 from lightning_modules.optim import OptimConfig
+from recipes import registry
+from recipes.configio import ConfigError, config_dir, friendly_error, read_yaml, validate_component_args
 
 __all__ = [
     "ComponentConfig",
@@ -40,6 +43,7 @@ __all__ = [
     "LoggingConfig",
     "RunConfig",
     "ConfigError",
+    "DEFAULT",
     "Layer",
     "LoadedConfig",
     "config_dir",
@@ -193,11 +197,7 @@ class RunConfig:
             raise ConfigError("; ".join(problems))
 
 
-# ---------------------------------------------------------------------------------------------- errors
-class ConfigError(ValueError):
-    """A configuration problem, phrased for the person who typed it (one line, no traceback needed)."""
-
-
+# ---------------------------------------------------------------------------------------------- results
 @dataclass(frozen=True)
 class Layer:
     """One source of configuration values: a label for messages and the values themselves."""
@@ -219,111 +219,7 @@ class LoadedConfig:
     """The recipe's ``sweep:`` block (not part of a run's config; ``recipes.sweep`` expands it)."""
 
 
-def _dotted_fields(schema: type, prefix: str = "") -> Dict[str, Any]:
-    """Map every dotted field path of a dataclass schema to its annotation."""
-    out: Dict[str, Any] = {}
-    hints = typing.get_type_hints(schema)
-    for f in dataclasses.fields(schema):
-        path = f"{prefix}{f.name}"
-        tp = hints[f.name]
-        out[path] = tp
-        if dataclasses.is_dataclass(tp):
-            out.update(_dotted_fields(tp, path + "."))
-    return out
-
-
-def _describe_type(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Union:
-        parts = [a for a in typing.get_args(tp) if a is not type(None)]
-        text = " or ".join(_describe_type(a) for a in parts)
-        return text + (" or null" if len(parts) < len(typing.get_args(tp)) else "")
-    if origin in (list, List):
-        (inner,) = typing.get_args(tp) or (Any,)
-        return f"a list of {_describe_type(inner)}"
-    if origin in (dict, Dict):
-        return "a mapping"
-    if tp is Any:
-        return "any value"
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping ({tp.__name__})"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
-
-
-def _nearest(key: str, candidates: Iterable[str], n: int = 2) -> List[str]:
-    """The closest valid keys to ``key``, by the whole dotted path and by the last component."""
-    candidates = list(candidates)
-    leaf = key.rsplit(".", 1)[-1]
-    leaves = {c: c.rsplit(".", 1)[-1] for c in candidates}
-    scored = []
-    for c in candidates:
-        score = max(difflib.SequenceMatcher(None, key, c).ratio(), difflib.SequenceMatcher(None, leaf, leaves[c]).ratio())
-        if score >= 0.7:
-            scored.append((score, c))
-    scored.sort(key=lambda sc: -sc[0])
-    if not scored:
-        return []
-    best = scored[0][0]
-    return [c for score, c in scored if score >= best - 0.05][:n]
-
-
-def _friendly(err: OmegaConfBaseException, layer: str, schema: type, args_of: Optional[str] = None) -> ConfigError:
-    """Turn an OmegaConf error into a one-line message naming the key, the layer and what would be valid."""
-    fields = _dotted_fields(schema)
-    full_key = getattr(err, "full_key", None) or ""
-    shown = f"{args_of}.{full_key}" if args_of else full_key
-    source = f" (from {layer})" if layer else ""
-    if isinstance(err, ConfigKeyError) and full_key:
-        parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
-        siblings = [p for p in fields if (p.rsplit(".", 1)[0] if "." in p else "") == parent]
-        near = _nearest(full_key, siblings) or _nearest(full_key, fields)
-        near_shown = [f"{args_of}.{k}" if args_of else k for k in near]
-        hint = f"; did you mean {' or '.join(repr(k) for k in near_shown)}?" if near_shown else ""
-        valid = ", ".join(s.rsplit(".", 1)[-1] for s in siblings)
-        where = f" under '{args_of + '.' + parent if args_of and parent else (args_of or parent)}'" if (parent or args_of) else ""
-        return ConfigError(f"unknown key '{shown}'{source}{hint} Valid keys{where}: {valid}")
-    if isinstance(err, ValidationError) and full_key:
-        expected = _describe_type(fields[full_key]) if full_key in fields else "a different type"
-        first = str(err).splitlines()[0]
-        value = first.split("'")[1] if first.startswith("Value '") else None
-        got = f", got {value!r}" if value is not None else f": {first}"
-        return ConfigError(f"{shown}: expected {expected}{got}{source}")
-    first = str(err).splitlines()[0]
-    return ConfigError(f"{shown + ': ' if shown else ''}{first}{source}")
-
-
 # ---------------------------------------------------------------------------------------------- files
-def config_dir(explicit: Optional[str] = None) -> Path:
-    """Where ``defaults.yaml``, ``recipes/`` and ``profiles/`` live: ``explicit``, else
-    ``$LITCTX_CONFIG_DIR``, else the ``configs`` folder next to the ``recipes`` package (a checkout or an
-    editable install)."""
-    candidates = [explicit, os.environ.get("LITCTX_CONFIG_DIR"), str(Path(__file__).resolve().parent.parent / "configs")]
-    for c in candidates:
-        if c:
-            path = Path(c)
-            if (path / "defaults.yaml").is_file():
-                return path
-            if c is not candidates[-1]:
-                raise ConfigError(f"config directory {path} has no defaults.yaml")
-    raise ConfigError(
-        "cannot find the litctx configs folder; run from a checkout or an editable install, "
-        "or set LITCTX_CONFIG_DIR to the folder holding defaults.yaml"
-    )
-
-
-def _read_yaml(path: Path) -> Dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    return data
-
-
 def recipe_path(name: str, cfg_dir: Path) -> Path:
     """Resolve a recipe name (or a path to a YAML file) to a file."""
     path = Path(name)
@@ -341,12 +237,12 @@ def recipe_path(name: str, cfg_dir: Path) -> Path:
 def _recipe_layers(name: str, cfg_dir: Path) -> Tuple[List[Layer], Optional[Dict[str, Any]]]:
     """The recipe's layers (its parent first) and its ``sweep:`` block (the recipe's own, else the parent's)."""
     path = recipe_path(name, cfg_dir)
-    data = _read_yaml(path)
+    data = read_yaml(path)
     parent = data.pop("extends", None)
     sweep = data.pop("sweep", None)
     layers: List[Layer] = []
     if parent is not None:
-        parent_data = _read_yaml(recipe_path(str(parent), cfg_dir))
+        parent_data = read_yaml(recipe_path(str(parent), cfg_dir))
         if "extends" in parent_data:
             raise ConfigError(f"{path}: extends '{parent}', which itself extends another recipe (one level only)")
         parent_sweep = parent_data.pop("sweep", None)
@@ -368,7 +264,7 @@ def _profile_layer(name: str, cfg_dir: Path) -> Layer:
         near = difflib.get_close_matches(name, known, n=3)
         hint = f"; did you mean {' or '.join(near)}?" if near else ""
         raise ConfigError(f"unknown profile '{name}'{hint} Known profiles: {', '.join(known)}")
-    return Layer(f"profile {path.stem} ({path})", _read_yaml(path))
+    return Layer(f"profile {path.stem} ({path})", read_yaml(path))
 
 
 # ---------------------------------------------------------------------------------------------- merging
@@ -388,7 +284,7 @@ def _merge_mapping(tree: DictConfig, values: Mapping, label: str) -> DictConfig:
     try:
         return OmegaConf.merge(tree, OmegaConf.create(dict(values)))
     except OmegaConfBaseException as err:
-        raise _friendly(err, label, RunConfig) from None
+        raise friendly_error(err, label, RunConfig) from None
 
 
 def _apply_cli_item(tree: DictConfig, item: str) -> DictConfig:
@@ -417,7 +313,7 @@ def _apply_cli_item(tree: DictConfig, item: str) -> DictConfig:
     try:
         return OmegaConf.merge(tree, parsed)
     except OmegaConfBaseException as err:
-        raise _friendly(err, label, RunConfig) from None
+        raise friendly_error(err, label, RunConfig) from None
 
 
 def _is_free_form(path: str) -> bool:
@@ -466,20 +362,18 @@ def load_config(
     Raises:
         ConfigError: with a one-line message naming the key, the layer and what would be valid.
     """
-    from recipes import registry  # registry imports nothing heavy
-
     root = config_dir(cfg_dir)
     for p in config_files:
         if not Path(p).is_file():
             raise ConfigError(f"--config {p}: no such file")
-    file_layers = [Layer(f"--config {p}", _read_yaml(Path(p))) for p in config_files]
+    file_layers = [Layer(f"--config {p}", read_yaml(Path(p))) for p in config_files]
     if recipe is None:
         named = [layer.values.get("recipe") for layer in file_layers if isinstance(layer.values, dict)]
         named = [n for n in named if n]
         if not named:
             raise ConfigError("no recipe given: pass --recipe NAME (see python -m recipes.ls)")
         recipe = named[-1]
-    layers: List[Layer] = [Layer(f"defaults ({root / 'defaults.yaml'})", _read_yaml(root / "defaults.yaml"))]
+    layers: List[Layer] = [Layer(f"defaults ({root / 'defaults.yaml'})", read_yaml(root / "defaults.yaml"))]
     recipe_layers, sweep = _recipe_layers(recipe, root)
     layers += recipe_layers
     recipe_end = len(layers)
@@ -498,38 +392,41 @@ def load_config(
     try:
         OmegaConf.resolve(tree)
     except OmegaConfBaseException as err:
-        raise _friendly(err, "interpolation", RunConfig) from None
+        raise friendly_error(err, "interpolation", RunConfig) from None
     missing = sorted(OmegaConf.missing_keys(tree))
     if missing:
         raise ConfigError(f"missing value(s) for {', '.join(missing)}: set them in the recipe or on the command line")
     try:
         run: RunConfig = OmegaConf.to_object(tree)
     except OmegaConfBaseException as err:
-        raise _friendly(err, "", RunConfig) from None
+        raise friendly_error(err, "", RunConfig) from None
     except ValueError as err:  # a schema's own __post_init__ check
         raise ConfigError(str(err)) from None
     if validate_components:
-        registry.validate_run_components(run)
+        _record_component_defaults(run, tree, provenance, registry.validate_run_components(run))
     return LoadedConfig(run=run, tree=tree, provenance=provenance, layers=[layer.label for layer in layers],
                         overrides=list(overrides), sweep=sweep)
 
 
-def validate_component_args(schema: type, args: Mapping[str, Any], where: str) -> Any:
-    """Validate ``args`` against a component's config dataclass and return an instance of it.
+DEFAULT = "default"
+"""The provenance of a component arg nobody set: the value of its config class's default (``recipes.show``)."""
 
-    ``where`` is the dotted prefix used in messages (e.g. ``method.args``).
-    """
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(dict(args)))
-        obj = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        raise _friendly(err, "", schema, args_of=where) from None
-    except (TypeError, ValueError) as err:  # raised by the schema's own __post_init__
-        raise ConfigError(f"{where}: {err}") from None
-    missing = [k for k, v in dataclasses.asdict(obj).items() if v == MISSING]
-    if missing:
-        raise ConfigError(f"{where}: missing value(s) for {', '.join(missing)}")
-    return obj
+
+def _record_component_defaults(run: RunConfig, tree: DictConfig, provenance: Dict[str, str],
+                               completed: Mapping[str, Dict[str, Any]]) -> None:
+    """Write each component's completed args (every field, defaults included) into ``run`` and ``tree``, so
+    ``config.yaml`` and the fingerprint record them; the leaves no layer set get provenance :data:`DEFAULT`."""
+    for where, values in completed.items():
+        owner_key = where.rsplit(".", 1)[0]  # method, data, callbacks.<label>
+        owner = run.callbacks[owner_key.split(".", 1)[1]] if owner_key.startswith("callbacks.") else getattr(run, owner_key)
+        owner.args = dict(values)
+        node = OmegaConf.select(tree, owner_key)
+        with open_dict(node):
+            node.args = dict(values)
+        for leaf in _leaves(values, where + "."):
+            provenance.setdefault(leaf, DEFAULT)
+        for leaf in [k for k in provenance if k.startswith(where + ".") and k not in _leaves(values, where + ".")]:
+            del provenance[leaf]  # e.g. a mapping replaced by its completed leaves
 
 
 def to_plain(run: RunConfig) -> Dict[str, Any]:
@@ -538,11 +435,13 @@ def to_plain(run: RunConfig) -> Dict[str, Any]:
 
 
 def to_yaml(run: Union[RunConfig, Mapping[str, Any]], provenance: Optional[Mapping[str, str]] = None) -> str:
-    """YAML text of a config; with ``provenance``, each leaf carries a ``# from: <layer>`` comment."""
+    """YAML text of a config; with ``provenance``, each leaf carries a ``# from <layer>`` comment (``# default``
+    for a component arg no layer set: its config class's default)."""
     data = to_plain(run) if dataclasses.is_dataclass(run) else dict(run)
-    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
     if not provenance:
-        return text
+        return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+    # one line per scalar, so a comment after it cannot land inside a wrapped value
+    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=2**31 - 1)
     out, stack = [], []
     for line in text.splitlines():
         stripped = line.lstrip(" ")
@@ -556,7 +455,9 @@ def to_yaml(run: Union[RunConfig, Mapping[str, Any]], provenance: Optional[Mappi
         path = ".".join(stack)
         src = provenance.get(path)
         value_part = stripped.split(":", 1)[1].strip()
-        if src and src != "schema" and value_part:
+        if src == DEFAULT and value_part:
+            out.append(f"{line}  # default")
+        elif src and src != "schema" and value_part:
             out.append(f"{line}  # from {src.split(' (')[0]}")
         else:
             out.append(line)

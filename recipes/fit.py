@@ -14,10 +14,10 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 from recipes.cli import config_parser, guarded, split_overrides
-from recipes.config import ConfigError, load_config, to_yaml
+from recipes.config import DEFAULT, ConfigError, load_config, to_yaml
 
 __all__ = ["main", "run_stages", "follow_up_overrides"]
 
@@ -49,14 +49,25 @@ def run_stages(run) -> dict:
     return metrics
 
 
+_UNSET = object()
+
+
+def _set_by_layers(value: Any, key: str, provenance: Mapping[str, str]) -> Any:
+    """``value`` without the component-arg leaves that no layer set (provenance ``default``, filled in from the
+    component's config class); :data:`_UNSET` when nothing is left."""
+    if isinstance(value, Mapping) and value:
+        kept = {k: _set_by_layers(v, f"{key}.{k}", provenance) for k, v in value.items()}
+        kept = {k: v for k, v in kept.items() if v is not _UNSET}
+        return kept if kept else _UNSET
+    return _UNSET if provenance.get(key) == DEFAULT else value
+
+
 def follow_up_overrides(loaded, run_dir: Path, checkpoint: Optional[str]) -> List[str]:
     """The overrides of ``loaded.run.then``'s recipe: the inherited keys, ``init_from``, its run directory
     (``<run_dir>/then-<recipe>``), then ``then.overrides``. An inherited key inside a component's free-form
     ``args`` that this run does not set is not copied (the follow-up keeps its own value); any other unknown
     key is an error."""
     from omegaconf import OmegaConf
-
-    from recipes.config import ConfigError
 
     then = loaded.run.then
     out = []
@@ -68,6 +79,9 @@ def follow_up_overrides(loaded, run_dir: Path, checkpoint: Optional[str]) -> Lis
             raise ConfigError(f"then.inherit: key {key!r} is not in the config of recipe {loaded.run.recipe!r}")
         if OmegaConf.is_config(value):
             value = OmegaConf.to_container(value, resolve=True)
+        value = _set_by_layers(value, key, loaded.provenance)
+        if value is _UNSET:  # only the component's defaults: the follow-up keeps its own values
+            continue
         out.append(f"{key}={json.dumps(value)}")
     if checkpoint is not None:
         out.append(f"init_from={checkpoint}")

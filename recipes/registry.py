@@ -23,6 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from recipes.configio import (
+    ConfigError,
+    complete_component_args,
+    config_dir,
+    is_plain,
+    plain_value,
+    read_yaml,
+    validate_component_args,
+)
+
 __all__ = [
     "Paper",
     "MethodSpec",
@@ -524,8 +534,6 @@ CALLBACKS: Dict[str, CallbackSpec] = {
 def _lookup(table: Mapping[str, Any], name: str, kind: str, listing: str) -> Any:
     if name in table:
         return table[name]
-    from recipes.config import ConfigError
-
     near = difflib.get_close_matches(name, list(table), n=3)
     hint = f"; did you mean {' or '.join(near)}?" if near else ""
     raise ConfigError(f"unknown {kind} '{name}'{hint} Known: {', '.join(sorted(table))} ({listing})")
@@ -561,16 +569,14 @@ def list_callbacks(pattern: str = "*") -> List[str]:
 
 def list_recipes(pattern: str = "*", cfg_dir: Optional[str] = None) -> List[RecipeSpec]:
     """Recipes in ``configs/recipes`` (reads YAML only)."""
-    from recipes.config import _read_yaml, config_dir
-
     root = config_dir(cfg_dir) / "recipes"
     out = []
     for path in sorted(root.glob("*.yaml")):
         if not fnmatch.fnmatch(path.stem, pattern):
             continue
-        data = _read_yaml(path)
+        data = read_yaml(path)
         parent = data.get("extends")
-        base = _read_yaml(root / f"{parent}.yaml") if parent else {}
+        base = read_yaml(root / f"{parent}.yaml") if parent else {}
 
         def name_of(section: str) -> Optional[str]:
             return (data.get(section) or {}).get("name") or (base.get(section) or {}).get("name")
@@ -593,8 +599,6 @@ def import_target(target: str) -> Any:
 
 def check_requirements(name: str, requires: Sequence[str], extra: Optional[str]) -> None:
     """Fail before importing anything if an optional dependency of a component is missing."""
-    from recipes.config import ConfigError
-
     missing = [r for r in requires if importlib.util.find_spec(r) is None]
     if missing:
         how = f"pip install -e '.[{extra}]'" if extra else f"pip install {' '.join(missing)}"
@@ -602,8 +606,6 @@ def check_requirements(name: str, requires: Sequence[str], extra: Optional[str])
 
 
 def _validate_args(config_target: Optional[str], target: str, args: Mapping[str, Any], where: str) -> Any:
-    from recipes.config import ConfigError, validate_component_args
-
     if config_target is not None:
         return validate_component_args(import_target(config_target), args, where)
     cls = import_target(target)
@@ -622,16 +624,40 @@ def _validate_args(config_target: Optional[str], target: str, args: Mapping[str,
     return dict(args)
 
 
-def validate_run_components(run: Any) -> None:
-    """Check every component of a :class:`~recipes.config.RunConfig` without building it."""
+def complete_args(config_target: Optional[str], target: str, args: Mapping[str, Any], where: str) -> Dict[str, Any]:
+    """A component's validated args with every default filled in, as plain YAML-able containers.
+
+    With a config dataclass: every field (see :func:`recipes.configio.complete_component_args`). Without one:
+    the given args plus each constructor parameter's default (parameters without a default stay as given;
+    a default YAML cannot represent, such as an object, is left to the constructor).
+    """
+    if config_target is not None:
+        return complete_component_args(import_target(config_target), args, where)
+    _validate_args(None, target, args, where)
+    params = inspect.signature(import_target(target)).parameters
+    out = {n: plain_value(p.default, f"{where}.{n}") for n, p in params.items()
+           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty and is_plain(p.default)}
+    out.update({k: plain_value(v, f"{where}.{k}") for k, v in args.items()})
+    return out
+
+
+def validate_run_components(run: Any) -> Dict[str, Dict[str, Any]]:
+    """Check every component of a :class:`~recipes.config.RunConfig` without building it.
+
+    Returns:
+        ``{"method.args": {...}, "data.args": {...}, "callbacks.<label>.args": {...}}``: each component's args
+        with every default filled in (:func:`complete_args`), for the run's record.
+    """
     spec = method_spec(run.method.name)
-    _validate_args(spec.config, spec.target, run.method.args, "method.args")
+    out = {"method.args": complete_args(spec.config, spec.target, run.method.args, "method.args")}
     dspec = datamodule_spec(run.data.name)
-    _validate_args(dspec.config, dspec.target, run.data.args, "data.args")
+    out["data.args"] = complete_args(dspec.config, dspec.target, run.data.args, "data.args")
     for label, comp in run.callbacks.items():
         cspec = callback_spec(comp.name)
         check_requirements(cspec.name, cspec.requires, cspec.extra)
-        _validate_args(cspec.config, cspec.target, comp.args, f"callbacks.{label}.args")
+        where = f"callbacks.{label}.args"
+        out[where] = complete_args(cspec.config, cspec.target, comp.args, where)
+    return out
 
 
 def tiny_overrides(tree: Any) -> Dict[str, Any]:

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from lightning_modules.io import atomic_open
+from litctx_common.io import atomic_open
 from recipes.config import ConfigError, RunConfig, fingerprint_payload
 
 __all__ = [

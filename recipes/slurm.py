@@ -118,7 +118,7 @@ def prepare(run: RunConfig, job: SlurmJob, write: bool) -> tuple:
     config_path = run_dir / "config.yaml"
     script = render_sbatch(job, run_dir, [config_path], python=sys.executable)
     if write:
-        from lightning_modules.io import atomic_open
+        from litctx_common.io import atomic_open
 
         (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
         if config_path.exists() and any((run_dir / "checkpoints").glob("*.ckpt")):
@@ -205,7 +205,7 @@ def _sbatch(script: Path) -> str:
 def _submit_sweep(args, job: SlurmJob, loaded, forced: List[str], overrides: List[str]) -> int:
     """Expand and validate the sweep (the same trials and folder as ``recipes.sweep``), then one array job over
     the unfinished trials."""
-    from lightning_modules.io import atomic_open
+    from litctx_common.io import atomic_open
     from recipes import sweep as sw
 
     spec, folder = sw.locate(loaded, args.sweep_file, args.profile, args.config, overrides)

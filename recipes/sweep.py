@@ -191,7 +191,7 @@ def materialize(recipe: str, base_overrides: Sequence[str], profiles: Sequence[s
                 spec: SweepSpec, folder: Path, write: bool = True, trial_prefix: Sequence[str] = ()) -> List[Trial]:
     """Resolve and validate every trial's config (nothing runs before all are valid), then write
     ``manifest.yaml`` and ``trials/<id>/config.yaml`` (each trial's run directory is its folder)."""
-    from lightning_modules.io import atomic_open
+    from litctx_common.io import atomic_open
 
     trials = expand(spec)
     resolved = []
@@ -269,7 +269,7 @@ def _final_metrics(run_dir: Path) -> Dict[str, float]:
 def collect(trials: Sequence[Trial], folder: Path, metric: Optional[str], mode: str = "min") -> List[Dict[str, Any]]:
     """Write ``summary.csv`` (one row per trial: id, status, overrides, final test/val metrics) and return the rows
     sorted by ``metric``."""
-    from lightning_modules.io import atomic_open
+    from litctx_common.io import atomic_open
 
     rows = []
     for t in trials:

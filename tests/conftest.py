@@ -35,6 +35,31 @@ def repo_root() -> Path:
     return REPO
 
 
+@pytest.fixture
+def torch_seed():
+    """Seed torch's CPU generator with 0 for one test and restore the caller's generator state afterwards
+    (use as ``pytestmark = pytest.mark.usefixtures("torch_seed")``; never seed at module import)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
+
+
+@pytest.fixture
+def two_torch_threads():
+    """Run one test with 2 intra-op torch threads (the exact float64 checks are faster than on many threads),
+    then restore the previous count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_cli(args, cwd=REPO, env_extra=None, timeout=600):
     """Run ``python <args>`` in a subprocess from the repository root; returns CompletedProcess."""
     import subprocess
@@ -57,3 +82,23 @@ def fake_command(tmp_path: Path, name: str, stdout: str = "") -> Path:
     script.write_text(f"#!/bin/bash\necho \"$@\" >> {calls}\n" + (f"echo '{stdout}'\n" if stdout else ""))
     script.chmod(0o755)
     return calls
+
+
+def train_curve(run_dir: Path):
+    """``(losses, accs)`` of a finished run from its ``logs/metrics.csv``: the mean ``train/loss`` per epoch and
+    the logged ``train/acc`` per epoch (empty when the method logs none), both in epoch order. Tests use it to
+    check that training made progress, which a model that ignores its input or gets no gradient fails."""
+    import csv
+    from collections import defaultdict
+
+    per_epoch, accs = defaultdict(list), {}
+    with open(Path(run_dir) / "logs" / "metrics.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            if row.get("train/loss"):
+                per_epoch[int(row["epoch"])].append(float(row["train/loss"]))
+            if row.get("train/acc"):
+                accs[int(row["epoch"])] = float(row["train/acc"])
+    if not per_epoch:
+        raise AssertionError(f"{run_dir}/logs/metrics.csv has no train/loss rows")
+    losses = [sum(v) / len(v) for _, v in sorted(per_epoch.items())]
+    return losses, [a for _, a in sorted(accs.items())]

@@ -9,7 +9,9 @@ import yaml
 
 from conftest import REPO, run_cli
 from recipes import registry
+from lightning_modules.lcube.config import LCubeModelConfig
 from recipes.config import ConfigError, RunConfig, load_config, to_yaml
+from recipes.rundir import fingerprint, resolve_run_dir, write_meta
 
 
 def test_layers_apply_in_order(tmp_path):
@@ -102,8 +104,10 @@ def test_delete_entries_of_free_form_mappings_only():
     assert "lr" in run.callbacks
     run = load_config("lcube", ["callbacks.lr={name: lr_monitor}", "~callbacks.lr"]).run
     assert run.callbacks == {}
-    run = load_config("lcube", ["~method.args.n_heads"]).run
-    assert "n_heads" not in run.method.args
+    # deleting a component arg falls back to its config class's default (recorded, marked ``default``)
+    loaded = load_config("lcube", ["~method.args.max_positions"])
+    assert loaded.run.method.args["max_positions"] == LCubeModelConfig().max_positions != 256
+    assert loaded.provenance["method.args.max_positions"] == "default"
     with pytest.raises(ConfigError, match="free-form"):
         load_config("lcube", ["~trainer.max_steps"])
     with pytest.raises(ConfigError, match="no such entry"):
@@ -182,3 +186,98 @@ def test_missing_config_file_and_missing_method_are_named(tmp_path):
     bare.write_text("recipe: custom\ndata: {name: lcube}\nsmoke: true\n")
     with pytest.raises(ConfigError, match="method.name"):
         load_config(str(bare))
+
+
+# ---------------------------------------------------------------------------------------------- complete run records
+def _init_fields(cls) -> set:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
+def _defaulted_params(cls) -> set:
+    import inspect
+
+    return {n for n, p in inspect.signature(cls).parameters.items()
+            if p.default is not p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def test_new_run_config_yaml_records_every_component_field():
+    """config.yaml of a built run holds every field of the method, data and callback configs with its value."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from datamodules.lcube import LCubeDataConfig
+    from recipes.api import build
+
+    run = build("lcube", ["smoke=true", "method.args.dropout=0.125", "callbacks.lr={name: lr_monitor}",
+                          "callbacks.stop={name: early_stopping, args: {monitor: val/kl, patience: 7}}"], ["tiny"])
+    saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())
+    method, data, cbs = saved["method"]["args"], saved["data"]["args"], saved["callbacks"]
+    assert set(method) == _init_fields(LCubeModelConfig) and set(data) == _init_fields(LCubeDataConfig)
+    assert method == dataclasses.asdict(LCubeModelConfig(**method))  # a config's own, complete values
+    assert method["dropout"] == 0.125 and method["min_scale"] == LCubeModelConfig().min_scale  # set / defaulted
+    assert method["d_model"] == registry.method_spec("lcube").tiny["d_model"]  # smoke's tiny overrides
+    assert data["beta"] == 0.75 and data["info_scale"] == LCubeDataConfig().info_scale
+    assert set(cbs["lr"]["args"]) == _defaulted_params(LearningRateMonitor)
+    assert cbs["lr"]["args"]["log_momentum"] is False
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    assert set(cbs["stop"]["args"]) == _defaulted_params(EarlyStopping) | {"monitor"}
+    assert cbs["stop"]["args"]["patience"] == 7 and cbs["stop"]["args"]["min_delta"] == 0.0
+
+
+@pytest.mark.parametrize("name", [n for n in registry.list_callbacks() if registry.callback_spec(n).config])
+def test_every_config_callback_records_all_its_fields(name):
+    spec = registry.callback_spec(name)
+    if any(__import__("importlib").util.find_spec(r) is None for r in spec.requires):
+        pytest.skip(f"{name} needs {spec.requires}")
+    loaded = load_config("lcube", [f"callbacks.c={{name: {name}}}"])
+    args = loaded.run.callbacks["c"].args
+    assert set(args) == _init_fields(registry.import_target(spec.config))
+    assert all(loaded.provenance[f"callbacks.c.args.{k}"] == "default" for k in args
+               if not isinstance(args[k], dict) or not args[k])
+    yaml.safe_load(to_yaml(loaded.run))  # plain, YAML-able values
+
+
+def test_show_marks_defaults():
+    out = run_cli(["-m", "recipes.show", "meg_xl_finetune"])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert any(ln.strip().startswith("siglip_t:") and ln.endswith("# default") for ln in lines), out.stdout
+    assert any(ln.strip().startswith("mask_ratio:") and ln.endswith("# default") for ln in lines)
+    assert any(ln.strip().startswith("loss: clip") and "from recipe meg_xl_finetune" in ln for ln in lines)
+
+
+def _patch_default(monkeypatch, cls, name, value):
+    """Change a dataclass field's default in code (what an edit of the source does to the schema; the generated
+    ``__init__`` keeps its old default, but configs are built from the schema with every field passed)."""
+    monkeypatch.setattr(cls.__dataclass_fields__[name], "default", value)
+    monkeypatch.setattr(cls, name, value, raising=False)
+
+
+def test_changing_a_default_in_code_changes_the_fingerprint_of_runs_that_rely_on_it(monkeypatch):
+    relies = load_config("lcube", [], ["tiny"]).run
+    pinned = load_config("lcube", ["method.args.min_scale=0.001"], ["tiny"]).run
+    assert LCubeModelConfig().min_scale == 0.001 and fingerprint(relies) == fingerprint(pinned)
+    _patch_default(monkeypatch, LCubeModelConfig, "min_scale", 0.01)
+    relies_now = load_config("lcube", [], ["tiny"]).run
+    assert relies_now.method.args["min_scale"] == 0.01
+    assert fingerprint(relies_now) != fingerprint(relies)  # the default it relied on changed
+    assert fingerprint(load_config("lcube", ["method.args.min_scale=0.001"], ["tiny"]).run) == fingerprint(pinned)
+
+
+def test_resume_auto_does_not_resume_a_run_whose_resolved_config_differs(monkeypatch, isolated_runs):
+    import torch
+
+    from datamodules.lcube import LCubeDataConfig
+
+    run = load_config("lcube", ["resume=auto"], ["tiny"]).run
+    interrupted = isolated_runs / "lcube" / "interrupted"
+    write_meta(interrupted, run, ["x"])
+    (interrupted / "checkpoints").mkdir(parents=True)
+    torch.save({"global_step": 3, "state_dict": {}}, interrupted / "checkpoints" / "last.ckpt")
+    assert resolve_run_dir(load_config("lcube", ["resume=auto"], ["tiny"]).run) == interrupted
+    with monkeypatch.context() as patch:
+        _patch_default(patch, LCubeDataConfig, "info_scale", LCubeDataConfig().info_scale * 2)
+        changed = load_config("lcube", ["resume=auto"], ["tiny"]).run
+        assert changed.data.args["info_scale"] == run.data.args["info_scale"] * 2
+        assert resolve_run_dir(changed) != interrupted  # a different computation starts its own run
+    assert resolve_run_dir(load_config("lcube", ["resume=auto"], ["tiny"]).run) == interrupted

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from datamodules.base import IndexBatchSampler, ResumableDataLoader, StreamPosition, stable_seed
+from datamodules.base import IndexBatchSampler, ResumableDataLoader, StreamPosition
+from litctx_common.seeding import stable_seed
 
 
 def test_ranks_see_disjoint_data_that_covers_the_epoch():
@@ -58,7 +59,7 @@ def test_stable_seed_is_the_same_in_another_process():
     from conftest import run_cli
 
     assert stable_seed("train", 0, 5) != stable_seed("train", 0, 6)
-    out = run_cli(["-c", "from datamodules.base import stable_seed; print(stable_seed('train', 0, 5))"],
+    out = run_cli(["-c", "from litctx_common.seeding import stable_seed; print(stable_seed('train', 0, 5))"],
                   env_extra={"PYTHONHASHSEED": "123"})
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == stable_seed("train", 0, 5)

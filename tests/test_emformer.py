@@ -195,6 +195,21 @@ def test_without_a_climatology_file_acc_uses_the_training_mean_per_hour(small_st
     assert np.allclose(dm.denormalize(item["clim"][1]).numpy()[0], want, rtol=1e-5, atol=1e-2)
 
 
+def test_hourly_means_equal_a_float64_brute_force():
+    """xarray's groupby("time.hour") gives, per hour of day, the float64 mean of exactly that hour's states
+    (irregular times, hours missing, an unsorted stream)."""
+    rng = np.random.default_rng(0)
+    times = np.datetime64("2001-03-01T00") + rng.permutation(np.arange(0, 240, 3))[:50].astype("timedelta64[h]")
+    train = rng.standard_normal((50, 2, 3, 4)).astype(np.float32)
+    got = ERA5DataModule._hourly_means(train, times)
+    hours = [int(str(t)[11:13]) for t in times]
+    assert sorted(got) == sorted(set(hours)) and len(got) == 8
+    for h, mean in got.items():
+        want = np.mean([train[i].astype(np.float64) for i in range(50) if hours[i] == h], axis=0)
+        assert mean.shape == (2, 3, 4)
+        np.testing.assert_allclose(mean, want, rtol=1e-6, atol=1e-6)
+
+
 def test_loader_errors_name_the_problem(small_store, tmp_path):
     path, clim = small_store
     with pytest.raises(KeyError, match="specific_humidity"):

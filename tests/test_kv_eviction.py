@@ -23,7 +23,6 @@ from lightning_modules.kv_eviction.methods import (  # noqa: E402
     SnapKVConfig,
     StreamingLLMConfig,
     TOVAConfig,
-    build_eviction_policy,
     method_config,
 )
 from lightning_modules.kv_eviction.scorers import AccumulatedScorer, WindowScorer  # noqa: E402
@@ -225,7 +224,7 @@ def test_accumulated_scorer_sums_every_query_that_saw_each_entry():
     q_all = torch.randn(1, 4, 15, 8, generator=gen, dtype=torch.float64)
     k_all = torch.randn(1, 2, 15, 8, generator=gen, dtype=torch.float64)
     v_all = torch.randn(1, 2, 15, 8, generator=gen, dtype=torch.float64)
-    scorer = AccumulatedScorer(score="attention", gqa="sum")
+    scorer = AccumulatedScorer(score="attention", obs_window=None, gqa="sum")
     scorer.update(_obs(q_all[:, :, :12], k_all[:, :, :12], v_all[:, :, :12]))
     for t in range(12, 15):
         scorer.update(_obs(q_all[:, :, t:t + 1], k_all[:, :, :t + 1], v_all[:, :, :t + 1], phase="decode"))
@@ -290,11 +289,11 @@ ALL_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: build_eviction_policy(c).name)
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.build().name)
 def test_budgets_hold_at_every_step_and_protected_entries_survive(cfg):
     model, _ = load_causal_lm("tiny-qwen2", with_tokenizer=False, seed=1)
     ids, mask = _ids()
-    policy = build_eviction_policy(cfg)
+    policy = cfg.build()
     lm = CachedLM(model)
     n_real = mask.sum(-1)
     with install_policy(model, policy, keep_log=True) as session:
@@ -336,7 +335,7 @@ def test_eviction_really_frees_memory_and_decoding_continues_on_the_compressed_c
         full.feed(ids, mask)
     for ratio in (0.5, 0.75, 0.9):
         lm = CachedLM(model)
-        with install_policy(model, build_eviction_policy(SnapKVConfig(compression_ratio=ratio, window=8))):
+        with install_policy(model, SnapKVConfig(compression_ratio=ratio, window=8).build()):
             logits = lm.feed(ids, mask)
             assert lm.cache.layers[0].keys.shape[2] == math.floor(64 * (1 - ratio))
             assert lm.cache_bytes() == pytest.approx(full.cache_bytes() * math.floor(64 * (1 - ratio)) / 64)
@@ -354,7 +353,7 @@ def test_a_replayed_prefill_gives_what_the_live_policy_gives(name):
                         else {"compression_ratio": 0.5})
     question = torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(1))
     live = CachedLM(model)
-    with install_policy(model, build_eviction_policy(cfg)):
+    with install_policy(model, cfg.build()):
         live.feed(ids, mask)
         want = live.greedy(live.feed(question), 4)
     lm = CachedLM(model)
@@ -363,7 +362,7 @@ def test_a_replayed_prefill_gives_what_the_live_policy_gives(name):
     snap = lm.snapshot()
     for _ in range(2):  # the snapshot is reusable
         lm.restore(snap)
-        with install_policy(model, build_eviction_policy(cfg)) as session:
+        with install_policy(model, cfg.build()) as session:
             session.replay_prefill(rec.prefill_observations, lm.cache)
             for a, b in zip(lm.cache.layers, live.cache.layers):
                 assert a.keys.shape[2] <= b.keys.shape[2] + 4
@@ -447,7 +446,7 @@ def test_generate_under_policies_equals_running_each_policy_alone():
     policies = {"full": KVPolicy()}
     for name, args in (("snapkv", {"compression_ratio": 0.75, "window": 4}), ("h2o", {"compression_ratio": 0.5}),
                        ("adakv", {"base": "tova", "base_args": {"compression_ratio": 0.5}})):
-        policies[name] = build_eviction_policy(method_config(name, args))
+        policies[name] = method_config(name, args).build()
     shared = generate_under_policies(model, ids, mask, policies, 5, (), question, None)
     for name, policy in policies.items():
         with install_policy(model, policy):
@@ -489,7 +488,7 @@ def test_a_batch_of_policies_gives_what_each_policy_gives_alone(question):
                        ("tova", {"keep": 9, "score": "obcache_kv"}), ("streaming_llm", {"keep": 12}),
                        ("adakv", {"base": "snapkv", "base_args": {"compression_ratio": 0.5, "window": 4}}),
                        ("random_eviction", {"compression_ratio": 0.9})):
-        policies[name] = build_eviction_policy(method_config(name, args))
+        policies[name] = method_config(name, args).build()
     alone = generate_under_policies(model, ids, None, policies, 6, (), q, None)
     together = generate_under_policies(model, ids, None, policies, 6, (), q, None, batched=True)
     for name in policies:
@@ -504,7 +503,7 @@ def test_a_replayed_batch_computes_each_windows_statistics_once_with_the_richest
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=8)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
-    policies = {name: build_eviction_policy(method_config("h2o", {"compression_ratio": 0.5, "score": score}))
+    policies = {name: method_config("h2o", {"compression_ratio": 0.5, "score": score}).build()
                 for name, score in (("h2o", "attention"), ("h2o+obc", "obcache_kv"))}
     calls = []
     real = kernels.attention_colstats
@@ -521,3 +520,123 @@ def test_a_replayed_batch_computes_each_windows_statistics_once_with_the_richest
     monkeypatch.setattr(kernels, "attention_colstats", real)
     alone = generate_under_policies(model, ids, None, policies, 3, (), None, None)
     assert all(together[n].tokens == alone[n].tokens for n in policies)
+
+
+# ---------------------------------------------------------------------------------------------- one source of truth
+def _budget_getters():
+    return {"compression_ratio": lambda p, c: (p.budget.compression_ratio,
+                                               None if c.keep is not None else c.compression_ratio),
+            "keep": lambda p, c: (p.budget.keep, c.keep)}
+
+
+def _decode(p, c):
+    return p.schedule.decode_every, 1 if c.decode else 0
+
+
+def _base_name(p, c):
+    inner = p.name[len("adakv("):] if p.name.startswith("adakv(") else p.name
+    return inner.split("[")[0].split("@")[0].replace("random", "random_eviction"), c.base
+
+
+def _base_args(p, c):
+    """Every field of the base config, checked on the same policy by the base's own getters."""
+    base = c.base_config()
+    for name, get in KV_GETTERS[c.base].items():
+        observed, want = get(p, base)
+        assert observed == want, (c.method, "base_args", name, observed, want)
+    return True, True
+
+
+KV_GETTERS = {
+    "streaming_llm": {**_budget_getters(), "sink": lambda p, c: (p.budget.sink, c.sink), "decode": _decode},
+    "h2o": {**_budget_getters(), "recent_fraction": lambda p, c: (p.budget.window_fraction, c.recent_fraction),
+            "score": lambda p, c: (p.scorer.score_kind, c.score), "obs_window": lambda p, c: (p.scorer.obs_window, c.obs_window),
+            "decode": _decode, "gqa": lambda p, c: (p.scorer.gqa, c.gqa)},
+    "snapkv": {**_budget_getters(), "window": lambda p, c: ((p.scorer.window, p.budget.window), (c.window, c.window)),
+               "pool": lambda p, c: (p.scorer.pool, c.pool), "kernel": lambda p, c: (p.scorer.kernel, c.kernel),
+               "score": lambda p, c: (p.scorer.score_kind, c.score), "gqa": lambda p, c: (p.scorer.gqa, c.gqa)},
+    "tova": {**_budget_getters(), "score": lambda p, c: (p.scorer.score_kind, c.score),
+             "window": lambda p, c: (p.budget.window, c.window), "decode": _decode},
+    "adakv": {"base": _base_name, "base_args": _base_args, "alpha": lambda p, c: (p.selector.alpha, c.alpha)},
+    "obcache": {"base": _base_name, "kind": lambda p, c: (p.scorer.score_kind, f"obcache_{c.kind}"),
+                "adaptive": lambda p, c: (isinstance(p.selector, AdaKVSelector), c.adaptive),
+                "alpha": lambda p, c: (p.selector.alpha if c.adaptive else c.alpha, c.alpha),
+                "base_args": _base_args},
+    "random_eviction": {**_budget_getters(), "seed": lambda p, c: (p.scorer.seed, c.seed),
+                        "sink": lambda p, c: (p.budget.sink, c.sink), "window": lambda p, c: (p.budget.window, c.window)},
+    "recent_eviction": _budget_getters(),
+}
+"""Per method: field -> (policy, config) -> (what the built policy carries, what the field says it must)."""
+
+# Non-default values for every field of every eviction config, over one or more variants.
+KV_NON_DEFAULT = {
+    "streaming_llm": [{"compression_ratio": 0.3, "sink": 2, "decode": False}, {"keep": 7}],
+    "h2o": [{"compression_ratio": 0.3, "recent_fraction": 0.25, "score": "obcache_k", "obs_window": 5,
+             "decode": False, "gqa": "max"}, {"keep": 7}],
+    "snapkv": [{"compression_ratio": 0.3, "window": 8, "pool": "max", "kernel": 3, "score": "obcache_v", "gqa": "sum"},
+               {"keep": 7}],
+    "tova": [{"compression_ratio": 0.3, "score": "obcache_kv", "window": 2, "decode": False}, {"keep": 7}],
+    "adakv": [{"base": "h2o", "base_args": {"compression_ratio": 0.25, "recent_fraction": 0.1, "gqa": "sum"},
+               "alpha": 0.5},
+              {"base": "tova", "base_args": {"keep": 9, "score": "obcache_v"}}],
+    "obcache": [{"base": "h2o", "kind": "v", "adaptive": True, "alpha": 0.6,
+                 "base_args": {"compression_ratio": 0.2, "obs_window": 4}},
+                {"base": "tova", "kind": "k", "base_args": {"keep": 5, "window": 1}}],
+    "random_eviction": [{"compression_ratio": 0.3, "seed": 3, "sink": 1, "window": 2}, {"keep": 7}],
+    "recent_eviction": [{"compression_ratio": 0.3}, {"keep": 7}],
+}
+
+
+def test_every_registered_eviction_callback_builds_a_policy_with_exactly_its_config_values():
+    import dataclasses
+
+    from recipes.registry import CALLBACKS, create_callback, import_target
+
+    specs = [s for s in CALLBACKS.values() if s.target.endswith(":EvictionCallback")]
+    assert {s.name for s in specs} == set(EVICTION_METHODS) == set(KV_GETTERS) == set(KV_NON_DEFAULT)
+    for spec in specs:
+        cls = import_target(spec.config)
+        assert cls is EVICTION_METHODS[spec.name] and cls.method == spec.name
+        fields = {f.name for f in dataclasses.fields(cls)}
+        assert set(KV_GETTERS[spec.name]) == fields, (spec.name, "every field needs a check")
+        variants = KV_NON_DEFAULT[spec.name]
+        assert set().union(*variants) == fields, (spec.name, "every field needs a non-default value")
+        defaults = cls()
+        for args in variants:
+            assert all(v != getattr(defaults, k) for k, v in args.items()), (spec.name, args)
+        for args in [{}] + variants:
+            cb = create_callback(spec.name, args)
+            assert cb.cfg == cls(**args)
+            for name, get in KV_GETTERS[spec.name].items():
+                observed, want = get(cb.policy, cb.cfg)
+                assert observed == want, (spec.name, args, name, observed, want)
+
+
+def test_policy_grid_sets_each_ratio_inside_the_base_and_drops_keep():
+    from lightning_modules.kv_eviction.methods import policy_grid
+
+    grid = policy_grid({"snap": ("snapkv", {"keep": 5, "window": 4}),
+                        "ada": ("adakv", {"base": "tova", "base_args": {"keep": 5}}),
+                        "obc": ("obcache", {"base": "h2o", "kind": "v", "base_args": {"compression_ratio": 0.1}})},
+                       [0.5, 0.75])
+    assert list(grid) == [("full", 0.0), ("snap", 0.5), ("snap", 0.75), ("ada", 0.5), ("ada", 0.75),
+                          ("obc", 0.5), ("obc", 0.75)]
+    assert grid[("full", 0.0)].scorer is None
+    for (label, r), pol in grid.items():
+        if label != "full":
+            assert pol.budget.compression_ratio == r and pol.budget.keep is None, (label, r)
+    assert grid[("snap", 0.5)].scorer.window == 4 and grid[("obc", 0.75)].scorer.score_kind == "obcache_v"
+    assert isinstance(grid[("ada", 0.5)].selector, AdaKVSelector)
+
+
+def test_eviction_config_errors_name_the_method_field_and_valid_values():
+    for name, args, match in (("snapkv", {"pool": "mean"}, r"snapkv\.pool='mean': valid pools are avg, max, none"),
+                              ("snapkv", {"kernel": 4}, r"snapkv\.kernel=4: must be a positive odd integer"),
+                              ("h2o", {"gqa": "min"}, r"h2o\.gqa='min': valid reductions are mean, sum, max"),
+                              ("tova", {"keep": 0}, r"tova\.keep=0: must be an integer >= 1"),
+                              ("streaming_llm", {"compression_ratio": 1.0}, r"streaming_llm\.compression_ratio=1\.0"),
+                              ("adakv", {"base": "random_eviction"}, r"adakv\.base='random_eviction': valid bases"),
+                              ("adakv", {"base_args": {"windw": 3}}, r"adakv\.base_args: .*unknown field"),
+                              ("obcache", {"kind": "q"}, r"obcache\.kind='q': valid kinds are v, k, kv")):
+        with pytest.raises(ValueError, match=match):
+            method_config(name, args)

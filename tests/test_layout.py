@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,116 @@ def test_light_imports_stay_light():
 
 def test_configs_folder_is_not_a_package():
     assert not (REPO / "configs" / "__init__.py").exists()
+
+
+# ---------------------------------------------------------------------------------------------- import cycles
+def _module_names() -> dict:
+    """Dotted module name -> file, for every ``.py`` file under our packages (``pkg/__init__.py`` is ``pkg``)."""
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def import_graph() -> dict:
+    """Module -> the set of our modules it imports anywhere in its file (module level, functions, classes,
+    ``TYPE_CHECKING`` blocks). Relative imports are resolved; ``from pkg import name`` counts as an import of
+    ``pkg.name`` when that is a module, else of ``pkg``; ``import a.b`` counts as an import of ``a.b``."""
+    modules = _module_names()
+    graph = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base_parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(base_parts + ([node.module] if node.module else []))
+                else:
+                    base = node.module
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.append(sub if sub in modules else base)
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def strongly_connected(graph: dict) -> list:
+    """Tarjan's strongly connected components with more than one member (iterative; sorted for messages)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return sorted(found)
+
+
+def test_cycle_finder_finds_known_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": set(), "g": {"f"}}
+    assert strongly_connected(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert strongly_connected({"x": {"y"}, "y": set()}) == []
+
+
+def test_import_graph_resolves_relative_and_from_imports(tmp_path, monkeypatch):
+    pkg = tmp_path / "kernels"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from kernels import a\n")
+    (pkg / "a.py").write_text("def f():\n    from .sub import b\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text("from .. import a\nfrom ..a import f\nimport kernels.sub\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ["kernels"])
+    graph = import_graph()
+    assert graph == {"kernels": {"kernels.a"}, "kernels.a": {"kernels.sub.b"}, "kernels.sub": set(),
+                     "kernels.sub.b": {"kernels.a", "kernels.sub"}}
+    assert strongly_connected(graph) == [["kernels.a", "kernels.sub.b"]]
+
+
+def test_no_import_cycles_between_modules():
+    """No module imports itself through others, not even lazily inside a function."""
+    graph = import_graph()
+    assert len(graph) > 50  # the scan sees the whole tree
+    cycles = strongly_connected(graph)
+    message = "\n".join(
+        " <-> ".join(c) + "\n    " + "; ".join(f"{m} -> {', '.join(sorted(graph[m] & set(c)))}" for m in c)
+        for c in cycles
+    )
+    assert not cycles, f"import cycles between modules:\n{message}"

@@ -13,7 +13,7 @@ from datamodules.synth.hierarchical_gaussian import HierarchicalGaussian, Hierar
 from kernels.testing import assert_close
 from lightning_modules.lcube.gaussian import gaussian_nll
 
-torch.set_num_threads(2)
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 
 def _logdet(m: torch.Tensor) -> float:

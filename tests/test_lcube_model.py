@@ -9,7 +9,7 @@ from datamodules.lcube import LCubeDataConfig, LCubeDataModule
 from lightning_modules.lcube.config import LCubeModelConfig
 from lightning_modules.lcube.model import SequencePredictor
 
-torch.manual_seed(0)
+pytestmark = pytest.mark.usefixtures("torch_seed")
 
 
 @pytest.mark.parametrize(

@@ -138,3 +138,52 @@ def test_observation_colstats_come_from_the_kernels_and_match_the_window_probabi
     assert obs.colstats(4, moments="attention") is stats  # a richer cached result serves
     with pytest.raises(ValueError, match="moments"):
         obs.colstats(4, moments="second_order")
+
+
+# ------------------------------------------------------------------------------------------ one runner path
+def test_a_single_policy_is_a_batch_of_one_and_only_batches_of_several_are_restricted():
+    from lightning_modules.llm.policy import Action, OffloadCompensator, PolicyBatch
+
+    single = KVPolicy(scorer=RecentScorer(), budget=Budget(keep=4), action=Action.SPARSE_READ, name="sr")
+    batch = PolicyBatch.of(single)
+    assert batch.policies == [single] and batch.name == "sr" and PolicyBatch.of(batch) is batch
+    comp = OffloadCompensator()
+    assert PolicyBatch([KVPolicy(scorer=RecentScorer(), budget=Budget(keep=4), compensator=comp)]).compensator is comp
+    with pytest.raises(ValueError, match="share the action evict or mask; got.*sparse_read"):
+        PolicyBatch([single, single])
+    with pytest.raises(ValueError, match="compensator"):
+        PolicyBatch([KVPolicy(compensator=comp), KVPolicy(compensator=comp)])
+
+
+@pytest.mark.parametrize("decode_every", [0, 1])
+def test_one_policy_over_a_batch_equals_a_batch_of_per_row_copies(decode_every):
+    """The broadcast (one policy, every row) and the per-row form (policy i serves row i) of the same
+    deterministic policy give the same logits and the same caches: they are one code path."""
+    pytest.importorskip("transformers")
+    import copy
+
+    from lightning_modules.llm.generation import CachedLM
+    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.policy import PolicyBatch, Schedule
+    from lightning_modules.llm.session import install_policy
+
+    model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=4)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 256, (2, 15), generator=gen)
+    steps = torch.randint(0, 256, (4, 2, 1), generator=gen)
+    policy = KVPolicy(scorer=RecentScorer(), budget=Budget(keep=6, sink=1),
+                      schedule=Schedule(prefill=True, decode_every=decode_every))
+
+    def run(p):
+        with install_policy(model, p) as session:
+            lm = CachedLM(model)
+            outs = [lm.feed(ids)] + [lm.feed(t) for t in steps]
+            sizes = [layer.keys.shape for layer in lm.cache.layers]
+            slots = [r.state.slots.clone() for r in session.runners.values()]
+        return torch.stack(outs, 1), sizes, slots
+
+    a = run(policy)
+    b = run(PolicyBatch([copy.deepcopy(policy), copy.deepcopy(policy)]))
+    torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=0)
+    assert a[1] == b[1] and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
+    assert a[1][0][2] == (6 if decode_every else 6 + len(steps))  # evicted to the budget (then grown)

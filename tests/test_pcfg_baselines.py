@@ -79,11 +79,15 @@ def test_layer_states_match_the_model_and_probes_find_tokens():
     assert len(states) == 3
     with torch.no_grad():
         torch.testing.assert_close(m.head(m.body.norm(states[-1])), m(xte))
-    acc = probe_accuracy(probe_dataset(layer_states(m, xtr), span_labels(g, xtr)),
-                         probe_dataset(states, span_labels(g, xte)))
+    train_sets = probe_dataset(layer_states(m, xtr), span_labels(g, xtr))
+    test_sets = probe_dataset(states, span_labels(g, xte))
+    acc = probe_accuracy(train_sets, test_sets)
     # level 0 at the embedding layer: the previous token is in the input embedding, so a linear probe reads it
     assert acc[(0, 0)]["acc"] == pytest.approx(1.0)
-    assert all(0 <= v["acc"] <= 1 and 0 < v["majority"] <= 1 for v in acc.values())
+    for key, v in acc.items():  # the majority baseline recomputed: the training mode's share of the test labels
+        ytr, yte = train_sets[key][1], test_sets[key][1]
+        assert v["majority"] == pytest.approx((yte == torch.bincount(ytr).argmax()).double().mean().item()), key
+        assert v["acc"] * len(yte) == pytest.approx(round(v["acc"] * len(yte))), key  # a count of test spans
     assert not math.isnan(acc[(2, 2)]["acc"])
 
 

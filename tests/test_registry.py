@@ -102,3 +102,74 @@ def test_ls_lists_methods_with_papers_and_recipes():
     assert "L-CUBE" in out.stdout and "lcube_gru" in out.stdout and "Recipes" in out.stdout
     out = run_cli(["-m", "recipes.ls", "*zzz*"])
     assert out.returncode == 0 and "(none)" in out.stdout
+
+
+# ---------------------------------------------------------------------------------------------- listing and show
+def test_ls_fits_the_terminal_width():
+    for columns in (100, 72):
+        out = run_cli(["-m", "recipes.ls"], env_extra={"COLUMNS": str(columns)})
+        assert out.returncode == 0, out.stderr
+        long = [ln for ln in out.stdout.splitlines() if len(ln) > columns]
+        assert not long, f"lines over {columns} characters: {long[:3]}"
+        words = set(out.stdout.split())
+        for name in registry.list_methods() + registry.list_callbacks() + [r.name for r in registry.list_recipes()]:
+            assert name in words or f"{name}," in words, f"{name} is cut in the {columns}-column listing"
+
+
+def test_ls_wide_prints_every_cell_whole():
+    out = run_cli(["-m", "recipes.ls", "--wide"], env_extra={"COLUMNS": "100"})
+    assert out.returncode == 0, out.stderr
+    assert max(len(ln) for ln in out.stdout.splitlines()) > 100
+    for spec in list(registry.METHODS.values()) + list(registry.CALLBACKS.values()):
+        assert spec.description in out.stdout, spec.name
+        if spec.paper is not None:
+            assert spec.paper.short() in out.stdout, spec.name
+
+
+def test_ls_says_which_recipe_runs_which_method():
+    out = run_cli(["-m", "recipes.ls", "meg_xl*"], env_extra={"COLUMNS": "100"})
+    assert out.returncode == 0, out.stderr
+    rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines() if ln.strip()}
+    assert "meg_xl_finetune" in rows["meg_xl_words"]  # the method row names its recipe
+    assert rows["meg_xl_finetune"][2] == "meg_xl_words"  # the recipe row names its method
+    for recipe in registry.list_recipes():  # every recipe's method is registered
+        assert recipe.method in registry.METHODS, recipe.name
+
+
+def test_table_wraps_cells_to_the_width_and_keeps_every_word():
+    from recipes.ls import table
+
+    rows = [["alpha", "x" * 5, "the quick brown fox jumps over the lazy dog " * 4],
+            ["a_much_longer_name", "short", "tiny"], ["b", "name_one, name_two, name_three", "z " * 90]]
+    header = ["name", "list", "description"]
+    for width in (40, 60, 100):
+        text = table(rows, header, width)
+        assert all(len(ln) <= width for ln in text.splitlines()), width
+        assert sorted(text.split()) == sorted(" ".join(header + [c for r in rows for c in r]).split())
+    whole = table(rows, header, None)
+    assert len(whole.splitlines()) == 1 + len(rows)
+
+
+def test_show_prints_the_files_that_define_a_recipe_and_its_components(repo_root):
+    import yaml
+
+    out = run_cli(["-m", "recipes.show", "meg_xl_finetune", "callbacks.t={name: eval_timer}"])
+    assert out.returncode == 0, out.stderr
+    yaml.safe_load(out.stdout)  # the file lines are comments: still a YAML document
+    head = [ln for ln in out.stdout.splitlines() if ln.startswith("# ")]
+    files = {(ln.split()[1], ln.split(": ", 1)[1].split()[0]) for ln in head[1:]}
+    assert files >= {("recipe", "configs/recipes/meg_xl_finetune.yaml"), ("method", "lightning_modules/meg/module.py"),
+                     ("data", "datamodules/meg.py"), ("callback", "lightning_modules/callbacks/eval_timer.py")}, head
+    assert all((repo_root / f).is_file() for _, f in files)
+    assert any("MEGXLWordDecoder" in ln and "MEGXLWordConfig" in ln for ln in head)
+
+
+@pytest.mark.parametrize("name, path", [("meg_xl_words", "lightning_modules/meg/module.py"),
+                                        ("snapkv", "lightning_modules/kv_eviction/callbacks.py"),
+                                        ("era5", "datamodules/era5.py")])
+def test_show_of_a_component_names_its_file_and_recipes(name, path, repo_root):
+    out = run_cli(["-m", "recipes.show", name])
+    assert out.returncode == 0, out.stderr
+    assert path in out.stdout.splitlines()[0] and (repo_root / path).is_file()
+    if name == "meg_xl_words":
+        assert "recipes: meg_xl_finetune" in out.stdout

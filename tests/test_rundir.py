@@ -84,7 +84,7 @@ def test_atomic_write_and_markers(tmp_path):
 
 
 def test_result_lines_survive_a_cut_line_and_a_rerun_supersedes(tmp_path):
-    from lightning_modules.io import append_jsonl, read_jsonl
+    from litctx_common.io import append_jsonl, read_jsonl
 
     path = tmp_path / "res" / "r.jsonl"
     assert read_jsonl(path) == []

@@ -3,6 +3,8 @@ exact pass and calibration, and the compute path against masked dense attention.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -12,14 +14,7 @@ import torch
 import kernels
 from kernels import BlockLayout
 from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
-from lightning_modules.sparse_prefill.estimators import (
-    DenseEstimator,
-    FlexPrefillEstimator,
-    MeanPoolEstimator,
-    XAttentionEstimator,
-    pool_blocks,
-    top_p_mask,
-)
+from lightning_modules.sparse_prefill.estimators import DenseEstimator, pool_blocks, top_p_mask
 from lightning_modules.sparse_prefill.metrics import (
     attention_recall,
     block_attention_mass,
@@ -27,9 +22,16 @@ from lightning_modules.sparse_prefill.metrics import (
     relative_output_error,
     top_block_hit_rate,
 )
-from lightning_modules.sparse_prefill.prism import PrismEstimator, band_dims
-from lightning_modules.sparse_prefill.rope import apply_rope, pair_amplitudes, pooled_attenuation, rope_frequencies
-from lightning_modules.sparse_prefill.sale import SALEEstimator, calibrate_thresholds, sink_local_layout
+from lightning_modules.sparse_prefill.methods import (
+    FlexPrefillConfig,
+    MeanPoolConfig,
+    PrismConfig,
+    SALEConfig,
+    XAttentionConfig,
+)
+from lightning_modules.sparse_prefill.prism import band_dims
+from lightning_modules.layers.rope import apply_rope, pair_amplitudes, pooled_attenuation, rope_frequencies
+from lightning_modules.sparse_prefill.sale import calibrate_thresholds, sink_local_layout
 from lightning_modules.sparse_prefill.synthetic import HEAD_KINDS, offset_blocks, structured_heads
 from tests.kernels._brute import brute_attention, brute_mask
 
@@ -82,7 +84,7 @@ def _qk(n=256, hq=4, hk=2, d=16, seed=0):
 @pytest.mark.parametrize("chunk_blocks", [1, 3, 16])
 def test_xattention_block_scores_are_sums_of_strided_anti_diagonals(chunk_blocks):
     q, k, v = _qk(n=128, hq=2, hk=2, d=8)
-    est = XAttentionEstimator(block=32, stride=4, threshold=0.5, chunk_blocks=chunk_blocks)
+    est = XAttentionConfig(block=32, stride=4, threshold=0.5, chunk_blocks=chunk_blocks).estimator()
     s, n = 4, 128
     scale = 8 ** -0.5
     r = n // s
@@ -96,7 +98,7 @@ def test_xattention_block_scores_are_sums_of_strided_anti_diagonals(chunk_blocks
     probs = torch.softmax(logits.masked_fill(~causal, -math.inf), -1)
     blocks = probs.view(1, 2, 4, 8, 4, 8).sum((3, 5))
     want = top_p_mask(blocks / blocks.sum(-1, keepdim=True), 0.5)
-    got, _ = est._block_mask(q, k, scale)
+    got, _ = est.block_mask(q, k, scale)
     assert torch.equal(got, want)
 
 
@@ -108,23 +110,23 @@ def test_mean_pool_and_prism_without_calibration_use_their_defined_logits():
     torch.testing.assert_close(pool_blocks(q, 32), qb)
     causal = torch.ones(7, 7, dtype=torch.bool).tril()
     probs = torch.softmax((qb @ kb.transpose(-1, -2) * scale).masked_fill(~causal, -math.inf), -1)
-    got, _ = MeanPoolEstimator(block=32, top_p=0.8)._block_mask(q, k, scale)
+    got, _ = MeanPoolConfig(block=32, top_p=0.8).estimator().block_mask(q, k, scale)
     assert torch.equal(got, top_p_mask(probs, 0.8))
     high, low = band_dims(16, 0.5, 0.75)
     assert high.tolist() == [0, 1, 2, 3, 8, 9, 10, 11] and low.tolist() == [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15]
-    bands = PrismEstimator(block=32, calibrate=False).band_logits(q, k)
+    bands = PrismConfig(block=32, calibrate=False).estimator().band_logits(q, k)
     torch.testing.assert_close(bands["high"], qb[..., high] @ kb[..., high].transpose(-1, -2) / math.sqrt(8))
-    cal = PrismEstimator(block=32).band_logits(q, k)
+    cal = PrismConfig(block=32).estimator().band_logits(q, k)
     rms = lambda x: x.pow(2).mean((-1, -2)).sqrt()  # noqa: E731
     tau = math.sqrt(12 / 16) * rms(qb[..., low]) / rms(qb) * rms(kb[..., low]) / rms(kb)
     torch.testing.assert_close(cal["tau_low"], tau)
     torch.testing.assert_close(cal["low"], qb[..., low] @ kb[..., low].transpose(-1, -2) / (math.sqrt(12) * tau[..., None, None]))
 
 
-@pytest.mark.parametrize("estimator", [MeanPoolEstimator(block=32, top_p=0.7), XAttentionEstimator(block=32, threshold=0.7),
-                                       FlexPrefillEstimator(block=32, gamma=0.7, last_q=32),
-                                       PrismEstimator(block=32, top_p=0.7), SALEEstimator(tau=0.01, block_q=32, block_k=16,
-                                                                                          sink=16, local=32)],
+@pytest.mark.parametrize("estimator", [MeanPoolConfig(block=32, top_p=0.7).estimator(), XAttentionConfig(block=32, threshold=0.7).estimator(),
+                                       FlexPrefillConfig(block=32, gamma=0.7, last_q=32).estimator(),
+                                       PrismConfig(block=32, top_p=0.7).estimator(), SALEConfig(tau=0.01, block_q=32, block_k=16,
+                                                                                          sink=16, local=32).estimator()],
                          ids=lambda e: e.name)
 def test_every_estimator_keeps_sink_and_diagonal_and_its_output_is_masked_attention(estimator):
     q, k, v = _qk(n=192, seed=5)
@@ -151,7 +153,7 @@ def test_every_estimator_keeps_sink_and_diagonal_and_its_output_is_masked_attent
 def test_dense_estimator_and_sale_at_tau_zero_are_exact():
     q, k, v = _qk(n=160, seed=6)
     ref, ref_lse = kernels.attention(q, k, v, scale=0.25, causal=True)
-    for est in (DenseEstimator(), SALEEstimator(tau=0.0, block_q=32, block_k=16, sink=16, local=32)):
+    for est in (DenseEstimator(), SALEConfig(tau=0.0, block_q=32, block_k=16, sink=16, local=32).estimator()):
         o, lse, stats = sparse_prefill_attention(q, k, v, est, 0.25)
         torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-6)
         assert stats.density == pytest.approx(1.0)
@@ -168,10 +170,10 @@ def test_sink_local_layout_lists_the_sink_and_the_local_band():
 
 def test_sale_calibration_halves_until_the_error_budget_holds():
     q, k, v, _ = structured_heads(["sink", "diffuse", "local"], n=384, d=32, seed=1)
-    est = SALEEstimator(block_q=32, block_k=16, sink=16, local=32)
+    est = SALEConfig(block_q=32, block_k=16, sink=16, local=32).estimator()
     scale = 32 ** -0.5
-    loose = calibrate_thresholds(q, k, v, scale, theta=5.0, estimator=est)
-    tight = calibrate_thresholds(q, k, v, scale, theta=0.01, estimator=est)
+    loose = calibrate_thresholds(q, k, v, scale, theta=5.0, estimator=est, tau0=0.008, tau_min=1e-4)
+    tight = calibrate_thresholds(q, k, v, scale, theta=0.01, estimator=est, tau0=0.008, tau_min=1e-4)
     assert (tight <= loose).all()
     dense, _ = kernels.attention(q, k, v, scale=scale, causal=True)
     for theta, taus in ((5.0, loose), (0.01, tight)):
@@ -262,7 +264,7 @@ def test_prism_high_band_recovers_attenuated_slashes_mean_pooling_misses(d, base
         allowed[:, 0] = False  # ... and the sink column: every selection keeps those anyway
         target = offset_blocks(n, offset, block)
         pooled = pool_blocks(q, block)[0, 0] @ pool_blocks(k, block)[0, 0].T
-        high = PrismEstimator(block).band_logits(q, k)["high"][0, 0]
+        high = PrismConfig(block=block).estimator().band_logits(q, k)["high"][0, 0]
         rates.append((top_block_hit_rate(pooled, target, allowed), top_block_hit_rate(high, target, allowed)))
     mean_pool, prism_high = (sum(r[i] for r in rates) / len(rates) for i in (0, 1))
     better, worse = sum(h > p for p, h in rates), sum(h < p for p, h in rates)
@@ -292,9 +294,9 @@ def test_installing_a_sparse_prefill_is_exact_when_it_keeps_every_block_and_is_r
         ref = model(input_ids=ids).logits
         with install_sparse_prefill(model, DenseEstimator(), min_length=32) as s:
             dense = model(input_ids=ids).logits
-        with install_sparse_prefill(model, MeanPoolEstimator(block=32, top_p=1.0), min_length=32):
+        with install_sparse_prefill(model, MeanPoolConfig(block=32, top_p=1.0).estimator(), min_length=32):
             full = model(input_ids=ids).logits
-        with install_sparse_prefill(model, lambda layer: PrismEstimator(block=32, top_p=0.5), min_length=32) as sp:
+        with install_sparse_prefill(model, lambda layer: PrismConfig(block=32, top_p=0.5).estimator(), min_length=32) as sp:
             sparse = model(input_ids=ids).logits
     torch.testing.assert_close(dense, ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(full, ref, atol=1e-5, rtol=0)
@@ -319,13 +321,13 @@ def test_short_padded_or_decode_calls_stay_exact():
     batch = torch.cat([ids, ids.flip(-1)])
     lm_ref = CachedLM(model)
     ref = [lm_ref.feed(batch, mask), lm_ref.feed(torch.tensor([[5], [6]]))]
-    with install_sparse_prefill(model, PrismEstimator(block=32, top_p=0.3), min_length=32) as s:
+    with install_sparse_prefill(model, PrismConfig(block=32, top_p=0.3).estimator(), min_length=32) as s:
         lm = CachedLM(model)
         got = [lm.feed(batch, mask), lm.feed(torch.tensor([[5], [6]]))]
     assert s.summary()["calls"] == 0  # padded batch: exact attention
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    with install_sparse_prefill(model, PrismEstimator(block=32, top_p=0.3), min_length=200) as s2:
+    with install_sparse_prefill(model, PrismConfig(block=32, top_p=0.3).estimator(), min_length=200) as s2:
         model(input_ids=ids)
     assert s2.summary()["calls"] == 0  # at or below min_length: exact
 
@@ -388,9 +390,9 @@ def test_flexprefill_vertical_slash_blocks_match_a_brute_force_of_its_rule():
     """tau = 0 forces vertical-slash on every head: the blocks are those holding a selected column or crossed
     by a selected diagonal (brute force over tokens), plus the sink column and the diagonal."""
     q, k, v, _ = structured_heads(["slash", "local"], n=320, d=32, seed=4)
-    est = FlexPrefillEstimator(block=32, gamma=0.8, tau=0.0, last_q=32)
+    est = FlexPrefillConfig(block=32, gamma=0.8, tau=0.0, last_q=32).estimator()
     scale = 32 ** -0.5
-    mask, info = est._block_mask(q, k, scale)
+    mask, info = est.block_mask(q, k, scale)
     assert info["query_aware_heads"] == 0.0
     n, w = 320, 32
     kq = k.double()
@@ -415,3 +417,99 @@ def test_flexprefill_vertical_slash_blocks_match_a_brute_force_of_its_rule():
         got = mask[0, h] & torch.ones(10, 10, dtype=torch.bool).tril()
         assert torch.equal(got, want), (h, got, want)
         assert not want.tril().all()  # the rule leaves blocks out: the comparison is not trivial
+
+
+# ---------------------------------------------------------------------------------------------- one source of truth
+def test_pool_blocks_is_the_block_mean_with_a_ragged_last_block():
+    """``F.avg_pool1d(ceil_mode=True)`` pooling against a float64 loop over blocks (the last block holds 200 -
+    6 * 32 = 8 real rows and averages only those)."""
+    x = torch.randn(2, 3, 200, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    for block in (32, 50, 7, 200, 256):
+        m = math.ceil(200 / block)
+        want = torch.stack([x[..., i * block:min(200, (i + 1) * block), :].mean(-2) for i in range(m)], -2)
+        got = pool_blocks(x, block)
+        assert got.shape == (2, 3, m, 16) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+# Non-default values for every field of every sparse prefill config (the config's field list must match).
+_PREFILL_NON_DEFAULT = {
+    "dense_prefill": [{"min_length": 64, "layers": [1]}],
+    "mean_pool_prefill": [{"min_length": 64, "layers": [0], "block": 32, "top_p": 0.6}],
+    "xattention": [{"min_length": 64, "layers": [1], "block": 48, "stride": 4, "threshold": 0.7, "chunk_blocks": 3}],
+    "flexprefill": [{"min_length": 64, "layers": [0], "block": 32, "gamma": 0.8, "tau": 0.2, "last_q": 16}],
+    "prism": [{"min_length": 64, "layers": [1], "block": 32, "top_p": 0.8, "high_fraction": 0.4,
+               "low_fraction": 0.6, "calibrate": False}],
+    "sale": [{"min_length": 64, "layers": [0], "bits": 8, "group_size": 2, "block_q": 32, "block_k": 16, "sink": 16,
+              "local": 64, "tau": 0.01},
+             {"tau_table": "TABLE"}],
+}
+
+
+def _prefill_callback_specs():
+    from recipes.registry import CALLBACKS
+
+    return [s for s in CALLBACKS.values() if s.target.endswith(":SparsePrefillCallback")]
+
+
+def _check_prefill_callback(cb, cfg, model, table) -> None:
+    """The built estimators carry exactly the config's values, and the installed runners its
+    ``min_length`` / ``layers``."""
+    est_fields = [f.name for f in dataclasses.fields(cfg) if f.name not in ("min_length", "layers", "tau", "tau_table")]
+    n_layers = model.config.num_hidden_layers
+    for layer in range(n_layers):
+        est = cb.factory(layer)
+        assert type(est) is type(cfg.estimator(layer))
+        for name in est_fields:
+            assert getattr(est, name) == getattr(cfg, name), (cfg.method, name)
+        if cfg.method == "sale":
+            want = table[layer] if cfg.tau_table is not None else [cfg.tau]
+            assert est.tau.tolist() == pytest.approx(want), (cfg.method, "tau")
+    cb._install(None, model, "validate")
+    try:
+        for layer, runner in cb.session.runners.items():
+            assert runner.min_length == cfg.min_length
+            assert (runner.estimator is not None) == (cfg.layers is None or layer in cfg.layers), (cfg.method, layer)
+    finally:
+        cb._remove()
+
+
+def test_every_registered_prefill_callback_builds_estimators_with_exactly_its_config_values(tmp_path):
+    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.sparse_prefill.methods import PREFILL_METHODS
+    from recipes.registry import create_callback, import_target
+
+    model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=0)
+    n_layers = model.config.num_hidden_layers
+    table = [[0.001 * (layer + 1) + 0.0001 * h for h in range(model.config.num_attention_heads)]
+             for layer in range(n_layers)]
+    (tmp_path / "tau.json").write_text(json.dumps({"tau": table}))
+    specs = _prefill_callback_specs()
+    assert {s.name for s in specs} == set(PREFILL_METHODS) == set(_PREFILL_NON_DEFAULT)
+    for spec in specs:
+        cls = import_target(spec.config)
+        assert cls is PREFILL_METHODS[spec.name] and cls.method == spec.name
+        defaults = cls()
+        variants = [{k: (str(tmp_path / "tau.json") if v == "TABLE" else v) for k, v in args.items()}
+                    for args in _PREFILL_NON_DEFAULT[spec.name]]
+        covered = set().union(*variants)
+        assert covered == {f.name for f in dataclasses.fields(cls)}, (spec.name, covered)
+        for args in variants:
+            for key, value in args.items():
+                assert value != getattr(defaults, key), (spec.name, key, "not a non-default value")
+        for args in [{}] + variants:
+            cb = create_callback(spec.name, args)
+            assert cb.cfg == cls(**args)
+            _check_prefill_callback(cb, cb.cfg, model, table)
+
+
+def test_prefill_config_errors_name_the_field_and_the_valid_values():
+    from lightning_modules.sparse_prefill.methods import prefill_config
+
+    for name, args, match in (("mean_pool_prefill", {"block": 0}, r"mean_pool_prefill\.block=0: must be an integer >= 1"),
+                              ("flexprefill", {"tau": -1.0}, r"flexprefill\.tau=-1\.0: must be >= 0"),
+                              ("sale", {"bits": 9}, r"sale\.bits=9: must be an integer in 2\.\.8"),
+                              ("prism", {"layers": [-1]}, r"prism\.layers=\[-1\]"),
+                              ("xattention", {"min_length": -5}, r"xattention\.min_length=-5")):
+        with pytest.raises(ValueError, match=match):
+            prefill_config(name, args)

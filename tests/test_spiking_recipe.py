@@ -3,6 +3,8 @@ layout; the network maps [B, T, 2, H, W] frames to logits."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -24,13 +26,20 @@ def test_batches_and_forward_shapes():
 
 @pytest.mark.parametrize("recipe", ["spiking_events", "spiking_events_ts"])
 def test_recipe_trains_and_tests(recipe):
+    from conftest import train_curve
     from recipes.api import build
     from recipes.fit import run_stages
 
-    run = build(recipe, profiles=["tiny"])
+    # 6 tiny epochs (24 steps of 16) at a higher rate, validated once at the end: enough to fit the 64 training
+    # streams in about the time of the default 2 epochs
+    run = build(recipe, ["optim.lr=3e-2", "trainer.max_epochs=6", "trainer.check_val_every_n_epoch=6"],
+                profiles=["tiny"])
     metrics = run_stages(run)
-    assert 0.0 <= metrics["test/acc"] <= 1.0 and metrics["test/loss"] > 0
-    assert (run.run_dir / "DONE").exists()
+    assert (run.run_dir / "DONE").exists() and math.isfinite(metrics["test/loss"])
+    losses, accs = train_curve(run.run_dir)
+    # two balanced classes: a net that ignores its input (or gets no surrogate gradient) stays at ln 2 = 0.69
+    assert losses[-1] < 0.5 and losses[-1] < 0.6 * losses[0], losses
+    assert accs[-1] >= 0.85, accs
 
 
 @pytest.mark.parametrize("neuron", ["lif", "ts"])
@@ -78,8 +87,16 @@ def test_digits_recipe_trains():
     from recipes.api import build
     from recipes.fit import run_stages
 
-    metrics = run_stages(build("spiking_digits", profiles=["tiny"]))
-    assert 0.0 <= metrics["test/acc"] <= 1.0
+    from conftest import train_curve
+
+    run = build("spiking_digits", ["optim.lr=3e-2", "trainer.max_epochs=6", "trainer.check_val_every_n_epoch=6"],
+                profiles=["tiny"])
+    metrics = run_stages(run)
+    losses, accs = train_curve(run.run_dir)
+    # ten classes: chance is 10% and an input-blind net's loss is ln 10 = 2.30 (an untrained run: 2.31 train,
+    # 2.29 held out, 14% train accuracy); six tiny epochs get below it on the held-out digits too
+    assert losses[-1] < 0.85 * math.log(10) and accs[-1] >= 0.4, (losses, accs)
+    assert metrics["test/loss"] < math.log(10) - 0.1, metrics
 
 
 def test_tbptt_takes_one_optimizer_step_per_chunk_and_carries_state():

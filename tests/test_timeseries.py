@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -76,6 +78,15 @@ def test_gunpoint_recipe_trains():
     from recipes.api import build
     from recipes.fit import run_stages
 
+    from conftest import train_curve
+
     for recipe in ("spiking_gunpoint", "spiking_gunpoint_ts"):
-        metrics = run_stages(build(recipe, profiles=["tiny"]))
-        assert 0.0 <= metrics["test/acc"] <= 1.0
+        # validation (and its checkpoint) once, at the end: the fixed cost of an epoch is most of its time
+        run = build(recipe, ["optim.lr=3e-2", "trainer.max_epochs=15", "trainer.check_val_every_n_epoch=15"],
+                    profiles=["tiny"])
+        metrics = run_stages(run)
+        assert math.isfinite(metrics["test/loss"])
+        losses, _ = train_curve(run.run_dir)
+        # GunPoint's two classes are nearly balanced (24/26), so a net that ignores the series cannot get its
+        # training loss below about ln 2 = 0.69; the tiny MLP reaches about 0.6 in 15 epochs of 4 batches
+        assert sum(losses[-2:]) / 2 < 0.65 and losses[-1] < losses[0] - 0.08, (recipe, losses)

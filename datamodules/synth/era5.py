@@ -22,13 +22,13 @@ Everything is a pure function of the config (seeded).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import numpy as np
+
+from litctx_common.io import atomic_path
 
 __all__ = ["SyntheticERA5Config", "generate_era5", "write_era5", "PRESSURE_VARIABLES", "SURFACE_VARIABLES", "ATTRS"]
 
@@ -228,19 +228,11 @@ def climatology(cfg: SyntheticERA5Config):
 
 
 def _atomic_write(ds, target: Path, fmt: str) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
-        out = tmp / target.name
+    with atomic_path(target) as out:
         if fmt == "zarr":
             ds.to_zarr(out, mode="w", consolidated=True, zarr_format=2)  # the WeatherBench2 stores are Zarr v2
         else:
             ds.to_netcdf(out)
-        if target.exists():
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        os.replace(out, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_era5(cfg: SyntheticERA5Config, folder: os.PathLike, fmt: str = "zarr") -> Tuple[Path, Path]:

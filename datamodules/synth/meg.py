@@ -41,12 +41,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
+
+from litctx_common.io import atomic_path, atomic_write_text
 
 __all__ = ["SyntheticMEGConfig", "generate_meg_dataset", "word_list", "select_locations", "canonical_info"]
 
@@ -231,15 +232,6 @@ def _lead_field(rng: np.random.Generator, info, n_src: int, field_tesla: float) 
     return G
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    os.fchmod(fd, 0o644)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
 def _topic_sequence(rng: np.random.Generator, cfg: SyntheticMEGConfig) -> List[tuple]:
     """``[(start_s, end_s, topic), ...]`` covering the recording."""
     if not cfg.context:
@@ -301,15 +293,13 @@ def _write_recording(path: Path, cfg: SyntheticMEGConfig, info_src, keep: np.nda
     vocab = word_list(cfg.vocab)
     raw.set_annotations(mne.Annotations(onset=onsets, duration=[0.0] * len(onsets),
                                         description=[f"word/{vocab[w]}" for w in words]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    raw.save(tmp, overwrite=True, verbose="error")
-    stem = path.name[: -len("_meg.fif")]
-    rows = "".join(f"{o:.6f}\t0.0\tword_onset\t{vocab[w]}\n" for o, w in zip(onsets, words))
-    _atomic_write_text(path.with_name(f"{stem}_events.tsv"), "onset\tduration\ttype\tvalue\n" + rows)
-    topics = "".join(f"{a:.3f}\t{b:.3f}\t{k}\n" for a, b, k in segs)
-    _atomic_write_text(path.with_name(f"{stem}_topics.tsv"), "onset\toffset\ttopic\n" + topics)
-    os.replace(tmp, path)  # the FIF last: its presence marks a complete recording
+    with atomic_path(path) as tmp:  # the FIF is renamed in last: its presence marks a complete recording
+        raw.save(tmp, overwrite=True, verbose="error")
+        stem = path.name[: -len("_meg.fif")]
+        rows = "".join(f"{o:.6f}\t0.0\tword_onset\t{vocab[w]}\n" for o, w in zip(onsets, words))
+        atomic_write_text(path.with_name(f"{stem}_events.tsv"), "onset\tduration\ttype\tvalue\n" + rows)
+        topics = "".join(f"{a:.3f}\t{b:.3f}\t{k}\n" for a, b, k in segs)
+        atomic_write_text(path.with_name(f"{stem}_topics.tsv"), "onset\toffset\ttopic\n" + topics)
 
 
 def generate_meg_dataset(root: str | os.PathLike, cfg: Optional[SyntheticMEGConfig] = None,
@@ -331,7 +321,7 @@ def generate_meg_dataset(root: str | os.PathLike, cfg: Optional[SyntheticMEGConf
             raise FileExistsError(f"{root} holds a synthetic study generated with a different config "
                                   f"(fingerprint {old.get('fingerprint')} vs {cfg.fingerprint()}); use another root")
     else:
-        _atomic_write_text(desc_path, json.dumps(desc, indent=2) + "\n")
+        atomic_write_text(desc_path, json.dumps(desc, indent=2) + "\n")
     info_src = canonical_info(cfg.system)
     positions = np.array([ch["loc"][:3] for ch in info_src["chs"]])
     keep = select_locations(positions, cfg.locations, seed=cfg.seed)
@@ -366,5 +356,5 @@ def generate_meg_dataset(root: str | os.PathLike, cfg: Optional[SyntheticMEGConf
         paths.append(path)
         if e == 1:
             participants.append(f"{sub}\t{s}")
-    _atomic_write_text(root / "participants.tsv", "\n".join(participants) + "\n")
+    atomic_write_text(root / "participants.tsv", "\n".join(participants) + "\n")
     return paths

@@ -123,10 +123,11 @@ def _pair_mask(cols, pos, n_k, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.cons
 # forward
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, kappa, pos, extra, start_n, k_base, v_base, skn, skd, svn, svd, n_k, window,
-              qk_scale, offs_n, offs_d, offs_dv,
+def _fwd_tile(acc, l_i, m_i, q, kappa, pos, extra, start_n, k_base, v_base, skn, skd, svn, svd, km_base, skmn, n_k,
+              window, qk_scale, offs_n, offs_d, offs_dv,
               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              MASKED: tl.constexpr, USE_EXTRA: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr):
+              MASKED: tl.constexpr, USE_EXTRA: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr,
+              HAS_KMASK: tl.constexpr):
     cols = start_n + offs_n
     col_in = cols < n_k
     kt = tl.load(k_base + cols[None, :] * skn + offs_d[:, None] * skd,
@@ -136,11 +137,17 @@ def _fwd_tile(acc, l_i, m_i, q, kappa, pos, extra, start_n, k_base, v_base, skn,
         t, _fac = _lssa_logits(s, kappa[:, None])
     else:
         t = s * qk_scale
+    if HAS_KMASK:
+        kcol = tl.load(km_base + cols * skmn, mask=col_in, other=0) != 0
     if MASKED:
         valid = _pair_mask(cols[None, :], pos[:, None], n_k, window, CAUSAL, HAS_WINDOW)
         if USE_EXTRA:
             valid = valid & extra[:, None]
+        if HAS_KMASK:
+            valid = valid & kcol[None, :]
         t = tl.where(valid, t, float("-inf"))
+    elif HAS_KMASK:
+        t = tl.where(kcol[None, :], t, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(t, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(t - m_safe[:, None])
@@ -153,26 +160,29 @@ def _fwd_tile(acc, l_i, m_i, q, kappa, pos, extra, start_n, k_base, v_base, skn,
 
 
 @triton.jit
-def _fwd_range(acc, l_i, m_i, q, kappa, pos, lo, hi, full_lo, full_hi, k_base, v_base, skn, skd, svn, svd,
-               n_k, window, qk_scale, offs_n, offs_d, offs_dv,
+def _fwd_range(acc, l_i, m_i, q, kappa, pos, lo, hi, full_lo, full_hi, k_base, v_base, skn, skd, svn, svd, km_base,
+               skmn, n_k, window, qk_scale, offs_n, offs_d, offs_dv,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr):
+               HAS_WINDOW: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr, HAS_KMASK: tl.constexpr):
     """Keys ``[lo, hi)`` (``lo`` tile-aligned): masked tiles before ``full_lo``, unmasked ones up to ``full_hi``,
     masked ones after."""
     b1 = tl.minimum(tl.maximum(full_lo, lo), hi)
     c1 = tl.minimum(tl.maximum(full_hi, b1), hi)
     for start_n in range(lo, b1, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd,
+                                  km_base, skmn,
                                   n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL,
-                                  HAS_WINDOW, True, False, LSSA, DOT_PREC)
+                                  HAS_WINDOW, True, False, LSSA, DOT_PREC, HAS_KMASK)
     for start_n in range(b1, c1, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd,
+                                  km_base, skmn,
                                   n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL,
-                                  HAS_WINDOW, False, False, LSSA, DOT_PREC)
+                                  HAS_WINDOW, False, False, LSSA, DOT_PREC, HAS_KMASK)
     for start_n in range(c1, hi, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd,
+                                  km_base, skmn,
                                   n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL,
-                                  HAS_WINDOW, True, False, LSSA, DOT_PREC)
+                                  HAS_WINDOW, True, False, LSSA, DOT_PREC, HAS_KMASK)
     return acc, l_i, m_i
 
 
@@ -199,14 +209,15 @@ def _query_rows(QIDX, b, h, sib, sih, sim, pid_m, n_q, n_out, q_offset, BLOCK_M:
 
 @triton.jit
 def _attn_fwd_kernel(
-    Q, K, V, OUT, LSE, QIDX, KVNUM, KVIDX, BMASK,
+    Q, K, V, OUT, LSE, QIDX, KVNUM, KVIDX, BMASK, KMASK,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sob, soh, som, sod, slb, slh, slm,
-    sib, sih, sim, snb, snh, snm, sxb, sxh, sxm, sxk, smb, smh, smq, smk,
+    sib, sih, sim, snb, snh, snm, sxb, sxh, sxm, sxk, smb, smh, smq, smk, skmb, skmh, skmn,
     n_heads, group, n_q, n_k, n_out, q_offset, window, qk_scale, log_d, block_q, block_k,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_QIDX: tl.constexpr, LAYOUT: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last, causal) query tiles first
     pid_bh = tl.program_id(1)
@@ -228,6 +239,7 @@ def _attn_fwd_kernel(
         kappa = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    km_base = KMASK + b * skmb + h * skmh  # the query head's key mask (read only when HAS_KMASK)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -236,8 +248,8 @@ def _attn_fwd_kernel(
 
     if LAYOUT == 0:
         acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, kappa, pos, lo, hi, full_lo, full_hi, k_base, v_base,
-                                   skn, skd, svn, svd, n_k, window, qk_scale, offs_n, offs_d, offs_dv,
-                                   HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, HAS_WINDOW, LSSA, DOT_PREC)
+                                   skn, skd, svn, svd, km_base, skmn, n_k, window, qk_scale, offs_n, offs_d, offs_dv,
+                                   HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, HAS_WINDOW, LSSA, DOT_PREC, HAS_KMASK)
     elif LAYOUT == 1:
         # block lists: the tile lies inside one layout query block (BLOCK_M divides block_q)
         # one flat loop over every key tile of the listed blocks (a loop per block defeats software
@@ -250,8 +262,8 @@ def _attn_fwd_kernel(
             kb = tl.load(idx_base + (t // tiles_per_block) * sxk)
             start_n = kb * block_k + (t % tiles_per_block) * BLOCK_N
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn,
-                                      svd, n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL,
-                                      HAS_WINDOW, True, False, LSSA, DOT_PREC)
+                                      svd, km_base, skmn, n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D,
+                                      HEAD_DV, CAUSAL, HAS_WINDOW, True, False, LSSA, DOT_PREC, HAS_KMASK)
     else:
         # compacted rows + layout: per-row lookup of the dense block mask, tiles nobody needs are skipped
         bm_row = BMASK + b * smb + h * smh + (qrow // block_q) * smq
@@ -259,8 +271,9 @@ def _attn_fwd_kernel(
             blk_ok = tl.load(bm_row + (start_n // block_k) * smk, mask=row_ok, other=0) != 0
             if tl.max(blk_ok.to(tl.int32), 0) > 0:
                 acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, kappa, pos, blk_ok, start_n, k_base, v_base,
-                                          skn, skd, svn, svd, n_k, window, qk_scale, offs_n, offs_d, offs_dv,
-                                          HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, True, LSSA, DOT_PREC)
+                                          skn, skd, svn, svd, km_base, skmn, n_k, window, qk_scale, offs_n, offs_d,
+                                          offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, True, LSSA, DOT_PREC,
+                                          HAS_KMASK)
 
     ok = row_ok & (l_i > 0.0)
     l_safe = tl.where(ok, l_i, 1.0)
@@ -277,10 +290,11 @@ def _attn_fwd_kernel(
 # backward: dQ
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, kappa, pos, extra, start_n, k_base, v_base, skn, skd, svn, svd, n_k, window,
-             qk_scale, offs_n, offs_d, offs_dv,
+def _dq_tile(dq, q, do, lse2, delta, kappa, pos, extra, start_n, k_base, v_base, skn, skd, svn, svd, km_base, skmn,
+             n_k, window, qk_scale, offs_n, offs_d, offs_dv,
              HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-             MASKED: tl.constexpr, USE_EXTRA: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr):
+             MASKED: tl.constexpr, USE_EXTRA: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr,
+             HAS_KMASK: tl.constexpr):
     cols = start_n + offs_n
     col_in = cols < n_k
     kt = tl.load(k_base + cols[None, :] * skn + offs_d[:, None] * skd,
@@ -292,11 +306,17 @@ def _dq_tile(dq, q, do, lse2, delta, kappa, pos, extra, start_n, k_base, v_base,
         t, fac = _lssa_logits(s, kappa[:, None])
     else:
         t = s * qk_scale
+    if HAS_KMASK:
+        kcol = tl.load(km_base + cols * skmn, mask=col_in, other=0) != 0
     if MASKED:
         valid = _pair_mask(cols[None, :], pos[:, None], n_k, window, CAUSAL, HAS_WINDOW)
         if USE_EXTRA:
             valid = valid & extra[:, None]
+        if HAS_KMASK:
+            valid = valid & kcol[None, :]
         t = tl.where(valid, t, float("-inf"))
+    elif HAS_KMASK:
+        t = tl.where(kcol[None, :], t, float("-inf"))
     p = tl.exp2(t - lse2[:, None])
     dp = tl.dot(do, vt, input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
@@ -304,42 +324,48 @@ def _dq_tile(dq, q, do, lse2, delta, kappa, pos, extra, start_n, k_base, v_base,
         ds = ds * fac
         if MASKED:
             ds = tl.where(valid, ds, 0.0)
+        elif HAS_KMASK:
+            ds = tl.where(kcol[None, :], ds, 0.0)
     dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PREC)
     return dq
 
 
 @triton.jit
 def _dq_range(dq, q, do, lse2, delta, kappa, pos, lo, hi, full_lo, full_hi, k_base, v_base, skn, skd, svn, svd,
-              n_k, window, qk_scale, offs_n, offs_d, offs_dv,
+              km_base, skmn, n_k, window, qk_scale, offs_n, offs_d, offs_dv,
               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr):
+              HAS_WINDOW: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr, HAS_KMASK: tl.constexpr):
     b1 = tl.minimum(tl.maximum(full_lo, lo), hi)
     c1 = tl.minimum(tl.maximum(full_hi, b1), hi)
     for start_n in range(lo, b1, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd, n_k,
+        dq = _dq_tile(dq, q, do, lse2, delta, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd, km_base,
+                      skmn, n_k,
                       window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, False,
-                      LSSA, DOT_PREC)
+                      LSSA, DOT_PREC, HAS_KMASK)
     for start_n in range(b1, c1, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd, n_k,
+        dq = _dq_tile(dq, q, do, lse2, delta, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd, km_base,
+                      skmn, n_k,
                       window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, False, False,
-                      LSSA, DOT_PREC)
+                      LSSA, DOT_PREC, HAS_KMASK)
     for start_n in range(c1, hi, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd, n_k,
+        dq = _dq_tile(dq, q, do, lse2, delta, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd, km_base,
+                      skmn, n_k,
                       window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, False,
-                      LSSA, DOT_PREC)
+                      LSSA, DOT_PREC, HAS_KMASK)
     return dq
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, QIDX, KVNUM, KVIDX, BMASK,
+    Q, K, V, DO, LSE, DELTA, DQ, QIDX, KVNUM, KVIDX, BMASK, KMASK,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdom, sdod, slb, slh, slm, sdqb, sdqh, sdqm, sdqd,
-    sib, sih, sim, snb, snh, snm, sxb, sxh, sxm, sxk, smb, smh, smq, smk,
+    sib, sih, sim, snb, snh, snm, sxb, sxh, sxm, sxk, smb, smh, smq, smk, skmb, skmh, skmn,
     n_heads, group, n_q, n_k, n_out, q_offset, window, qk_scale, log_d, block_q, block_k,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_QIDX: tl.constexpr, LAYOUT: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest (last, causal) query tiles first
     pid_bh = tl.program_id(1)
@@ -366,13 +392,14 @@ def _attn_bwd_dq_kernel(
         kappa = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    km_base = KMASK + b * skmb + h * skmh  # the query head's key mask (read only when HAS_KMASK)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, hi, full_lo, full_hi = _key_range(pos_min, pos_max, n_k, window, BLOCK_N, CAUSAL, HAS_WINDOW)
     if LAYOUT == 0:
         dq = _dq_range(dq, q, do, lse2, delta, kappa, pos, lo, hi, full_lo, full_hi, k_base, v_base, skn, skd,
-                       svn, svd, n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL,
-                       HAS_WINDOW, LSSA, DOT_PREC)
+                       svn, svd, km_base, skmn, n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV,
+                       BLOCK_N, CAUSAL, HAS_WINDOW, LSSA, DOT_PREC, HAS_KMASK)
     elif LAYOUT == 1:
         # one flat loop over the listed blocks' key tiles (as in the forward), every tile masked
         qb = (pid_m * BLOCK_M) // block_q
@@ -382,17 +409,18 @@ def _attn_bwd_dq_kernel(
         for t in range(0, cnt * tiles_per_block):
             kb = tl.load(idx_base + (t // tiles_per_block) * sxk)
             start_n = kb * block_k + (t % tiles_per_block) * BLOCK_N
-            dq = _dq_tile(dq, q, do, lse2, delta, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd, n_k,
+            dq = _dq_tile(dq, q, do, lse2, delta, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn, svd,
+                          km_base, skmn, n_k,
                           window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, False,
-                          LSSA, DOT_PREC)
+                          LSSA, DOT_PREC, HAS_KMASK)
     else:
         bm_row = BMASK + b * smb + h * smh + (qrow // block_q) * smq
         for start_n in range(lo, hi, BLOCK_N):
             blk_ok = tl.load(bm_row + (start_n // block_k) * smk, mask=row_ok, other=0) != 0
             if tl.max(blk_ok.to(tl.int32), 0) > 0:
                 dq = _dq_tile(dq, q, do, lse2, delta, kappa, pos, blk_ok, start_n, k_base, v_base, skn, skd, svn,
-                              svd, n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL,
-                              HAS_WINDOW, True, True, LSSA, DOT_PREC)
+                              svd, km_base, skmn, n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D, HEAD_DV,
+                              CAUSAL, HAS_WINDOW, True, True, LSSA, DOT_PREC, HAS_KMASK)
     if not LSSA:
         dq = dq * (qk_scale * 0.6931471805599453)
     tl.store(DQ + b * sdqb + h * sdqh + qrow[:, None] * sdqm + offs_d[None, :] * sdqd, dq.to(DQ.dtype.element_ty),
@@ -403,10 +431,11 @@ def _attn_bwd_dq_kernel(
 # backward: dK, dV (key-major, loops over the query heads of the GQA group)
 # ------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, offs_n, offs_m, qrow, row_ok, extra, q_base, do_base, lse_base, delta_base,
+def _dkdv_tile(dk, dv, k, v, offs_n, offs_m, qrow, row_ok, extra, kcol, q_base, do_base, lse_base, delta_base,
                sqm, sqd, sdom, sdod, slm, q_offset, n_k, window, qk_scale, log_d, offs_d, offs_dv,
                HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-               MASKED: tl.constexpr, USE_EXTRA: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr):
+               MASKED: tl.constexpr, USE_EXTRA: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr,
+               HAS_KMASK: tl.constexpr):
     q = tl.load(q_base + qrow[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
     do = tl.load(do_base + offs_m[:, None] * sdom + offs_dv[None, :] * sdod,
@@ -425,7 +454,11 @@ def _dkdv_tile(dk, dv, k, v, offs_n, offs_m, qrow, row_ok, extra, q_base, do_bas
         valid = _pair_mask(offs_n[:, None], pos[None, :], n_k, window, CAUSAL, HAS_WINDOW)
         if USE_EXTRA:
             valid = valid & extra[None, :]
+        if HAS_KMASK:
+            valid = valid & kcol[:, None]
         tt = tl.where(valid, tt, float("-inf"))
+    elif HAS_KMASK:
+        tt = tl.where(kcol[:, None], tt, float("-inf"))
     pt = tl.exp2(tt - lse2[None, :])
     dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
     dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
@@ -434,46 +467,52 @@ def _dkdv_tile(dk, dv, k, v, offs_n, offs_m, qrow, row_ok, extra, q_base, do_bas
         dst = dst * fac
         if MASKED:
             dst = tl.where(valid, dst, 0.0)
+        elif HAS_KMASK:
+            dst = tl.where(kcol[:, None], dst, 0.0)
     dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
     return dk, dv
 
 
 @triton.jit
-def _dkdv_range(dk, dv, k, v, offs_n, lo, hi, full_lo, full_hi, q_base, do_base, lse_base, delta_base,
+def _dkdv_range(dk, dv, k, v, offs_n, kcol, lo, hi, full_lo, full_hi, q_base, do_base, lse_base, delta_base,
                 sqm, sqd, sdom, sdod, slm, n_q, q_offset, n_k, window, qk_scale, log_d, offs_d, offs_dv,
                 HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                HAS_WINDOW: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr):
+                HAS_WINDOW: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr, HAS_KMASK: tl.constexpr):
     """Query rows ``[lo, hi)`` (``lo`` tile-aligned), split into masked / unmasked / masked runs."""
     b1 = tl.minimum(tl.maximum(full_lo, lo), hi)
     c1 = tl.minimum(tl.maximum(full_hi, b1), hi)
     for start_m in range(lo, b1, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        dk, dv = _dkdv_tile(dk, dv, k, v, offs_n, offs_m, offs_m, offs_m < n_q, offs_m < n_q, q_base, do_base,
+        dk, dv = _dkdv_tile(dk, dv, k, v, offs_n, offs_m, offs_m, offs_m < n_q, offs_m < n_q, kcol, q_base, do_base,
                             lse_base, delta_base, sqm, sqd, sdom, sdod, slm, q_offset, n_k, window, qk_scale, log_d,
-                            offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, False, LSSA, DOT_PREC)
+                            offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, False, LSSA, DOT_PREC,
+                            HAS_KMASK)
     for start_m in range(b1, c1, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        dk, dv = _dkdv_tile(dk, dv, k, v, offs_n, offs_m, offs_m, offs_m < n_q, offs_m < n_q, q_base, do_base,
+        dk, dv = _dkdv_tile(dk, dv, k, v, offs_n, offs_m, offs_m, offs_m < n_q, offs_m < n_q, kcol, q_base, do_base,
                             lse_base, delta_base, sqm, sqd, sdom, sdod, slm, q_offset, n_k, window, qk_scale, log_d,
-                            offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, False, False, LSSA, DOT_PREC)
+                            offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, False, False, LSSA, DOT_PREC,
+                            HAS_KMASK)
     for start_m in range(c1, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        dk, dv = _dkdv_tile(dk, dv, k, v, offs_n, offs_m, offs_m, offs_m < n_q, offs_m < n_q, q_base, do_base,
+        dk, dv = _dkdv_tile(dk, dv, k, v, offs_n, offs_m, offs_m, offs_m < n_q, offs_m < n_q, kcol, q_base, do_base,
                             lse_base, delta_base, sqm, sqd, sdom, sdod, slm, q_offset, n_k, window, qk_scale, log_d,
-                            offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, False, LSSA, DOT_PREC)
+                            offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, False, LSSA, DOT_PREC,
+                            HAS_KMASK)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, QIDX, QNUM, QIDXL, BMASK,
+    Q, K, V, DO, LSE, DELTA, DK, DV, QIDX, QNUM, QIDXL, BMASK, KMASK,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     sdob, sdoh, sdom, sdod, slb, slh, slm, sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    sib, sih, sim, snb, snh, snm, sxb, sxh, sxm, sxk, smb, smh, smq, smk,
+    sib, sih, sim, snb, snh, snm, sxb, sxh, sxm, sxk, smb, smh, smq, smk, skmb, skmh, skmn,
     n_kv_heads, group, n_q, n_k, n_out, q_offset, window, qk_scale, log_d, block_q, block_k,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_QIDX: tl.constexpr, LAYOUT: tl.constexpr, LSSA: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -513,6 +552,10 @@ def _attn_bwd_dkdv_kernel(
 
     for gi in range(0, group):
         h = hk * group + gi
+        if HAS_KMASK:
+            kcol = tl.load(KMASK + b * skmb + h * skmh + offs_n * skmn, mask=col_in, other=0) != 0
+        else:
+            kcol = col_in
         q_base = Q + b * sqb + h * sqh
         do_base = DO + b * sdob + h * sdoh
         lse_base = LSE + b * slb + h * slh
@@ -538,10 +581,10 @@ def _attn_bwd_dkdv_kernel(
                 else:
                     blk_ok = row_ok
                 if need:
-                    dk, dv = _dkdv_tile(dk, dv, k, v, offs_n, offs_m, qrow, row_ok, blk_ok, q_base, do_base, lse_base,
-                                        delta_base, sqm, sqd, sdom, sdod, slm, q_offset, n_k, window, qk_scale, log_d,
-                                        offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, LAYOUT == 2,
-                                        LSSA, DOT_PREC)
+                    dk, dv = _dkdv_tile(dk, dv, k, v, offs_n, offs_m, qrow, row_ok, blk_ok, kcol, q_base, do_base,
+                                        lse_base, delta_base, sqm, sqd, sdom, sdod, slm, q_offset, n_k, window,
+                                        qk_scale, log_d, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True,
+                                        LAYOUT == 2, LSSA, DOT_PREC, HAS_KMASK)
         elif LAYOUT == 1:
             # one flat loop over the query tiles of the query blocks that list this key block, every tile masked
             kb = start_n // block_k
@@ -551,14 +594,15 @@ def _attn_bwd_dkdv_kernel(
             for t in range(0, cnt * tiles_per_block):
                 qb = tl.load(idx_base + (t // tiles_per_block) * sxk)
                 offs_m = qb * block_q + (t % tiles_per_block) * BLOCK_M + tl.arange(0, BLOCK_M)
-                dk, dv = _dkdv_tile(dk, dv, k, v, offs_n, offs_m, offs_m, offs_m < n_q, offs_m < n_q, q_base, do_base,
-                                    lse_base, delta_base, sqm, sqd, sdom, sdod, slm, q_offset, n_k, window, qk_scale,
-                                    log_d, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, False, LSSA,
-                                    DOT_PREC)
+                dk, dv = _dkdv_tile(dk, dv, k, v, offs_n, offs_m, offs_m, offs_m < n_q, offs_m < n_q, kcol, q_base,
+                                    do_base, lse_base, delta_base, sqm, sqd, sdom, sdod, slm, q_offset, n_k, window,
+                                    qk_scale, log_d, offs_d, offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, False,
+                                    LSSA, DOT_PREC, HAS_KMASK)
         else:
-            dk, dv = _dkdv_range(dk, dv, k, v, offs_n, r_lo, r_hi, full_lo, full_hi, q_base, do_base, lse_base,
+            dk, dv = _dkdv_range(dk, dv, k, v, offs_n, kcol, r_lo, r_hi, full_lo, full_hi, q_base, do_base, lse_base,
                                  delta_base, sqm, sqd, sdom, sdod, slm, n_q, q_offset, n_k, window, qk_scale, log_d,
-                                 offs_d, offs_dv, HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, HAS_WINDOW, LSSA, DOT_PREC)
+                                 offs_d, offs_dv, HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, HAS_WINDOW, LSSA, DOT_PREC,
+                                 HAS_KMASK)
     if not LSSA:
         dk = dk * (qk_scale * 0.6931471805599453)
     tl.store(DK + b * sdkb + hk * sdkh + offs_n[:, None] * sdkn + offs_d[None, :] * sdkd, dk.to(DK.dtype.element_ty),
@@ -586,6 +630,7 @@ class _Spec:
     layout: Optional[BlockLayout]
     q_index: Optional[QueryIndex]
     lssa: bool
+    key_mask: Optional[torch.Tensor] = None  # int8 [B, 1|Hq, Nk] on q's device (1 = attend)
 
 
 class _Launch:
@@ -619,6 +664,11 @@ class _Launch:
             else:
                 self.bmask = lay.to_block_mask().to(device=dev, dtype=torch.int8)
                 self.bmask_strides = _bstrides(self.bmask, 2)
+        self.has_kmask = spec.key_mask is not None
+        self.kmask, self.kmask_strides = self.dummy, [0, 0, 0]
+        if self.has_kmask:
+            self.kmask = spec.key_mask
+            self.kmask_strides = _bstrides(self.kmask, 2)
 
     def transposed_lists(self, spec: _Spec, dev):
         """``(q_num_blocks, q_indices)`` for the key-major backward (layout mode 1 only)."""
@@ -634,7 +684,7 @@ class _Launch:
         return dict(
             HEAD_D=d, HEAD_DV=dv, BLOCK_D=max(16, next_pow2(d)), BLOCK_DV=max(16, next_pow2(dv)),
             CAUSAL=spec.causal, HAS_WINDOW=spec.window is not None, HAS_QIDX=self.has_qidx,
-            LAYOUT=self.layout_mode, LSSA=spec.lssa,
+            LAYOUT=self.layout_mode, LSSA=spec.lssa, HAS_KMASK=self.has_kmask,
             DOT_PREC="ieee" if q.dtype == torch.float32 else None,
         )
 
@@ -661,9 +711,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: _Spec) -> 
     cfg = _configs(spec, "fwd", q)
     grid = (triton.cdiv(ln.n_out, cfg.block_m), b * hq)
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse, ln.qidx, ln.kvnum, ln.kvidx, ln.bmask,
+        q, k, v, o, lse, ln.qidx, ln.kvnum, ln.kvidx, ln.bmask, ln.kmask,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        *ln.qidx_strides, *ln.kvnum_strides, *ln.kvidx_strides, *ln.bmask_strides,
+        *ln.qidx_strides, *ln.kvnum_strides, *ln.kvidx_strides, *ln.bmask_strides, *ln.kmask_strides,
         *ln.scalars(spec, q, k, hq),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **ln.flags(spec, q, v), **cfg.launch_kwargs(),
     )
@@ -689,9 +739,9 @@ def _backward(q, k, v, o, lse, do, dlse, spec: _Spec, need_dq: bool, need_dkv: b
         if ln.n_out > 0 and dq.numel() > 0:
             grid = (triton.cdiv(ln.n_out, cfg.block_m), b * hq)
             _attn_bwd_dq_kernel[grid](
-                q, k, v, do, lse, delta, dq, ln.qidx, ln.kvnum, ln.kvidx, ln.bmask,
+                q, k, v, do, lse, delta, dq, ln.qidx, ln.kvnum, ln.kvidx, ln.bmask, ln.kmask,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dq.stride(),
-                *ln.qidx_strides, *ln.kvnum_strides, *ln.kvidx_strides, *ln.bmask_strides,
+                *ln.qidx_strides, *ln.kvnum_strides, *ln.kvidx_strides, *ln.bmask_strides, *ln.kmask_strides,
                 *ln.scalars(spec, q, k, hq),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, **cfg.launch_kwargs(),
             )
@@ -703,9 +753,9 @@ def _backward(q, k, v, o, lse, do, dlse, spec: _Spec, need_dq: bool, need_dkv: b
         if dk.numel() > 0 or dv.numel() > 0:
             grid = (triton.cdiv(n_k, cfg.block_n), b * hk)
             _attn_bwd_dkdv_kernel[grid](
-                q, k, v, do, lse, delta, dk, dv, ln.qidx, qnum, qidxl, ln.bmask,
+                q, k, v, do, lse, delta, dk, dv, ln.qidx, qnum, qidxl, ln.bmask, ln.kmask,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(), *dk.stride(), *dv.stride(),
-                *ln.qidx_strides, *qnum_strides, *qidxl_strides, *ln.bmask_strides,
+                *ln.qidx_strides, *qnum_strides, *qidxl_strides, *ln.bmask_strides, *ln.kmask_strides,
                 *ln.scalars(spec, q, k, hk),
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, **flags, **cfg.launch_kwargs(),
             )
@@ -781,10 +831,27 @@ def _validate(q, k, v, causal, window, layout, q_index, score_mode):
             raise ValueError(f"q_index is on {q_index.idx.device}, q on {q.device}")
 
 
+def _key_mask_int8(key_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``key_mask [B, 1|Hk|Hq, Nk]`` as int8 ``[B, 1|Hq, Nk]`` on q's device (kv head ``j`` serves query heads
+    ``j*g .. j*g+g-1``; a shared ``[B, 1, Nk]`` mask stays one row, read with a zero head stride)."""
+    b, hq, hk, n_k = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
+    if not isinstance(key_mask, torch.Tensor) or key_mask.dim() != 3 or key_mask.shape[0] != b \
+            or key_mask.shape[2] != n_k or key_mask.shape[1] not in (1, hk, hq):
+        got = list(key_mask.shape) if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
+        raise ValueError(f"key_mask must be [B, 1|Hk|Hq, Nk] = [{b}, 1|{hk}|{hq}, {n_k}], got {got}")
+    if key_mask.dtype.is_floating_point:
+        raise TypeError(f"key_mask must be boolean (True = attend), got {key_mask.dtype}")
+    km = key_mask.to(device=q.device, dtype=torch.bool)
+    if km.shape[1] not in (1, hq):
+        km = km.repeat_interleave(hq // hk, dim=1)
+    return km.to(torch.int8).contiguous()
+
+
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
                      causal: bool = True, q_offset: Optional[int] = None, window: Optional[int] = None,
                      layout: Optional[BlockLayout] = None, q_index: Optional[QueryIndex] = None,
-                     score_mode: str = "softmax") -> Tuple[torch.Tensor, torch.Tensor]:
+                     score_mode: str = "softmax", key_mask: Optional[torch.Tensor] = None,
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention-2 style attention (K1 forward, K2 backward) with masks, block layouts and query subsets.
 
     Args:
@@ -805,6 +872,11 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
             (then the key range is the causal band with a per-row block lookup, not the layout's lists).
         score_mode: ``"softmax"`` or ``"lssa"`` (q, k L2-normalised here in fp32, cosine logits,
             ``phi = log softplus(ln(d) ln(N_i) c)``, see module docs).
+        key_mask: boolean ``[B, 1|Hk|Hq, Nk]`` (True = attend), on top of every other mask: each kernel loads
+            the query head's mask for each key tile (int8, one load per tile) and sets masked logits to
+            ``-inf`` before the online softmax (forward) or the recomputed probabilities (backward). A row whose
+            every key is masked gives ``O = 0``, ``LSE = -inf`` and no gradient. (LSSA keeps ``N_i`` from the
+            causal/window mask alone, as in the reference.)
 
     Returns:
         ``(o, lse)``: ``o [B, Hq, Nq or Nc, dv]`` in q's dtype and ``lse [B, Hq, Nq or Nc]`` float32, the
@@ -819,6 +891,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     """
     _validate(q, k, v, causal, window, layout, q_index, score_mode)
     check_device(q, k, v)
+    km = None if key_mask is None else _key_mask_int8(key_mask, q, k)
     check_offsets(q=q, k=k, v=v)
     n_q, d = q.shape[2], q.shape[3]
     n_k = k.shape[2]
@@ -832,7 +905,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     spec = _Spec(
         scale=float(1.0 / math.sqrt(d) if scale is None else scale),
         causal=bool(causal), q_offset=resolve_q_offset(n_q, n_k, q_offset),
-        window=None if window is None else int(window), layout=layout, q_index=q_index, lssa=lssa,
+        window=None if window is None else int(window), layout=layout, q_index=q_index, lssa=lssa, key_mask=km,
     )
     o, lse = _TritonAttention.apply(q, k, v, spec)
     return o.to(out_dtype), lse

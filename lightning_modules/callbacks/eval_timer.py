@@ -4,14 +4,18 @@ An inference-side callback in the shape every inference method's callback takes:
 validate/test/predict, keeps its state on itself (nothing is registered on the model), and clears it at every
 stage start, so attaching it to any run changes no result, only adds ``<stage>/seconds_per_batch`` (logged for
 validate/test; for predict it is kept in :attr:`summary`, as Lightning does not log during predict).
+
+Each batch is timed by :class:`litctx_common.timing.Stopwatch` on the module's device: on CUDA the device is
+synchronised at the batch start and end, so the time is the batch's work, not its kernel launches.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import lightning.pytorch as pl
+
+from litctx_common.timing import Stopwatch
 
 __all__ = ["EvalTimer"]
 
@@ -25,16 +29,20 @@ class EvalTimer(pl.Callback):
         self.warmup = warmup
         self.summary: Dict[str, float] = {}
         self._times: List[float] = []
-        self._start = 0.0
+        self._watch: Optional[Stopwatch] = None
 
     def _begin(self) -> None:
         self._times = []
+        self._watch = None
 
-    def _batch_start(self) -> None:
-        self._start = time.perf_counter()
+    def _batch_start(self, pl_module: pl.LightningModule) -> None:
+        self._watch = Stopwatch(pl_module.device).start()
 
     def _batch_end(self) -> None:
-        self._times.append(time.perf_counter() - self._start)
+        if self._watch is None:  # a batch end without its start (nothing to time)
+            return
+        self._times.append(self._watch.stop())
+        self._watch = None
 
     def _finish(self, stage: str, pl_module: pl.LightningModule, log: bool) -> None:
         kept = self._times[self.warmup:] or self._times
@@ -50,7 +58,7 @@ class EvalTimer(pl.Callback):
         self._begin()
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-        self._batch_start()
+        self._batch_start(pl_module)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self._batch_end()
@@ -64,7 +72,7 @@ class EvalTimer(pl.Callback):
         self._begin()
 
     def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-        self._batch_start()
+        self._batch_start(pl_module)
 
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self._batch_end()
@@ -77,7 +85,7 @@ class EvalTimer(pl.Callback):
         self._begin()
 
     def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-        self._batch_start()
+        self._batch_start(pl_module)
 
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         self._batch_end()

@@ -10,9 +10,7 @@ model for validate/test/predict and always removed (see
 
 from __future__ import annotations
 
-from typing import Any
-
-from lightning_modules.kv_eviction.methods import build_eviction_policy
+from lightning_modules.kv_eviction.methods import EvictionConfig
 from lightning_modules.llm.callbacks import KVPolicyCallback
 
 __all__ = ["EvictionCallback"]
@@ -20,8 +18,11 @@ __all__ = ["EvictionCallback"]
 
 class EvictionCallback(KVPolicyCallback):
     """A KV eviction method (any config of :data:`~lightning_modules.kv_eviction.methods.EVICTION_METHODS`)
-    for validate/test/predict. Logs the fraction of entries kept at each stage end."""
+    for validate/test/predict: installs ``cfg.build()``. Logs the fraction of entries kept at each stage end."""
 
-    def __init__(self, cfg: Any) -> None:
-        super().__init__(policy=build_eviction_policy(cfg))
+    def __init__(self, cfg: EvictionConfig) -> None:
+        if not isinstance(cfg, EvictionConfig):
+            raise TypeError(f"EvictionCallback takes an eviction method config (EVICTION_METHODS), got "
+                            f"{type(cfg).__name__}")
+        super().__init__(policy=cfg.build())
         self.cfg = cfg

@@ -1,4 +1,7 @@
-"""The eviction methods as typed configs that build a :class:`~lightning_modules.llm.policy.KVPolicy`.
+"""The eviction methods as typed configs: each config is the method. It is the single source of the method's
+defaults, validates itself in ``__post_init__`` (errors name ``<method>.<field>`` and the valid values) and
+``build()`` returns the :class:`~lightning_modules.llm.policy.KVPolicy` that runs, wired from exactly its
+fields (``tests/test_kv_eviction.py`` checks every field of every registered method).
 
 Each config names what its paper varies; every scored method takes ``score`` (``attention`` or an OBCache
 score, :data:`~lightning_modules.kv_eviction.scores.SCORE_KINDS`), which is how OBCache replaces the attention
@@ -23,11 +26,11 @@ method                    scorer / selector                                     
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Type
 
 from lightning_modules.base import coerce_config
-from lightning_modules.kv_eviction.scores import SCORE_KINDS, check_kind
-from lightning_modules.kv_eviction.scorers import AccumulatedScorer, WindowScorer
+from lightning_modules.kv_eviction.scores import GQA_REDUCTIONS, SCORE_KINDS
+from lightning_modules.kv_eviction.scorers import POOLS, AccumulatedScorer, WindowScorer
 from lightning_modules.kv_eviction.selectors import AdaKVSelector
 from lightning_modules.llm.policy import (
     Budget,
@@ -40,6 +43,7 @@ from lightning_modules.llm.policy import (
 )
 
 __all__ = [
+    "EvictionConfig",
     "StreamingLLMConfig",
     "H2OConfig",
     "SnapKVConfig",
@@ -49,20 +53,50 @@ __all__ = [
     "RandomEvictionConfig",
     "RecentEvictionConfig",
     "EVICTION_METHODS",
-    "build_eviction_policy",
+    "ADAPTABLE",
+    "OBCACHE_BASES",
     "method_config",
+    "policy_grid",
 ]
 
+ADAPTABLE: Tuple[str, ...] = ("h2o", "snapkv", "tova", "streaming_llm")
+"""Bases AdaKV's head-adaptive selection can wrap."""
+OBCACHE_BASES: Tuple[str, ...] = ("h2o", "snapkv", "tova")
+"""Bases whose attention score OBCache replaces."""
+OBCACHE_KINDS: Tuple[str, ...] = ("v", "k", "kv")
 
-class _Validated:
-    """Configs check themselves by building their policy once (scores, pools, budgets, bases)."""
 
-    def __post_init__(self) -> None:
-        build_eviction_policy(self)
+def _check(ok: bool, method: str, name: str, value: Any, valid: str) -> None:
+    """Raise ``ValueError('<method>.<name>=<value>: <valid>')`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{method}.{name}={value!r}: {valid}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _schedule(decode: bool) -> Schedule:
+    return Schedule(prefill=True, decode_every=1 if decode else 0)
 
 
 @dataclass
-class _Budgeted(_Validated):
+class EvictionConfig:
+    """Base of the eviction methods: ``method`` is the registry name, :meth:`build` the policy."""
+
+    method: ClassVar[str] = "eviction"
+
+    def build(self) -> KVPolicy:
+        """The :class:`KVPolicy` this config describes (a fresh one per call: scorers hold state)."""
+        raise NotImplementedError
+
+    def with_compression_ratio(self, ratio: float) -> "EvictionConfig":
+        """A copy at compression ratio ``ratio`` (an absolute ``keep`` is dropped)."""
+        raise NotImplementedError
+
+
+@dataclass
+class _Budgeted(EvictionConfig):
     """Attributes:
         compression_ratio: fraction of each KV head's prompt entries removed, in [0, 1).
         keep: absolute entries kept per KV head (takes precedence over ``compression_ratio``).
@@ -71,12 +105,32 @@ class _Budgeted(_Validated):
     compression_ratio: Optional[float] = 0.5
     keep: Optional[int] = None
 
+    def __post_init__(self) -> None:
+        m = self.method
+        _check(self.compression_ratio is None or 0.0 <= self.compression_ratio < 1.0, m, "compression_ratio",
+               self.compression_ratio, "must be in [0, 1) or null")
+        _check(self.keep is None or (_is_int(self.keep) and self.keep >= 1), m, "keep", self.keep,
+               "must be an integer >= 1 or null")
+
     def budget(self, **kw: Any) -> Budget:
+        """The per-KV-head budget (``keep`` wins over ``compression_ratio``) plus ``kw`` (sink, window, ...)."""
         ratio = None if self.keep is not None else self.compression_ratio
         return Budget(keep=self.keep, compression_ratio=ratio, **kw)
 
     def tag(self) -> str:
         return self.budget().tag()
+
+    def with_compression_ratio(self, ratio: float) -> "_Budgeted":
+        return replace(self, compression_ratio=ratio, keep=None)
+
+
+def _check_score(cfg: Any) -> None:
+    _check(cfg.score in SCORE_KINDS, cfg.method, "score", cfg.score, f"valid scores are {', '.join(SCORE_KINDS)}")
+
+
+def _check_gqa(cfg: Any) -> None:
+    _check(cfg.gqa in GQA_REDUCTIONS, cfg.method, "gqa", cfg.gqa,
+           f"valid reductions are {', '.join(GQA_REDUCTIONS)}")
 
 
 @dataclass
@@ -88,8 +142,17 @@ class StreamingLLMConfig(_Budgeted):
         decode: keep the budget during decoding too (a rolling window), not only after the prefill.
     """
 
+    method: ClassVar[str] = "streaming_llm"
     sink: int = 4
     decode: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(_is_int(self.sink) and self.sink >= 0, self.method, "sink", self.sink, "must be an integer >= 0")
+
+    def build(self) -> KVPolicy:
+        return KVPolicy(scorer=RecentScorer(), selector=TopKSelector(), budget=self.budget(sink=self.sink),
+                        schedule=_schedule(self.decode), name=f"streaming_llm@{self.tag()}")
 
 
 @dataclass
@@ -105,11 +168,27 @@ class H2OConfig(_Budgeted):
         gqa: reduction of a GQA group's query heads (``mean``, ``sum``, ``max``).
     """
 
+    method: ClassVar[str] = "h2o"
     recent_fraction: float = 0.5
     score: str = "attention"
     obs_window: Optional[int] = None
     decode: bool = True
     gqa: str = "mean"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(0.0 <= self.recent_fraction <= 1.0, self.method, "recent_fraction", self.recent_fraction,
+               "must be in [0, 1]")
+        _check_score(self)
+        _check(self.obs_window is None or (_is_int(self.obs_window) and self.obs_window >= 1), self.method,
+               "obs_window", self.obs_window, "must be an integer >= 1 or null")
+        _check_gqa(self)
+
+    def build(self) -> KVPolicy:
+        scorer = AccumulatedScorer(score=self.score, obs_window=self.obs_window, gqa=self.gqa)
+        return KVPolicy(scorer=scorer, selector=TopKSelector(),
+                        budget=self.budget(window_fraction=self.recent_fraction),
+                        schedule=_schedule(self.decode), name=f"h2o[{self.score}]@{self.tag()}")
 
 
 @dataclass
@@ -123,11 +202,28 @@ class SnapKVConfig(_Budgeted):
         gqa: reduction of a GQA group's query heads.
     """
 
+    method: ClassVar[str] = "snapkv"
     window: int = 32
     pool: str = "avg"
     kernel: int = 5
     score: str = "attention"
     gqa: str = "mean"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(_is_int(self.window) and self.window >= 1, self.method, "window", self.window,
+               "must be an integer >= 1")
+        _check(self.pool in POOLS, self.method, "pool", self.pool, f"valid pools are {', '.join(POOLS)}")
+        _check(_is_int(self.kernel) and self.kernel >= 1 and self.kernel % 2 == 1, self.method, "kernel",
+               self.kernel, "must be a positive odd integer")
+        _check_score(self)
+        _check_gqa(self)
+
+    def build(self) -> KVPolicy:
+        scorer = WindowScorer(score=self.score, window=self.window, pool=self.pool, kernel=self.kernel,
+                              gqa=self.gqa)
+        return KVPolicy(scorer=scorer, selector=TopKSelector(), budget=self.budget(window=self.window),
+                        schedule=_schedule(False), name=f"snapkv[{self.score}]@{self.tag()}")
 
 
 @dataclass
@@ -140,13 +236,41 @@ class TOVAConfig(_Budgeted):
         decode: evict at every decode step (TOVA), not only after the prefill.
     """
 
+    method: ClassVar[str] = "tova"
     score: str = "attention"
     window: int = 0
     decode: bool = True
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_score(self)
+        _check(_is_int(self.window) and self.window >= 0, self.method, "window", self.window,
+               "must be an integer >= 0")
+
+    def build(self) -> KVPolicy:
+        # TOVA's score is the last query only, unpooled, averaged over every head (group mean, then the
+        # shared selector's mean over KV heads)
+        scorer = WindowScorer(score=self.score, window=1, pool="none", kernel=1, gqa="mean")
+        return KVPolicy(scorer=scorer, selector=SharedTopKSelector(), budget=self.budget(window=self.window),
+                        schedule=_schedule(self.decode), name=f"tova[{self.score}]@{self.tag()}")
+
+
+def _base_config(method: str, base: str, base_args: Mapping[str, Any], valid: Sequence[str]) -> "_Budgeted":
+    _check(base in valid, method, "base", base, f"valid bases are {', '.join(valid)}")
+    if not isinstance(base_args, Mapping):
+        raise ValueError(f"{method}.base_args: expected a mapping of {base}'s fields, got {type(base_args).__name__}")
+    try:
+        return coerce_config(dict(base_args), EVICTION_METHODS[base])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{method}.base_args: {err}") from None
+
+
+def _ratio_args(base_args: Mapping[str, Any], ratio: float) -> Dict[str, Any]:
+    return {**{k: v for k, v in base_args.items() if k != "keep"}, "compression_ratio": ratio}
+
 
 @dataclass
-class AdaKVConfig(_Validated):
+class AdaKVConfig(EvictionConfig):
     """AdaKV: a base method's scores with head-adaptive budgets (the layer's total budget is shared).
 
     Attributes:
@@ -155,13 +279,29 @@ class AdaKVConfig(_Validated):
         alpha: safeguard: each head keeps at least ``alpha`` of its own budget (kvpress 0.2).
     """
 
+    method: ClassVar[str] = "adakv"
     base: str = "snapkv"
     base_args: Dict[str, Any] = field(default_factory=dict)
     alpha: float = 0.2
 
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.alpha <= 1.0, self.method, "alpha", self.alpha, "must be in [0, 1]")
+        self.base_config()
+
+    def base_config(self) -> "_Budgeted":
+        """The base method's config from ``base`` and ``base_args`` (validated)."""
+        return _base_config(self.method, self.base, self.base_args, ADAPTABLE)
+
+    def build(self) -> KVPolicy:
+        base = self.base_config().build()
+        return replace(base, selector=AdaKVSelector(self.alpha), name=f"adakv({base.name})")
+
+    def with_compression_ratio(self, ratio: float) -> "AdaKVConfig":
+        return replace(self, base_args=_ratio_args(self.base_args, ratio))
+
 
 @dataclass
-class OBCacheConfig(_Validated):
+class OBCacheConfig(EvictionConfig):
     """OBCache: a base method with the output-aware score in place of the attention score.
 
     Attributes:
@@ -172,115 +312,104 @@ class OBCacheConfig(_Validated):
         base_args: the base method's config fields (its budget included).
     """
 
+    method: ClassVar[str] = "obcache"
     base: str = "snapkv"
     kind: str = "kv"
     adaptive: bool = False
     alpha: float = 0.2
     base_args: Dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        _check(self.kind in OBCACHE_KINDS, self.method, "kind", self.kind,
+               f"valid kinds are {', '.join(OBCACHE_KINDS)}")
+        _check(0.0 <= self.alpha <= 1.0, self.method, "alpha", self.alpha, "must be in [0, 1]")
+        if isinstance(self.base_args, Mapping) and "score" in self.base_args:
+            raise ValueError("obcache.base_args.score: the score is set by obcache.kind; remove it")
+        self.base_config()
+
+    def base_config(self) -> "_Budgeted":
+        """The base method's config with the OBCache score (validated)."""
+        args = {**dict(self.base_args), "score": f"obcache_{self.kind}"} if isinstance(self.base_args, Mapping) \
+            else self.base_args
+        return _base_config(self.method, self.base, args, OBCACHE_BASES)
+
+    def build(self) -> KVPolicy:
+        base = self.base_config().build()
+        if self.adaptive:
+            return replace(base, selector=AdaKVSelector(self.alpha), name=f"adakv({base.name})")
+        return base
+
+    def with_compression_ratio(self, ratio: float) -> "OBCacheConfig":
+        return replace(self, base_args=_ratio_args(self.base_args, ratio))
+
 
 @dataclass
 class RandomEvictionConfig(_Budgeted):
-    """Control: uniform random scores (seeded), with optional protected ``sink`` / ``window``."""
+    """Control: uniform random scores (seeded), with optional protected ``sink`` / ``window``.
 
+    Attributes:
+        seed: scorer seed; sink, window: protected first / most recent entries.
+    """
+
+    method: ClassVar[str] = "random_eviction"
     seed: int = 0
     sink: int = 0
     window: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(_is_int(self.seed), self.method, "seed", self.seed, "must be an integer")
+        for name in ("sink", "window"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 0, self.method, name, value, "must be an integer >= 0")
+
+    def build(self) -> KVPolicy:
+        return KVPolicy(scorer=RandomScorer(self.seed), selector=TopKSelector(),
+                        budget=self.budget(sink=self.sink, window=self.window), name=f"random@{self.tag()}")
 
 
 @dataclass
 class RecentEvictionConfig(_Budgeted):
     """Control: keep only the most recent entries (StreamingLLM without sinks)."""
 
+    method: ClassVar[str] = "recent_eviction"
 
-def _schedule(decode: bool) -> Schedule:
-    return Schedule(prefill=True, decode_every=1 if decode else 0)
-
-
-def _streaming(cfg: StreamingLLMConfig) -> KVPolicy:
-    return KVPolicy(scorer=RecentScorer(), selector=TopKSelector(), budget=cfg.budget(sink=cfg.sink),
-                    schedule=_schedule(cfg.decode), name=f"streaming_llm@{cfg.tag()}")
+    def build(self) -> KVPolicy:
+        return KVPolicy(scorer=RecentScorer(), selector=TopKSelector(), budget=self.budget(),
+                        name=f"recent@{self.tag()}")
 
 
-def _h2o(cfg: H2OConfig) -> KVPolicy:
-    scorer = AccumulatedScorer(score=cfg.score, obs_window=cfg.obs_window, gqa=cfg.gqa)
-    return KVPolicy(scorer=scorer, selector=TopKSelector(), budget=cfg.budget(window_fraction=cfg.recent_fraction),
-                    schedule=_schedule(cfg.decode), name=f"h2o[{cfg.score}]@{cfg.tag()}")
-
-
-def _snapkv(cfg: SnapKVConfig) -> KVPolicy:
-    scorer = WindowScorer(score=cfg.score, window=cfg.window, pool=cfg.pool, kernel=cfg.kernel, gqa=cfg.gqa)
-    return KVPolicy(scorer=scorer, selector=TopKSelector(), budget=cfg.budget(window=cfg.window),
-                    schedule=_schedule(False), name=f"snapkv[{cfg.score}]@{cfg.tag()}")
-
-
-def _tova(cfg: TOVAConfig) -> KVPolicy:
-    scorer = WindowScorer(score=cfg.score, window=1, pool="none")
-    return KVPolicy(scorer=scorer, selector=SharedTopKSelector(), budget=cfg.budget(window=cfg.window),
-                    schedule=_schedule(cfg.decode), name=f"tova[{cfg.score}]@{cfg.tag()}")
-
-
-ADAPTABLE = ("h2o", "snapkv", "tova", "streaming_llm")
-
-
-def _adakv(cfg: AdaKVConfig) -> KVPolicy:
-    if cfg.base not in ADAPTABLE:
-        raise ValueError(f"adakv.base={cfg.base!r}: valid bases are {', '.join(ADAPTABLE)}")
-    base = build_eviction_policy(method_config(cfg.base, cfg.base_args))
-    return replace(base, selector=AdaKVSelector(cfg.alpha), name=f"adakv({base.name})")
-
-
-def _obcache(cfg: OBCacheConfig) -> KVPolicy:
-    if cfg.base not in ("h2o", "snapkv", "tova"):
-        raise ValueError(f"obcache.base={cfg.base!r}: valid bases are h2o, snapkv, tova")
-    score = f"obcache_{cfg.kind}"
-    if score not in SCORE_KINDS:
-        raise ValueError(f"obcache.kind={cfg.kind!r}: valid kinds are v, k, kv")
-    if "score" in cfg.base_args:
-        raise ValueError("obcache.base_args.score: the score is set by obcache.kind; remove it")
-    base_args = {**cfg.base_args, "score": score}
-    if cfg.adaptive:
-        return _adakv(AdaKVConfig(base=cfg.base, base_args=base_args, alpha=cfg.alpha))
-    return build_eviction_policy(method_config(cfg.base, base_args))
-
-
-def _random(cfg: RandomEvictionConfig) -> KVPolicy:
-    return KVPolicy(scorer=RandomScorer(cfg.seed), selector=TopKSelector(),
-                    budget=cfg.budget(sink=cfg.sink, window=cfg.window), name=f"random@{cfg.tag()}")
-
-
-def _recent(cfg: RecentEvictionConfig) -> KVPolicy:
-    return KVPolicy(scorer=RecentScorer(), selector=TopKSelector(), budget=cfg.budget(), name=f"recent@{cfg.tag()}")
-
-
-EVICTION_METHODS: Dict[str, Tuple[Type[Any], Callable[[Any], KVPolicy]]] = {
-    "streaming_llm": (StreamingLLMConfig, _streaming),
-    "h2o": (H2OConfig, _h2o),
-    "snapkv": (SnapKVConfig, _snapkv),
-    "tova": (TOVAConfig, _tova),
-    "adakv": (AdaKVConfig, _adakv),
-    "obcache": (OBCacheConfig, _obcache),
-    "random_eviction": (RandomEvictionConfig, _random),
-    "recent_eviction": (RecentEvictionConfig, _recent),
+EVICTION_METHODS: Dict[str, Type[EvictionConfig]] = {
+    cls.method: cls
+    for cls in (StreamingLLMConfig, H2OConfig, SnapKVConfig, TOVAConfig, AdaKVConfig, OBCacheConfig,
+                RandomEvictionConfig, RecentEvictionConfig)
 }
-"""Method name -> (config class, policy builder)."""
+"""Method name -> config class (the config builds the policy: ``EVICTION_METHODS[name](**args).build()``)."""
 
 
-def method_config(name: str, args: Optional[Dict[str, Any]] = None) -> Any:
+def method_config(name: str, args: Optional[Mapping[str, Any]] = None) -> EvictionConfig:
     """The config of method ``name`` from a dict of its fields (unknown fields are named in the error)."""
     if name not in EVICTION_METHODS:
         raise ValueError(f"unknown eviction method {name!r}; known: {', '.join(EVICTION_METHODS)}")
-    return coerce_config(dict(args or {}), EVICTION_METHODS[name][0])
+    return coerce_config(dict(args or {}), EVICTION_METHODS[name])
 
 
-def build_eviction_policy(cfg: Any) -> KVPolicy:
-    """The :class:`KVPolicy` a method config describes (scores and budgets validated here)."""
-    for name, (cls, build) in EVICTION_METHODS.items():
-        if type(cfg) is cls:
-            if hasattr(cfg, "score"):
-                check_kind(cfg.score)
-            if hasattr(cfg, "recent_fraction") and not 0.0 <= cfg.recent_fraction <= 1.0:
-                raise ValueError(f"recent_fraction must be in [0, 1], got {cfg.recent_fraction}")
-            return build(cfg)
-    raise TypeError(f"{type(cfg).__name__} is not an eviction method config; known: "
-                    f"{', '.join(c.__name__ for c, _ in EVICTION_METHODS.values())}")
+def policy_grid(methods: Mapping[str, Tuple[str, Mapping[str, Any]]], ratios: Sequence[float], *,
+                full: bool = True) -> Dict[Tuple[str, float], KVPolicy]:
+    """One policy per (label, compression ratio).
+
+    Args:
+        methods: ``label -> (method name, config fields)``; the budget fields are replaced by each ratio (for
+            ``adakv`` / ``obcache`` inside ``base_args``).
+        ratios: compression ratios in [0, 1).
+        full: also add ``("full", 0.0)``: the no-op policy (the full cache).
+
+    Returns:
+        ``{(label, ratio): KVPolicy}`` in the order of ``methods`` then ``ratios``.
+    """
+    grid: Dict[Tuple[str, float], KVPolicy] = {("full", 0.0): KVPolicy()} if full else {}
+    for label, (name, args) in methods.items():
+        cfg = method_config(name, args)
+        for r in ratios:
+            grid[(label, r)] = cfg.with_compression_ratio(r).build()
+    return grid

@@ -6,7 +6,8 @@
 * :class:`WindowScorer` (SnapKV; TOVA with ``window=1`` and no pooling) - the score of the last ``window``
   queries of the current call, optionally smoothed by a 1-D pool over cache positions.
 
-Scores are per KV head ``[B, Hk, N]`` (query heads of a GQA group reduced by ``gqa``).
+Scores are per KV head ``[B, Hk, N]`` (query heads of a GQA group reduced by ``gqa``). The constructors have no
+defaults of their own: the method configs of :mod:`~lightning_modules.kv_eviction.methods` hold them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _observed_scores(obs: KVObservation, window: Optional[int], kind: str, gqa: 
 class AccumulatedScorer:
     """H2O's heavy-hitter score: per cache entry, the sum of a score over every query that has seen it.
 
-    Args:
+    Args (keyword-only, no defaults: :class:`~lightning_modules.kv_eviction.methods.H2OConfig` holds them):
         score: ``attention`` (H2O) or an OBCache score.
         obs_window: at the first (prefill) call only the last ``obs_window`` queries count (None = all of them,
             as H2O; OBCache's released H2O variants use the recent window); later calls count all their queries.
@@ -43,7 +44,7 @@ class AccumulatedScorer:
 
     requires: FrozenSet[str] = frozenset({"colstats"})
 
-    def __init__(self, score: str = "attention", obs_window: Optional[int] = None, gqa: str = "mean") -> None:
+    def __init__(self, *, score: str, obs_window: Optional[int], gqa: str) -> None:
         self.score_kind = check_kind(score)
         if obs_window is not None and obs_window < 1:
             raise ValueError(f"obs_window must be >= 1 or None, got {obs_window}")
@@ -78,7 +79,7 @@ class AccumulatedScorer:
 class WindowScorer:
     """SnapKV's observation-window score (TOVA: ``window=1``, ``pool="none"``).
 
-    Args:
+    Args (keyword-only, no defaults: :class:`~lightning_modules.kv_eviction.methods.SnapKVConfig` holds them):
         score: ``attention`` or an OBCache score.
         window: observation queries, the last ``window`` of the call (SnapKV 32, kvpress 64; TOVA 1).
         pool: ``avg`` (SnapKV), ``max`` or ``none`` over cache positions; kernel: pool width (odd).
@@ -87,8 +88,7 @@ class WindowScorer:
 
     requires: FrozenSet[str] = frozenset({"colstats"})
 
-    def __init__(self, score: str = "attention", window: int = 32, pool: str = "avg", kernel: int = 5,
-                 gqa: str = "mean") -> None:
+    def __init__(self, *, score: str, window: int, pool: str, kernel: int, gqa: str) -> None:
         self.score_kind = check_kind(score)
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Tuple
 
 import torch
+from einops import repeat
 
 import kernels
 
@@ -59,7 +60,7 @@ def token_scores(stats: kernels.ColStats, values: torch.Tensor, kind: str) -> to
         raise ValueError(f"values must be [B, Hk, N, dv] with B={b}, N={n} and Hk dividing Hq={hq}; got "
                          f"{list(values.shape)}")
     work = stats.p_sum.dtype
-    v = values.to(work).repeat_interleave(hq // values.shape[1], dim=1)  # [B, Hq, N, dv]
+    v = repeat(values.to(work), "b hk n e -> b (hk g) n e", g=hq // values.shape[1])  # [B, Hq, N, dv]
     v_norm2 = v.pow(2).sum(-1)
     s_v = stats.p2_sum * v_norm2
     if kind == "obcache_v":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_modules.llm.policy import top_capacity
+
 __all__ = ["AdaKVSelector"]
 
 
@@ -25,19 +27,13 @@ class AdaKVSelector:
     def select(self, scores: torch.Tensor, capacity: torch.Tensor, protected: torch.Tensor,
                valid: torch.Tensor) -> torch.Tensor:
         b, hk, n = scores.shape
-        s = scores.float().masked_fill(~valid, float("-inf"))
-        s = torch.where(protected, torch.full_like(s, float("inf")), s)
-        order = torch.argsort(s, dim=-1, descending=True, stable=True)
-        ranks = torch.empty_like(order)
-        ranks.scatter_(-1, order, torch.arange(n, device=s.device).expand_as(order))
-        n_prot = protected.sum(-1)
-        safe_n = torch.maximum(torch.floor(capacity.double() * self.alpha).long(), n_prot)
-        safe = valid & (ranks < safe_n.unsqueeze(-1))
-        # the layer's remaining budget, filled by the best remaining scores across heads
+        # the safeguard: each head's top floor(alpha * capacity_h) (at least its protected entries)
+        safe_n = torch.maximum(torch.floor(capacity.double() * self.alpha).long(), protected.sum(-1))
+        safe = top_capacity(scores, safe_n, protected, valid)
+        # the layer's remaining budget, filled by the best remaining scores across heads (protected entries are
+        # all in the safeguard already)
         remaining = (capacity.sum(-1) - safe.sum((-1, -2))).clamp_min(0)  # [B]
-        rest = s.masked_fill(safe | ~valid, float("-inf")).reshape(b, hk * n)
-        rest_order = torch.argsort(rest, dim=-1, descending=True, stable=True)
-        rest_rank = torch.empty_like(rest_order)
-        rest_rank.scatter_(-1, rest_order, torch.arange(hk * n, device=s.device).expand_as(rest_order))
-        chosen = (rest_rank < remaining.unsqueeze(-1)) & torch.isfinite(rest)
+        rest = scores.float().masked_fill(safe | ~valid, float("-inf")).reshape(b, 1, hk * n)
+        chosen = top_capacity(rest, remaining.view(b, 1), torch.zeros_like(rest, dtype=torch.bool),
+                              torch.isfinite(rest))
         return safe | (chosen.view(b, hk, n) & valid)

@@ -13,8 +13,11 @@ Per layer, the function first looks for a policy runner installed on the attenti
   also right for decoding with a cache (the new queries are the last ``Nq`` of ``Nk`` positions);
 * a boolean ``[B, 1, Nq, Nk]`` mask that is "causal and a per-key mask" (left or right padding) -> the same
   call with ``key_mask``;
-* any other mask (sliding windows of some layers, packed sequences) -> an exact masked softmax on the
-  dense scores, logged once.
+* a sliding-window layer (transformers passes ``sliding_window=W``: Qwen2's ``max_window_layers``/
+  ``layer_types``, Gemma-3's interleaved ``sliding_attention`` layers, Mistral) whose mask is "causal x window
+  ``W`` x a per-key mask" -> the same call with ``window=W`` (and ``key_mask``); with a policy installed the
+  runner applies the window by the entries' original positions (``session.window_attention``);
+* any other mask (packed sequences) -> an exact masked softmax on the dense scores, logged once.
 """
 
 from __future__ import annotations
@@ -54,25 +57,32 @@ def ensure_registered() -> None:
 _KEY_MASK_ATTR = "_litctx_key_mask"
 
 
-def mask_to_key_mask(mask: torch.Tensor, n_q: int, n_k: int) -> Optional[torch.Tensor]:
+def mask_to_key_mask(mask: torch.Tensor, n_q: int, n_k: int, window: Optional[int] = None) -> Optional[torch.Tensor]:
     """``[B, 1|H, Nq, Nk]`` boolean mask -> per-key mask ``[B, 1|H, Nk]`` when the mask equals
-    ``causal (bottom-right) & key_mask``; ``None`` when it does not factor that way.
+    ``causal (bottom-right) & key_mask`` (and, with ``window``, ``& j > i - window`` in the mask's columns);
+    ``None`` when it does not factor that way.
 
-    transformers builds one mask per forward and hands the same tensor to every layer, so the answer is kept on
-    the mask tensor itself and the O(B Nq Nk) check runs once per forward, not once per layer."""
+    transformers builds one mask per forward (per layer type) and hands the same tensor to every layer, so the
+    answer is kept on the mask tensor itself and the O(B Nq Nk) check runs once per forward, not once per
+    layer."""
     cached = getattr(mask, _KEY_MASK_ATTR, None)
-    if cached is not None:
-        return cached if isinstance(cached, torch.Tensor) else None
-    key_mask = _factor_mask(mask, n_q, n_k)
-    setattr(mask, _KEY_MASK_ATTR, key_mask if key_mask is not None else False)
-    return key_mask
+    if cached is None:
+        cached = {}
+        setattr(mask, _KEY_MASK_ATTR, cached)
+    if window not in cached:
+        key_mask = _factor_mask(mask, n_q, n_k, window)
+        cached[window] = key_mask if key_mask is not None else False
+    found = cached[window]
+    return found if isinstance(found, torch.Tensor) else None
 
 
-def _factor_mask(mask: torch.Tensor, n_q: int, n_k: int) -> Optional[torch.Tensor]:
+def _factor_mask(mask: torch.Tensor, n_q: int, n_k: int, window: Optional[int] = None) -> Optional[torch.Tensor]:
     if mask.dtype != torch.bool:
         mask = mask == 0  # additive float masks: 0 = attend
     key_mask = mask.any(dim=-2)  # a key is live if some query may read it
     causal = torch.ones(n_q, n_k, dtype=torch.bool, device=mask.device).tril(diagonal=n_k - n_q)
+    if window is not None:
+        causal = causal.triu(diagonal=n_k - n_q - window + 1)
     rebuilt = causal & key_mask.unsqueeze(-2)
     # rows with no live key are padding queries: their output is never read, any factorisation is fine there
     rows_live = mask.any(dim=-1, keepdim=True)
@@ -99,20 +109,24 @@ def dense_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """Causal attention of ``query [B, Hq, Nq, d]`` over the cache view ``key, value [B, Hk, Nk, d]`` under
-    transformers' mask (``None`` or boolean ``[B, 1, Nq, Nk]``). Returns ``[B, Hq, Nq, dv]``."""
+                     attention_mask: Optional[torch.Tensor], scale: float,
+                     window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of ``query [B, Hq, Nq, d]`` over the cache view ``key, value [B, Hk, Nk, d]`` (entries
+    in stream order, as transformers' caches hold them) under transformers' mask (``None`` or boolean
+    ``[B, 1, Nq, Nk]``), restricted to a sliding ``window`` when the layer has one. Returns ``[B, Hq, Nq, dv]``."""
     n_q, n_k = query.shape[2], key.shape[2]
     key_mask = None
     if attention_mask is not None:
-        key_mask = mask_to_key_mask(attention_mask, n_q, n_k)
+        key_mask = mask_to_key_mask(attention_mask, n_q, n_k, window=window)
         if key_mask is None:
-            _log_once("litctx attention: a mask that is not causal x per-key (sliding window or packed "
+            _log_once("litctx attention: a mask that is not causal (x sliding window) x per-key (packed "
                       "sequences) runs as exact dense masked softmax")
             return dense_masked_attention(query, key, value, attention_mask, scale)
         if bool(key_mask.all()):
             key_mask = None
-    o, _ = kernels.attention(query, key, value, scale=scale, causal=True, key_mask=key_mask)
+    if window is not None and window >= n_k:
+        window = None  # no key is far enough back to leave the window: plain causal attention is the same
+    o, _ = kernels.attention(query, key, value, scale=scale, causal=True, window=window, key_mask=key_mask)
     return o
 
 
@@ -126,12 +140,14 @@ def litctx_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                          f"the config's attention_dropout to 0")
     if is_causal is False or not getattr(module, "is_causal", True):
         raise ValueError(f"litctx attention serves causal decoder layers; {type(module).__name__} is not causal")
-    if kwargs.get("sliding_window") is not None:
-        _log_once("litctx attention: sliding-window layers are applied through their mask")
+    window = kwargs.get("sliding_window")
+    window = int(window) if window is not None else None
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     runner = getattr(module, RUNNER_ATTR, None)
     if runner is not None:
-        out = runner.attend(module, query, key, value, attention_mask, scale)
+        # runners take the layer's window as a keyword (passed only to sliding-window layers)
+        extra = {} if window is None else {"window": window}
+        out = runner.attend(module, query, key, value, attention_mask, scale, **extra)
     else:
-        out = causal_attention(query, key, value, attention_mask, scale)
+        out = causal_attention(query, key, value, attention_mask, scale, window=window)
     return out.transpose(1, 2).contiguous(), None

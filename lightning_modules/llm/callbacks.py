@@ -59,16 +59,20 @@ class KVPolicyConfig:
         if self.action not in valid_actions:
             raise ValueError(f"action={self.action!r}: valid actions are {', '.join(valid_actions)}")
 
+    def build(self) -> KVPolicy:
+        """The :class:`KVPolicy` this config describes (a fresh scorer and selector per call)."""
+        scorer = None
+        if self.scorer is not None:
+            scorer = resolve_component(SCORERS, self.scorer, "scorer")(**dict(self.scorer_args))
+        selector = resolve_component(SELECTORS, self.selector, "selector")(**dict(self.selector_args))
+        return KVPolicy(scorer=scorer, selector=selector, budget=self.budget, action=Action(self.action),
+                        schedule=self.schedule, layers=list(self.layers) if self.layers is not None else None,
+                        name=f"{self.scorer}@{self.budget.tag()}" if self.scorer else "noop")
+
 
 def build_policy(cfg: KVPolicyConfig) -> KVPolicy:
-    """The :class:`KVPolicy` a config describes."""
-    scorer = None
-    if cfg.scorer is not None:
-        scorer = resolve_component(SCORERS, cfg.scorer, "scorer")(**dict(cfg.scorer_args))
-    selector = resolve_component(SELECTORS, cfg.selector, "selector")(**dict(cfg.selector_args))
-    return KVPolicy(scorer=scorer, selector=selector, budget=cfg.budget, action=Action(cfg.action),
-                    schedule=cfg.schedule, layers=list(cfg.layers) if cfg.layers is not None else None,
-                    name=f"{cfg.scorer}@{cfg.budget.tag()}" if cfg.scorer else "noop")
+    """The :class:`KVPolicy` a config describes (``cfg.build()``)."""
+    return cfg.build()
 
 
 def target_model(pl_module: pl.LightningModule) -> Any:
@@ -84,7 +88,7 @@ class KVPolicyCallback(EvalStageSwitch):
         if cfg is not None and policy is not None:
             raise ValueError("pass a config or a policy, not both")
         self.cfg = cfg if cfg is not None or policy is not None else KVPolicyConfig(**kwargs)
-        self.policy = policy if policy is not None else build_policy(self.cfg)
+        self.policy = policy if policy is not None else self.cfg.build()
         self.session = None
 
     def _enter(self, trainer, pl_module, stage):

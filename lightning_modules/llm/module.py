@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from lightning_modules.base import LongContextModule, SharedEvalStages
-from lightning_modules.io import append_jsonl, atomic_open, read_jsonl
-from lightning_modules.llm.generation import greedy_generate
+from lightning_modules.llm.generation import greedy_generate, stop_token_ids
 from lightning_modules.llm.loading import load_causal_lm
 from lightning_modules.llm.suite_metrics import score_prediction, summarise
+from litctx_common.io import append_jsonl, atomic_open, read_jsonl
 
 __all__ = ["LanguageModelConfig", "LanguageModel", "LongContextEvalConfig", "LongContextEvalModule",
            "PROTOCOLS"]
@@ -147,12 +147,7 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
         self.model, self.tokenizer = load_causal_lm(self.cfg.model, dtype=self.cfg.dtype, seed=self.cfg.seed,
                                                     tiny=self.cfg.tiny or None)
         self.model.requires_grad_(False)
-        stops = {self.tokenizer.eos_token_id}
-        for extra in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
-            tid = self.tokenizer.convert_tokens_to_ids(extra)
-            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
-                stops.add(tid)
-        self.stop_ids = sorted(s for s in stops if s is not None)
+        self.stop_ids = stop_token_ids(self.tokenizer, self.model)
         self.records: List[Dict[str, Any]] = []
         self.summary: Optional[Dict[str, Any]] = None
         self._done: Dict[Tuple[str, Any], Dict[str, Any]] = {}  # (id, suite seed) -> record

@@ -45,6 +45,7 @@ __all__ = [
     "Selector",
     "TopKSelector",
     "SharedTopKSelector",
+    "top_capacity",
     "Compensator",
     "OffloadCompensator",
     "KVPolicy",
@@ -195,6 +196,9 @@ class KVObservation:
         scale: the softmax scale.
         out, lse: this call's attention output ``[B, Hq, Nq, dv]`` and LSE ``[B, Hq, Nq]`` (None before the
             attention ran, i.e. for sparse reads).
+        window: the layer's sliding window (None: full attention). On such a layer ``valid`` already excludes
+            the entries the next query cannot see; for every remaining entry the window is implied by causality
+            for all of this call's queries, so statistics over ``valid`` need no window of their own.
     """
 
     layer: int
@@ -207,6 +211,7 @@ class KVObservation:
     scale: float
     out: Optional[torch.Tensor] = None
     lse: Optional[torch.Tensor] = None
+    window: Optional[int] = None
     _cache: Dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -218,7 +223,7 @@ class KVObservation:
         sl = slice(b, b + 1)
         return KVObservation(self.layer, self.phase, self.q[sl], self.k[sl], self.v[sl], self.slots[sl],
                              self.valid[sl], self.scale, None if self.out is None else self.out[sl],
-                             None if self.lse is None else self.lse[sl])
+                             None if self.lse is None else self.lse[sl], self.window)
 
     def _key_mask(self) -> Optional[torch.Tensor]:
         return None if bool(self.valid.all()) else self.valid
@@ -329,8 +334,10 @@ class Selector(Protocol):
                valid: torch.Tensor) -> torch.Tensor: ...
 
 
-def _top_capacity(scores: torch.Tensor, capacity: torch.Tensor, protected: torch.Tensor,
-                  valid: torch.Tensor) -> torch.Tensor:
+def top_capacity(scores: torch.Tensor, capacity: torch.Tensor, protected: torch.Tensor,
+                 valid: torch.Tensor) -> torch.Tensor:
+    """Keep mask ``[..., N]``: per row of ``scores [..., N]``, the ``capacity [...]`` highest-scoring valid entries,
+    protected entries ranked first (ties broken by position, stably). The one top-k rule of every selector."""
     s = scores.float().masked_fill(~valid, float("-inf"))
     s = torch.where(protected, torch.full_like(s, float("inf")), s)
     order = torch.argsort(s, dim=-1, descending=True, stable=True)
@@ -343,7 +350,7 @@ class TopKSelector:
     """Each KV head keeps its own top-``capacity`` entries (protected ones first)."""
 
     def select(self, scores, capacity, protected, valid):
-        return _top_capacity(scores, capacity, protected, valid)
+        return top_capacity(scores, capacity, protected, valid)
 
 
 class SharedTopKSelector:
@@ -353,7 +360,7 @@ class SharedTopKSelector:
         live = valid.float()
         mean = (scores.float().masked_fill(~valid, 0.0) * live).sum(1, keepdim=True) / live.sum(1, keepdim=True).clamp_min(1)
         shared_valid = valid.any(1, keepdim=True)
-        keep = _top_capacity(mean, capacity.min(1, keepdim=True).values, protected.any(1, keepdim=True),
+        keep = top_capacity(mean, capacity.min(1, keepdim=True).values, protected.any(1, keepdim=True),
                              shared_valid)
         return keep.expand_as(valid) & valid
 
@@ -490,15 +497,25 @@ class PolicyBatch:
     """One policy per batch row: row ``b`` of every attention call is served by ``policies[b]`` (its own
     scorer state, budget, selector and schedule). Evaluates several policies on copies of one sequence in a
     single batch, e.g. after one recorded prefill
-    (:func:`~lightning_modules.llm.generation.generate_under_policies` with ``batched=True``). The policies
-    must share one action, ``evict`` or ``mask``, and have no compensator."""
+    (:func:`~lightning_modules.llm.generation.generate_under_policies` with ``batched=True``).
+
+    A batch of one policy serves every row (it broadcasts, like a size-1 tensor dimension): the installer
+    normalises a single :class:`KVPolicy` to that form (:meth:`of`), so the runner has one code path. The
+    policies of a batch of several must share one action, ``evict`` or ``mask``, and have no compensator."""
 
     policies: List[KVPolicy]
     name: str = "batch"
 
+    @classmethod
+    def of(cls, policy: Any) -> "PolicyBatch":
+        """``policy`` itself if it is a batch, else the batch of one that serves every row with it."""
+        return policy if isinstance(policy, PolicyBatch) else cls([policy], name=policy.name)
+
     def __post_init__(self) -> None:
         if not self.policies:
             raise ValueError("PolicyBatch needs at least one policy")
+        if len(self.policies) == 1:
+            return
         actions = {p.action for p in self.policies}
         if len(actions) != 1 or next(iter(actions)) not in (Action.EVICT, Action.MASK):
             raise ValueError(f"PolicyBatch policies must share the action evict or mask; got "
@@ -511,8 +528,8 @@ class PolicyBatch:
         return self.policies[0].action
 
     @property
-    def compensator(self) -> None:
-        return None
+    def compensator(self) -> Optional[Any]:
+        return self.policies[0].compensator if len(self.policies) == 1 else None
 
     @property
     def is_noop(self) -> bool:

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Mapping
 
 import lightning.pytorch as pl
 
-from lightning_modules.io import atomic_open
 from lightning_modules.llm.suite_metrics import depth_grid, markdown_table
+from litctx_common.io import atomic_open, atomic_path
 
 __all__ = ["LongContextReport", "plot_depth_grid"]
 
@@ -59,10 +58,8 @@ def plot_depth_grid(grid: Mapping[str, Any], path: Path, title: str = "") -> boo
         width_chars = int(fig.get_figwidth() * 11)  # about 11 characters of 8-pt text per inch
         ax.set_title("\n".join(textwrap.wrap(title, max(20, width_chars))), fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
     plt.close(fig)
     return True
 

@@ -18,6 +18,15 @@ appended last, and kept entries stay in sequence order), then the policy acts ac
 Padding: in the first prefill the per-key validity comes from transformers' mask (causal x padding); after
 that the runner's ``valid`` is authoritative for old entries and new single tokens are always valid, so a
 driver passes a mask of ones over the (possibly compressed) cache plus the new tokens' own padding.
+
+One code path: a single policy is installed as the :class:`~lightning_modules.llm.policy.PolicyBatch` of one
+that serves every row; a batch of several serves row ``b`` with ``policies[b]``.
+
+Sliding-window layers (transformers passes ``sliding_window=W``): attention reads, for query ``i``, the valid
+entries with ``slot_i - W < slot <= slot_i`` (:func:`window_attention`); entries the next query cannot see are
+invalid before the policy scores, and leading entries no row can read leave the cache. transformers'
+``DynamicSlidingWindowLayer`` (which cuts its own tail) is replaced by a plain ``DynamicLayer`` at the first
+call, so the runner alone decides what the layer holds.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -36,7 +45,7 @@ from lightning_modules.llm.attention import ATTN_NAME, RUNNER_ATTR, ensure_regis
 from lightning_modules.llm.policy import Action, KVObservation, KVPolicy, PolicyBatch, Schedule
 
 __all__ = ["LayerRunner", "PolicySession", "install_policy", "attach_runners", "active_session", "attention_modules",
-           "cache_bytes", "SESSION_ATTR"]
+           "cache_bytes", "window_attention", "SESSION_ATTR"]
 
 SESSION_ATTR = "_litctx_kv_session"
 
@@ -66,20 +75,21 @@ class LayerState:
     seen: int = 0  # tokens of the uncompressed stream so far
     decode_steps: int = 0
     recompute: Optional[torch.Tensor] = None  # [B, Hk, N] bool, the last RECOMPUTE decision
-    capacity: Optional[torch.Tensor] = None  # [B, Hk] long, fixed at the first decision of the sequence
+    capacity: Optional[List[Optional[torch.Tensor]]] = None  # per policy of the batch: [B|1, Hk] long, fixed at
+    # the policy's first decision of the sequence
 
 
 class LayerRunner:
-    """Runs one layer's attention under a policy (see the module docstring)."""
+    """Runs one layer's attention under a policy (see the module docstring).
 
-    def __init__(self, layer: int, policy: KVPolicy, session: "PolicySession") -> None:
+    The policy is held as a :class:`PolicyBatch` (a single :class:`KVPolicy` is the batch of one that serves
+    every row), so one code path serves both: each policy of the batch has its own copy of the scorer (stateful
+    scorers keep per-layer state) and decides for the rows it serves."""
+
+    def __init__(self, layer: int, policy: Any, session: "PolicySession") -> None:
         self.layer = layer
-        self.policy = policy
-        if isinstance(policy, PolicyBatch):  # one scorer per row, each with per-layer state
-            self.row_scorers = [copy.deepcopy(p.scorer) for p in policy.policies]
-            self.scorer = None
-        else:
-            self.scorer = copy.deepcopy(policy.scorer)  # stateful scorers keep per-layer state
+        self.policy = PolicyBatch.of(policy)
+        self.scorers = [copy.deepcopy(p.scorer) for p in self.policy.policies]
         self.session = session
         self.state = LayerState()
         self.cache: Any = None
@@ -87,35 +97,62 @@ class LayerRunner:
     # ------------------------------------------------------------------ bookkeeping
     def _start(self) -> None:
         self.state = LayerState()
-        for scorer in getattr(self, "row_scorers", [self.scorer]):
+        for scorer in self.scorers:
             if scorer is not None:
                 scorer.reset()
         if self.policy.compensator is not None and self.layer == self.session.first_layer:
             self.policy.compensator.reset()
 
-    def _new_entries(self, attention_mask: Optional[torch.Tensor], b: int, hk: int, n_q: int, n_k: int,
-                     device: torch.device):
+    def _new_entries(self, attention_mask: Optional[torch.Tensor], b: int, hk: int, n_q: int,
+                     device: torch.device, window: Optional[int]):
         new_valid = torch.ones(b, hk, n_q, dtype=torch.bool, device=device)
         if attention_mask is not None and n_q > 1:
-            # transformers builds one mask for every layer from the first layer's cache length; layers whose
-            # caches differ in size (head-adaptive or per-layer budgets) read the new tokens' columns, the last
-            # n_q (older entries' validity is the runner's own)
+            # transformers builds one mask for every layer (of a type) from one layer's cache length; layers whose
+            # caches differ in size (head-adaptive or per-layer budgets, sliding windows) read the new tokens'
+            # columns, the last n_q (older entries' validity is the runner's own)
             n_mask = attention_mask.shape[-1]
-            key_mask = mask_to_key_mask(attention_mask, n_q, n_mask)
+            key_mask = mask_to_key_mask(attention_mask, n_q, n_mask, window=window)
             if key_mask is None:
-                raise ValueError(f"layer {self.layer}: a KV policy needs a causal x per-key (padding) mask; got "
+                shape = "causal" if window is None else f"causal x sliding window {window}"
+                raise ValueError(f"layer {self.layer}: a KV policy needs a {shape} x per-key (padding) mask; got "
                                  f"a mask of shape {list(attention_mask.shape)} that does not factor that way")
             # transformers' masks are shared by the heads ([B, 1, Nq, Nk]); entries are per KV head here
             new_valid = key_mask[:, 0, n_mask - n_q:].unsqueeze(1).expand(b, hk, n_q).clone()
         slots = (self.state.seen + torch.arange(n_q, device=device)).view(1, 1, n_q).expand(b, hk, n_q)
         return slots, new_valid
 
+    def _views(self, obs: KVObservation) -> List[Tuple[int, KVPolicy, KVObservation]]:
+        """``(index, policy, its observation)`` for every policy of the batch: a batch of one serves the whole
+        observation; otherwise policy ``i`` serves row ``i``, and a one-row observation (a replayed prefill)
+        stands for every row."""
+        policies = self.policy.policies
+        if len(policies) == 1:
+            return [(0, policies[0], obs)]
+        rows = obs.k.shape[0]
+        if rows not in (1, len(policies)):
+            raise RuntimeError(f"layer {self.layer}: {len(policies)} policies for a batch of {rows} rows")
+        return [(i, p, obs if rows == 1 else obs.row(i)) for i, p in enumerate(policies)]
+
+    def _rows(self, n_obs_rows: int) -> int:
+        """Batch rows this layer's cache holds after a call with ``n_obs_rows`` observed rows."""
+        n = len(self.policy.policies)
+        return n_obs_rows if n == 1 else n
+
     # ------------------------------------------------------------------ the attention call
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+               attention_mask: Optional[torch.Tensor], scale: float, window: Optional[int] = None) -> torch.Tensor:
+        """``query [B, Hq, Nq, d]`` over the cache view ``key, value [B, Hk, Nk, d]`` (this call's entries last);
+        ``window`` is the layer's sliding window (None: full causal attention). Returns ``[B, Hq, Nq, dv]``."""
         b, hk, n_k = key.shape[0], key.shape[1], key.shape[2]
         n_q = query.shape[2]
         n_old = n_k - n_q
+        window = _check_window(self.layer, window)
+        if window is not None:
+            if self.policy.compensator is not None and self.policy.acts_on(self.layer):
+                raise ValueError(f"layer {self.layer} is a sliding-window layer (window {window}): a compensator "
+                                 f"would read evicted entries outside the window; limit the policy's layers to "
+                                 f"full-attention layers")
+            self._own_sliding_cache(key, value)
         st = self.state
         if n_old == 0:
             self._start()
@@ -126,101 +163,82 @@ class LayerRunner:
                                f"tracked {have}; a cache that was filled before the policy was installed, or edited "
                                f"outside it, cannot be served (start from an empty cache)")
         phase = "prefill" if n_old == 0 else ("decode" if n_q == 1 else "append")
-        new_slots, new_valid = self._new_entries(attention_mask, b, hk, n_q, n_k, key.device)
+        new_slots, new_valid = self._new_entries(attention_mask, b, hk, n_q, key.device, window)
         slots = new_slots if n_old == 0 else torch.cat([st.slots, new_slots], dim=-1)
         valid = new_valid if n_old == 0 else torch.cat([st.valid, new_valid], dim=-1)
         pol = self.policy
-        acting = pol.acts_on(self.layer)
         read = valid
-        if acting and pol.action is Action.SPARSE_READ and phase == "decode":
-            obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale)
-            read = pol.decide(obs, self.scorer)
+        if pol.action is Action.SPARSE_READ and phase == "decode" and pol.acts_on(self.layer):
+            obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, window=window)
+            read = self._combine([p.decide(ob, self.scorers[i]) if p.acts_on(self.layer) else ob.valid
+                                  for i, p, ob in self._views(obs)])
             self.session.record(self.layer, phase, read, valid)
 
-        key_mask = None if bool(read.all()) else read
-        o, lse = kernels.attention(query, key, value, scale=scale, causal=True, key_mask=key_mask)
+        if window is None:
+            o, lse = kernels.attention(query, key, value, scale=scale, causal=True,
+                                       key_mask=None if bool(read.all()) else read)
+        else:
+            o, lse = window_attention(query, key, value, slots, read, scale, window, first_slot=st.seen)
+            # entries the next query cannot see (slot <= next slot - window) are dead: never read again
+            valid = valid & (slots > st.seen + n_q - window)
         comp = pol.compensator
         if comp is not None:
             extra = comp.read(self.layer, query, scale)
             if extra is not None:
                 o, lse = kernels.merge_lse(o, lse, extra[0].to(o.dtype), extra[1].to(lse.dtype))
 
-        obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, out=o, lse=lse)
+        obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, out=o, lse=lse,
+                            window=window)
         if phase == "prefill" and self.session.record_prefill:
             self.session.prefill_observations[self.layer] = obs
         self._after_attention(obs)
         return o
 
-    def _after_attention(self, obs: KVObservation) -> None:
-        """Update the scorer, count the step, and act if the schedule says so (evict / mask / recompute)."""
-        if isinstance(self.policy, PolicyBatch):
-            return self._after_attention_rows(obs)
-        st, pol = self.state, self.policy
-        acting = pol.acts_on(self.layer)
-        slots, valid = obs.slots, obs.valid
-        if acting:
-            self.scorer.update(obs)
-        st.seen += obs.q.shape[2]
-        if obs.phase == "decode":
-            st.decode_steps += 1
-        if acting and pol.action is not Action.SPARSE_READ and self._due(obs.phase):
-            if st.capacity is None:
-                st.capacity = pol.budget.capacity(valid.sum(-1), self.layer, valid.shape[1])
-            keep = pol.decide(obs, self.scorer, st.capacity)
-            self.session.record(self.layer, obs.phase, keep, valid)
-            slots, valid = self._apply(keep, obs.k, obs.v, slots, valid)
-        st.slots, st.valid = slots, valid
+    def _combine(self, keeps: List[torch.Tensor]) -> torch.Tensor:
+        return keeps[0] if len(keeps) == 1 else torch.cat(keeps, 0)
 
-    def _after_attention_rows(self, obs: KVObservation) -> None:
-        """:class:`PolicyBatch`: each row's policy updates its scorer and decides for its row. A one-row
-        observation with a batch of policies (a replayed prefill) stands for every row."""
-        st, policies = self.state, self.policy.policies
-        b = len(policies)
-        shared = obs.k.shape[0] == 1 and b > 1
-        if not shared and obs.k.shape[0] != b:
-            raise RuntimeError(f"layer {self.layer}: {b} policies for a batch of {obs.k.shape[0]} rows")
+    def _after_attention(self, obs: KVObservation) -> None:
+        """Update the scorers, count the step, and act where a policy's schedule says so (evict / mask /
+        recompute); on a sliding-window layer, drop the dead entries every row has left behind."""
+        st = self.state
+        views = self._views(obs)
         st.seen += obs.q.shape[2]
         if obs.phase == "decode":
             st.decode_steps += 1
         if st.capacity is None:
-            st.capacity = [None] * b
+            st.capacity = [None] * len(self.policy.policies)
+        shared = len(views) > 1 and obs.k.shape[0] == 1
         if shared:
             self._prefetch_colstats(obs)
         keeps, acted = [], False
-        for i, pol in enumerate(policies):
-            ob = obs if shared else obs.row(i)
+        for i, pol, ob in views:
             if not pol.acts_on(self.layer):
                 keeps.append(ob.valid)
                 continue
-            self.row_scorers[i].update(ob)
+            self.scorers[i].update(ob)
             if pol.action is Action.SPARSE_READ or not self._due(obs.phase, pol.schedule):
                 keeps.append(ob.valid)
                 continue
             if st.capacity[i] is None:
                 st.capacity[i] = pol.budget.capacity(ob.valid.sum(-1), self.layer, ob.valid.shape[1])
-            keeps.append(pol.decide(ob, self.row_scorers[i], st.capacity[i]))
+            keeps.append(pol.decide(ob, self.scorers[i], st.capacity[i]))
             acted = True
-        slots, valid = obs.slots, obs.valid
-        if shared:
-            slots, valid = slots.expand(b, -1, -1), valid.expand(b, -1, -1)
+        rows = self._rows(obs.k.shape[0])
+        slots, valid = obs.slots.expand(rows, -1, -1), obs.valid.expand(rows, -1, -1)
         if acted:
-            keep = torch.cat(keeps, 0) & valid
+            keep = self._combine(keeps) & valid
             self.session.record(self.layer, obs.phase, keep, valid)
-            if obs.phase == "decode":
-                # one entry per row and step: mask instead of gathering the whole batch's cache every step
-                # (identical outputs; rows' memory is accounted from their valid entries)
-                valid = valid & keep
-            else:
-                k = obs.k.expand(b, -1, -1, -1) if shared else obs.k
-                v = obs.v.expand(b, -1, -1, -1) if shared else obs.v
-                slots, valid = self._apply(keep, k, v, slots, valid)
+            slots, valid = self._apply(keep, obs.k.expand(rows, -1, -1, -1), obs.v.expand(rows, -1, -1, -1),
+                                       slots, valid)
+        if obs.window is not None:
+            slots, valid = self._drop_dead_prefix(slots, valid)
         st.slots, st.valid = slots, valid
 
     def _prefetch_colstats(self, obs: KVObservation) -> None:
         """A shared observation serves every row's scorer: compute each window's column statistics once, with
         the richest moments any row asks for (a scorer that needs fewer reads them from the same pass)."""
         want: Dict[Optional[int], int] = {}
-        for pol, scorer in zip(self.policy.policies, self.row_scorers):
+        for pol, scorer in zip(self.policy.policies, self.scorers):
             request = getattr(scorer, "colstats_request", None)
             if request is None or not pol.acts_on(self.layer):
                 continue
@@ -234,20 +252,54 @@ class LayerRunner:
         layer's cache is reset to the recorded full keys and values, then treated as if this policy had
         been installed during that prefill."""
         layer_cache = cache.layers[self.layer]
-        rows = len(self.policy.policies) if isinstance(self.policy, PolicyBatch) else obs.k.shape[0]
+        rows = self._rows(obs.k.shape[0])
         layer_cache.keys = obs.k.expand(rows, -1, -1, -1) if rows != obs.k.shape[0] else obs.k
         layer_cache.values = obs.v.expand(rows, -1, -1, -1) if rows != obs.v.shape[0] else obs.v
         self.cache = cache
         self._start()
         self._after_attention(obs)
 
-    def _due(self, phase: str, schedule: Optional[Schedule] = None) -> bool:
-        sched = schedule if schedule is not None else self.policy.schedule
+    def _due(self, phase: str, schedule: Schedule) -> bool:
         if phase == "prefill":
-            return sched.prefill
+            return schedule.prefill
         if phase == "append":
-            return sched.append
-        return sched.decode_every > 0 and self.state.decode_steps % sched.decode_every == 0
+            return schedule.append
+        return schedule.decode_every > 0 and self.state.decode_steps % schedule.decode_every == 0
+
+    def _layer_cache(self) -> Any:
+        layers = getattr(self.cache, "layers", None)
+        return layers[self.layer] if layers is not None and self.layer < len(layers) else None
+
+    def _own_sliding_cache(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A sliding-window cache layer (transformers' ``DynamicSlidingWindowLayer`` keeps the last ``W - 1``
+        entries it was given) would cut entries the runner tracks; replace it by a plain ``DynamicLayer``
+        holding this call's full view. The runner then removes dead entries itself, and every layer reports its
+        physical length, so transformers sizes every mask from layer 0, as the driver's mask is."""
+        layer_cache = self._layer_cache()
+        if layer_cache is None or not getattr(layer_cache, "is_sliding", False):
+            return
+        from transformers.cache_utils import DynamicLayer
+
+        plain = DynamicLayer()
+        plain.lazy_initialization(key, value)
+        plain.keys, plain.values = key, value
+        self.cache.layers[self.layer] = plain
+
+    def _drop_dead_prefix(self, slots: torch.Tensor, valid: torch.Tensor):
+        """Sliding-window layers: the leading entries that no row can read any more leave the cache (memory stays
+        at the window, as with transformers' own sliding cache)."""
+        n_dead = int((~valid).long().cumprod(-1).sum(-1).min()) if valid.numel() else 0
+        layer_cache = self._layer_cache()
+        if n_dead == 0 or layer_cache is None:
+            return slots, valid
+        if not (isinstance(getattr(layer_cache, "keys", None), torch.Tensor)
+                and layer_cache.keys.shape[-2] == slots.shape[-1]):
+            return slots, valid  # a cache layer that does not hold this view: leave it alone
+        layer_cache.keys = layer_cache.keys[:, :, n_dead:]
+        layer_cache.values = layer_cache.values[:, :, n_dead:]
+        if self.state.recompute is not None and self.state.recompute.shape[-1] == slots.shape[-1]:
+            self.state.recompute = self.state.recompute[..., n_dead:]
+        return slots[..., n_dead:], valid[..., n_dead:]
 
     def _apply(self, keep: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
                valid: torch.Tensor):
@@ -275,6 +327,45 @@ class LayerRunner:
         layer_cache.keys = torch.gather(key, 2, idx.expand(-1, -1, -1, key.shape[-1])).contiguous()
         layer_cache.values = torch.gather(value, 2, idx.expand(-1, -1, -1, value.shape[-1])).contiguous()
         return torch.gather(slots, 2, order), torch.gather(keep, 2, order)
+
+
+def _check_window(layer: int, window: Any) -> Optional[int]:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"layer {layer}: sliding window must be a positive int or None, got {window!r}")
+    return window
+
+
+def window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                     valid: torch.Tensor, scale: float, window: int, first_slot: int):
+    """Sliding-window causal attention over a (possibly compacted) cache view, by the entries' original
+    positions: query ``i`` (slot ``first_slot + i``) reads valid entry ``j`` iff
+    ``slot_i - window < slots_j <= slot_i``.
+
+    ``query [B, Hq, Nq, d]``; ``key, value [B, Hk, N, d]`` with this call's ``Nq`` entries last (slots
+    ``first_slot ..``); ``slots, valid [B, Hk, N]``. A view whose slots run contiguously is already in position
+    order (:func:`kernels.attention` with ``window``); an evicted one is scattered by slot into the span the
+    first query can still see (at most ``window - 1 + Nq`` columns), so the same call serves it. Returns
+    ``(o [B, Hq, Nq, dv], lse [B, Hq, Nq])``."""
+    n_q, n_k = query.shape[2], key.shape[2]
+    if n_k == 1 or bool((slots.diff(dim=-1) == 1).all()):
+        return kernels.attention(query, key, value, scale=scale, causal=True, window=window if window < n_k else None,
+                                 key_mask=None if bool(valid.all()) else valid)
+    lo = max(first_slot - window + 1, 0)
+    width = first_slot + n_q - lo
+    rel = slots - lo
+    inside = valid & (rel >= 0)  # entries below lo are outside every query's window
+    idx = torch.where(inside, rel, torch.full_like(rel, width))  # the rest land in a spare last column
+    b, hk = key.shape[:2]
+    k_al = key.new_zeros(b, hk, width + 1, key.shape[-1]).scatter_(
+        2, idx.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1]), key)
+    v_al = value.new_zeros(b, hk, width + 1, value.shape[-1]).scatter_(
+        2, idx.unsqueeze(-1).expand(-1, -1, -1, value.shape[-1]), value)
+    m_al = torch.zeros(b, hk, width + 1, dtype=torch.bool, device=key.device).scatter_(2, idx, inside)
+    m_al = m_al[..., :width]
+    return kernels.attention(query, k_al[:, :, :width], v_al[:, :, :width], scale=scale, causal=True,
+                             window=window, key_mask=None if bool(m_al.all()) else m_al)
 
 
 @dataclass

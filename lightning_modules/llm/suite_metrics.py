@@ -11,6 +11,8 @@ import math
 from collections import defaultdict
 from typing import Any, Dict, List, Mapping, Sequence
 
+from litctx_common.stats import mean_sd
+
 __all__ = ["score_prediction", "summarise", "markdown_table", "depth_grid", "paired_bootstrap"]
 
 
@@ -26,11 +28,9 @@ def score_prediction(prediction: str, answers: Sequence[str], metric: str) -> fl
     raise ValueError(f"metric must be 'any' or 'all', got {metric!r}")
 
 
-def _mean_sd(values: Sequence[float]) -> Dict[str, float]:
-    n = len(values)
-    mean = sum(values) / n
-    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
-    return {"mean": mean, "n": n, "sem": math.sqrt(var / n) if n > 1 else 0.0}
+def _mean_sem(values: Sequence[float]) -> Dict[str, float]:
+    s = mean_sd(values)
+    return {"mean": s.mean, "n": s.n, "sem": s.sem}
 
 
 def summarise(records: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
@@ -41,14 +41,14 @@ def summarise(records: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     cells: Dict[str, Dict[int, List[float]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
         cells[str(r["task"])][int(r["length"])].append(float(r["score"]))
-    out = {"cells": {t: {n: _mean_sd(v) for n, v in sorted(by.items())} for t, by in sorted(cells.items())}}
-    out["tasks"] = {t: _mean_sd([s for v in by.values() for s in v]) for t, by in sorted(cells.items())}
+    out = {"cells": {t: {n: _mean_sem(v) for n, v in sorted(by.items())} for t, by in sorted(cells.items())}}
+    out["tasks"] = {t: _mean_sem([s for v in by.values() for s in v]) for t, by in sorted(cells.items())}
     lengths: Dict[int, List[float]] = defaultdict(list)
     for by in cells.values():
         for n, v in by.items():
             lengths[n].extend(v)
-    out["lengths"] = {n: _mean_sd(v) for n, v in sorted(lengths.items())}
-    out["overall"] = _mean_sd([float(r["score"]) for r in records])
+    out["lengths"] = {n: _mean_sem(v) for n, v in sorted(lengths.items())}
+    out["overall"] = _mean_sem([float(r["score"]) for r in records])
     return out
 
 

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange, repeat
 from torch import nn
 
 from kernels import attention
@@ -112,8 +113,8 @@ class _HalfAttention(nn.Module):
         self.rope = rope
 
     def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        N, L, _ = x.shape
-        q, k, v = self.qkv(x).view(N, L, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        L = x.shape[1]
+        q, k, v = rearrange(self.qkv(x), "n l (three h e) -> three n h l e", three=3, h=self.heads)
         if self.rope is not None:
             cos, sin = self.rope(L, dtype=q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -121,7 +122,7 @@ class _HalfAttention(nn.Module):
             o, _ = attention(q, k, v, causal=False)
         else:  # the shared kernels have no key-padding mask: SDPA with a boolean mask
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :])
-        return self.out(o.transpose(1, 2).reshape(N, L, -1))
+        return self.out(rearrange(o, "n h l e -> n l (h e)"))
 
 
 class CrissCrossBlock(nn.Module):
@@ -142,14 +143,15 @@ class CrissCrossBlock(nn.Module):
         self.mask_padded = cfg.mask_padded_channels
 
     def forward(self, x: torch.Tensor, sensor_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, C, T, d = x.shape
+        B, T = x.shape[0], x.shape[2]
         h = self.norm1(x)
-        t = self.temporal(h[..., : self.half].reshape(B * C, T, self.half)).view(B, C, T, self.half)
-        s_in = h[..., self.half:].transpose(1, 2).reshape(B * T, C, d - self.half)
+        t = self.temporal(rearrange(h[..., : self.half], "b c t e -> (b c) t e"))  # along time, per sensor
+        t = rearrange(t, "(b c) t e -> b c t e", b=B)
+        s_in = rearrange(h[..., self.half:], "b c t e -> (b t) c e")  # the spatial half attends across sensors
         key_mask = None
         if self.mask_padded and sensor_mask is not None and not bool(sensor_mask.all()):
-            key_mask = sensor_mask.bool().repeat_interleave(T, dim=0)
-        s = self.spatial(s_in, key_mask).view(B, T, C, d - self.half).transpose(1, 2)
+            key_mask = repeat(sensor_mask.bool(), "b c -> (b t) c", t=T)
+        s = rearrange(self.spatial(s_in, key_mask), "(b t) c e -> b c t e", b=B)
         x = x + self.drop(torch.cat([t, s], dim=-1))
         return x + self.ffn(self.norm2(x))
 

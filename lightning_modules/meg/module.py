@@ -33,11 +33,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics import MeanMetric, Metric
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_modules.base import LongContextModule
 from lightning_modules.meg.model import BackboneConfig, MEGBackbone, block_time_mask, masking_plan
 from lightning_modules.meg.tokenizer import RVQTokenizer
+from litctx_common.seeding import stable_seed
 
 __all__ = ["MEGXLConfig", "MEGXLWordConfig", "MEGXLPretrainModule", "MEGXLWordDecoder", "siglip_loss",
            "RetrievalTopK", "word_targets", "pool_spans"]
@@ -141,15 +143,6 @@ class MEGXLWordConfig(MEGXLConfig):
 
 
 # ---------------------------------------------------------------------------------------------- pieces
-def stable_seed(*parts: Any) -> int:
-    """A 63-bit seed from ``parts``, the same on every machine and run (``lightning_modules`` may not import
-    ``datamodules``, which has its own)."""
-    import hashlib
-
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
 def word_targets(words: Sequence[str], dim: int, seed: int = 0, path: Optional[str] = None) -> torch.Tensor:
     """Unit-norm target vectors ``[len(words), dim]``: seeded random per word string (independent of the
     vocabulary's order), or rows of ``path`` (``.npz`` with ``words`` and ``vectors``)."""
@@ -208,39 +201,35 @@ def siglip_loss(pred: torch.Tensor, target: torch.Tensor, ids: torch.Tensor, t: 
     return loss / pred.shape[0]
 
 
-class RetrievalTopK(Metric):
-    """Top-``k`` retrieval among ``num_classes`` candidates, overall and class-balanced.
+class RetrievalTopK(MulticlassAccuracy):
+    """Top-``k`` retrieval among ``num_classes`` candidates, overall and class-balanced: torchmetrics'
+    ``MulticlassAccuracy(top_k=k, average="none")`` (its per-class true positives and false negatives) read
+    out as two numbers.
 
     ``update(scores [N, num_classes], labels [N])`` with labels outside ``[0, num_classes)`` ignored;
-    ``compute()`` -> ``{"acc": hits / scored, "balanced": mean over seen classes of per-class accuracy}``.
-    ``per_class()`` returns ``(hits [K], counts [K])``."""
-
-    full_state_update = False
+    ``compute()`` -> ``{"acc": hits / scored, "balanced": mean over seen classes of per-class accuracy}``
+    (torchmetrics' macro average would count an unseen class as 0). ``per_class()`` returns
+    ``(hits [K], counts [K])`` as float tensors."""
 
     def __init__(self, num_classes: int, k: int = 10, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.num_classes, self.k = num_classes, k
-        self.add_state("hits", default=torch.zeros(num_classes), dist_reduce_fx="sum")
-        self.add_state("counts", default=torch.zeros(num_classes), dist_reduce_fx="sum")
+        super().__init__(num_classes=num_classes, top_k=min(k, num_classes), average="none", **kwargs)
+        self.k = k
 
     def update(self, scores: torch.Tensor, labels: torch.Tensor) -> None:
         keep = (labels >= 0) & (labels < self.num_classes)
-        if not bool(keep.any()):
-            return
-        scores, labels = scores[keep], labels[keep]
-        k = min(self.k, self.num_classes)
-        hit = (scores.topk(k, dim=-1).indices == labels[:, None]).any(-1).to(self.hits.dtype)
-        self.hits.index_add_(0, labels, hit)
-        self.counts.index_add_(0, labels, torch.ones_like(hit))
-
-    def compute(self) -> Dict[str, torch.Tensor]:
-        seen = self.counts > 0
-        acc = self.hits.sum() / self.counts.sum().clamp_min(1)
-        balanced = (self.hits[seen] / self.counts[seen]).mean() if bool(seen.any()) else acc * 0
-        return {"acc": acc, "balanced": balanced}
+        if bool(keep.any()):
+            super().update(scores[keep], labels[keep])
 
     def per_class(self):
-        return self.hits.clone(), self.counts.clone()
+        tp, _, _, fn = self._final_state()
+        return tp.float(), (tp + fn).float()
+
+    def compute(self) -> Dict[str, torch.Tensor]:
+        hits, counts = self.per_class()
+        seen = counts > 0
+        acc = hits.sum() / counts.sum().clamp_min(1)
+        balanced = (hits[seen] / counts[seen]).mean() if bool(seen.any()) else acc * 0
+        return {"acc": acc, "balanced": balanced}
 
 
 # ---------------------------------------------------------------------------------------------- modules

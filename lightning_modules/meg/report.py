@@ -8,12 +8,13 @@ Needs matplotlib (``pip install 'litctx[viz]'``); without it the callback warns 
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import lightning.pytorch as pl
+
+from litctx_common.io import atomic_path
 
 __all__ = ["WordDecodingReport"]
 
@@ -72,10 +73,8 @@ class WordDecodingReport(pl.Callback):
         ax.set_title("validation during fine-tuning")
         fig.tight_layout()
         target = Path(trainer.default_root_dir) / self.path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, target)
+        with atomic_path(target) as tmp:
+            fig.savefig(tmp, dpi=110)
         plt.close(fig)
         self.written = target
         print(f"[litctx] word-decoding figure: {target}", flush=True)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import torch
 
 import kernels
+from litctx_common.timing import Stopwatch
 
 __all__ = ["PrefillStats", "sparse_prefill_attention"]
 
@@ -16,7 +16,9 @@ __all__ = ["PrefillStats", "sparse_prefill_attention"]
 @dataclass
 class PrefillStats:
     """One call: ``density`` (computed causal pairs / all causal pairs, averaged over batch and heads; 1 for
-    dense), ``estimate_seconds`` (the estimator), ``compute_seconds`` (attention passes and merging)."""
+    dense), ``estimate_seconds`` (the estimator), ``compute_seconds`` (attention passes and merging, an
+    estimator's exact partial pass included; layout bookkeeping such as the density excluded). Both times come
+    from :class:`litctx_common.timing.Stopwatch` (the device is synchronised on CUDA)."""
 
     density: float
     estimate_seconds: float
@@ -28,20 +30,19 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              **select_kw: Any) -> Tuple[torch.Tensor, torch.Tensor, PrefillStats]:
     """Causal prefill attention of ``q [B, Hq, N, d]`` over ``k, v [B, Hk, N, d]`` on the blocks
     ``estimator.select`` chooses. Returns ``(o [B, Hq, N, dv], lse [B, Hq, N], stats)``."""
-    t0 = time.perf_counter()
-    sel = estimator.select(q, k, v, scale, **select_kw)
-    t1 = time.perf_counter()
-    if sel.layout is None:
-        o, lse = kernels.attention(q, k, v, scale=scale, causal=True)
-        density = 1.0
-    elif sel.exact is not None:
-        rest = sel.exact_layout.complement(within=sel.layout)
-        o2, lse2 = kernels.attention(q, k, v, scale=scale, causal=True, layout=rest)
-        o, lse = kernels.merge_lse(sel.exact[0], sel.exact[1], o2, lse2)
-        density = sel.layout.density(causal=True)
-    else:
-        o, lse = kernels.attention(q, k, v, scale=scale, causal=True, layout=sel.layout)
-        density = sel.layout.density(causal=True)
-    t2 = time.perf_counter()
-    exact_s = (t1 - t0) - sel.seconds  # an estimator's own exact pass counts as compute
-    return o, lse, PrefillStats(density, sel.seconds, (t2 - t1) + exact_s, sel.info or None)
+    select_watch, compute_watch = Stopwatch(q), Stopwatch(q)  # synchronised on CUDA at every start and stop
+    with select_watch:
+        sel = estimator.select(q, k, v, scale, **select_kw)
+    with compute_watch:  # the attention passes and the merge only; bookkeeping (density) stays outside
+        if sel.layout is None:
+            o, lse = kernels.attention(q, k, v, scale=scale, causal=True)
+        elif sel.exact is not None:
+            rest = sel.exact_layout.complement(within=sel.layout)
+            o2, lse2 = kernels.attention(q, k, v, scale=scale, causal=True, layout=rest)
+            o, lse = kernels.merge_lse(sel.exact[0], sel.exact[1], o2, lse2)
+        else:
+            o, lse = kernels.attention(q, k, v, scale=scale, causal=True, layout=sel.layout)
+    density = 1.0 if sel.layout is None else sel.layout.density(causal=True)
+    # an estimator's own exact pass (SALE's sink + local attention) ran inside select(): it counts as compute
+    exact_s = max(select_watch.seconds - sel.seconds, 0.0) if sel.exact is not None else 0.0
+    return o, lse, PrefillStats(density, sel.seconds, compute_watch.seconds + exact_s, sel.info or None)

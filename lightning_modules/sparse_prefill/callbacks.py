@@ -18,19 +18,18 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, ClassVar, Dict, Optional
 
 import lightning.pytorch as pl
 import torch
 
-
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
-from lightning_modules.io import atomic_open
 from lightning_modules.llm.callbacks import target_model
 from lightning_modules.llm.session import attach_runners
-from lightning_modules.sparse_prefill.methods import SALEEstimateFields, estimator_factory
+from lightning_modules.sparse_prefill.methods import PrefillConfig, SALEEstimateFields
 from lightning_modules.sparse_prefill.sale import calibrate_thresholds
 from lightning_modules.sparse_prefill.session import _unpadded, install_sparse_prefill
+from litctx_common.io import atomic_open
 
 __all__ = ["SparsePrefillCallback", "SALECalibrationConfig", "SALECalibrationCallback"]
 
@@ -41,12 +40,16 @@ def _run_dir(trainer: pl.Trainer) -> Path:
 
 class SparsePrefillCallback(EvalStageSwitch):
     """A sparse prefill method (any config of :data:`~lightning_modules.sparse_prefill.methods.PREFILL_METHODS`)
-    for validate/test/predict (see the module docstring)."""
+    for validate/test/predict (see the module docstring): installs ``cfg.build()`` on ``cfg.layers`` for
+    prefills longer than ``cfg.min_length``."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: PrefillConfig) -> None:
         super().__init__()
+        if not isinstance(cfg, PrefillConfig):
+            raise TypeError(f"SparsePrefillCallback takes a sparse prefill method config (PREFILL_METHODS), got "
+                            f"{type(cfg).__name__}")
         self.cfg = cfg
-        self.factory = estimator_factory(cfg)
+        self.factory = cfg.build()
         self.session = None
 
     def _enter(self, trainer, pl_module, stage):
@@ -102,6 +105,7 @@ class SALECalibrationConfig(SALEEstimateFields):
         min_length: prompts of at most this many tokens are not used.
     """
 
+    method: ClassVar[str] = "sale_calibration"
     theta: float = 0.4
     output: str = "sale_tau.json"
     tau0: float = 0.008
@@ -109,10 +113,15 @@ class SALECalibrationConfig(SALEEstimateFields):
     min_length: int = 1024
 
     def __post_init__(self) -> None:
-        if self.theta <= 0 or self.tau0 <= 0 or self.tau_min < 0:
-            raise ValueError(f"theta and tau0 must be > 0 and tau_min >= 0; got {self.theta}, {self.tau0}, "
-                             f"{self.tau_min}")
-        self.sale_estimator()  # validates the estimate fields
+        for name, low in (("theta", 0.0), ("tau0", 0.0)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > low:
+                raise ValueError(f"sale_calibration.{name}={value!r}: must be > 0")
+        if not isinstance(self.tau_min, (int, float)) or not 0 <= self.tau_min < self.tau0:
+            raise ValueError(f"sale_calibration.tau_min={self.tau_min!r}: must be in [0, tau0={self.tau0})")
+        if not isinstance(self.min_length, int) or self.min_length < 0:
+            raise ValueError(f"sale_calibration.min_length={self.min_length!r}: must be an integer >= 0")
+        self.check_estimate()
 
 
 class _CalibrationRunner:
@@ -121,13 +130,14 @@ class _CalibrationRunner:
     def __init__(self, layer: int, owner: "SALECalibrationCallback") -> None:
         self.layer, self.owner = layer, owner
 
-    def attend(self, module, query, key, value, attention_mask, scale):
+    def attend(self, module, query, key, value, attention_mask, scale, window=None):
         from lightning_modules.llm.attention import causal_attention
 
         n_q, n_k = query.shape[2], key.shape[2]
-        if n_q == n_k and n_q > self.owner.cfg.min_length and _unpadded(attention_mask, n_q):
+        causal = window is None or n_q <= window  # sliding-window layers beyond their window are not calibrated
+        if causal and n_q == n_k and n_q > self.owner.cfg.min_length and _unpadded(attention_mask, n_q):
             self.owner.observe(self.layer, query, key, value, scale)
-        return causal_attention(query, key, value, attention_mask, scale)
+        return causal_attention(query, key, value, attention_mask, scale, window=window)
 
 
 class SALECalibrationCallback(EvalStageSwitch):
@@ -137,7 +147,7 @@ class SALECalibrationCallback(EvalStageSwitch):
     def __init__(self, cfg: Optional[SALECalibrationConfig] = None, **kwargs: Any) -> None:
         super().__init__()
         self.cfg = cfg if cfg is not None else SALECalibrationConfig(**kwargs)
-        self.estimator = self.cfg.sale_estimator()
+        self.estimator = self.cfg.sale_estimator(self.cfg.tau0)  # the search passes its own thresholds
         self.table: Dict[int, torch.Tensor] = {}
         self.prompts = 0
 

@@ -16,19 +16,25 @@ through :func:`kernels.attention` and merges partial passes with :func:`kernels.
   :mod:`~lightning_modules.sparse_prefill.sale`.
 
 All selections keep the sink column (key block 0) and the causal diagonal block of every query row.
+
+Every estimator is built from its method config (:mod:`~lightning_modules.sparse_prefill.methods`, e.g.
+``MeanPoolEstimator(MeanPoolConfig(block=64))`` or ``MeanPoolConfig(block=64).estimator()``): the constructors
+have no defaults of their own, so a default lives only in the config dataclass, which also validates it.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
+from einops import repeat
 
 from kernels import BlockLayout
 from kernels.layouts import causal_block_mask
+from litctx_common.timing import Stopwatch
 
 __all__ = [
     "Selection",
@@ -53,7 +59,8 @@ class Selection:
         layout: the blocks attention covers (``[B, Hq]``; None = dense causal), exact partial passes included.
         exact: ``(o, lse)`` of an exact pass the estimator already ran (SALE's sink + local pass), or None.
         exact_layout: the blocks of that pass (a subset of ``layout``).
-        seconds: wall time of the estimate itself (the exact pass excluded).
+        seconds: wall time of the estimate itself (the exact pass excluded), from
+            :class:`litctx_common.timing.Stopwatch` (synchronised on CUDA).
         info: estimator-specific details (e.g. FlexPrefill's per-head mode).
     """
 
@@ -65,23 +72,34 @@ class Selection:
 
 
 class BlockEstimator:
-    """Base: ``select(q, k, v, scale) -> Selection`` (subclasses implement ``_block_mask``)."""
+    """Base: ``select(q, k, v, scale) -> Selection``; subclasses set ``block`` and implement :meth:`block_mask`."""
 
     name = "estimator"
-    block: int = 64
+    block: int
 
     def select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Selection:
         _check(q, k)
-        t0 = time.perf_counter()
         n = q.shape[2]
-        if n <= self.block:  # a single block: nothing to skip
-            return Selection(None, seconds=time.perf_counter() - t0)
-        mask, info = self._block_mask(q, k, scale)
-        layout = BlockLayout.from_block_mask(finish_block_mask(mask, n, self.block), self.block, self.block, (n, n))
-        return Selection(layout, seconds=time.perf_counter() - t0, info=info)
+        if n <= self.block:  # a single block: nothing to skip (nothing estimated)
+            return Selection(None)
+        with Stopwatch(q) as sw:  # synchronised on CUDA: the estimate's work, not its kernel launches
+            mask, info = self.selected_block_mask(q, k, scale)
+            layout = BlockLayout.from_block_mask(mask, self.block, self.block, (n, n))
+        return Selection(layout, seconds=sw.seconds, info=info)
 
-    def _block_mask(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    def block_mask(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        """The estimator's own choice for ``q [B, Hq, N, d]``, ``k [B, Hk, N, d]``: a boolean ``[B, Hq, M, M]``
+        over ``M = ceil(N / block)`` query x key blocks (before the causal restriction and the forced sink
+        column and diagonal), and a dict of estimator-specific details."""
         raise NotImplementedError
+
+    def selected_block_mask(self, q: torch.Tensor, k: torch.Tensor,
+                            scale: float) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        """Exactly the blocks :meth:`select` computes: :meth:`block_mask` restricted to causal blocks, plus the
+        sink column and the diagonal (``[B, Hq, M, M]`` bool), and the details dict."""
+        _check(q, k)
+        mask, info = self.block_mask(q, k, scale)
+        return finish_block_mask(mask, q.shape[2], self.block), info
 
 
 def _check(q: torch.Tensor, k: torch.Tensor) -> None:
@@ -95,22 +113,16 @@ def _check(q: torch.Tensor, k: torch.Tensor) -> None:
 
 def expand_kv(k: torch.Tensor, n_q_heads: int) -> torch.Tensor:
     """``[B, Hk, N, d]`` -> ``[B, Hq, N, d]`` (GQA: query head ``h`` reads kv head ``h // (Hq / Hk)``)."""
-    return k if k.shape[1] == n_q_heads else k.repeat_interleave(n_q_heads // k.shape[1], dim=1)
+    return k if k.shape[1] == n_q_heads else repeat(k, "b hk n d -> b (hk g) n d", g=n_q_heads // k.shape[1])
 
 
 def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     """Mean of each block of ``block`` rows of ``x [..., N, d]`` -> ``[..., ceil(N / block), d]`` (float32; the
-    last block averages its real rows only)."""
-    n = x.shape[-2]
-    m = math.ceil(n / block)
-    pad = m * block - n
-    xf = x.float()
-    if pad:
-        xf = torch.cat([xf, xf.new_zeros(*xf.shape[:-2], pad, xf.shape[-1])], dim=-2)
-    sums = xf.reshape(*xf.shape[:-2], m, block, xf.shape[-1]).sum(-2)
-    counts = torch.full((m,), float(block), device=x.device)
-    counts[-1] = block - pad
-    return sums / counts.unsqueeze(-1)
+    last block averages its real rows only: ``F.avg_pool1d`` with ``ceil_mode=True`` and no padding)."""
+    *lead, n, d = x.shape
+    rows = x.float().reshape(-1, n, d).transpose(1, 2)  # [R, d, N]: pool along the sequence
+    pooled = F.avg_pool1d(rows, block, stride=block, ceil_mode=True)
+    return pooled.transpose(1, 2).reshape(*lead, pooled.shape[-1], d)
 
 
 def _block_causal(m: int, device) -> torch.Tensor:
@@ -169,17 +181,16 @@ class MeanPoolEstimator(BlockEstimator):
     """Mean-pooled block logits ``Q_bar K_bar^T * scale`` over all dims, causal block softmax, top-p per row.
 
     Args:
-        block: block size (query and key).
-        top_p: row mass to cover.
+        cfg: a :class:`~lightning_modules.sparse_prefill.methods.MeanPoolConfig` (``block``: block size, query
+            and key; ``top_p``: row mass to cover).
     """
 
     name = "mean_pool"
 
-    def __init__(self, block: int = 64, top_p: float = 0.9) -> None:
-        top_p_mask(torch.ones(1), top_p)  # validates
-        self.block, self.top_p = int(block), float(top_p)
+    def __init__(self, cfg: Any) -> None:
+        self.block, self.top_p = int(cfg.block), float(cfg.top_p)
 
-    def _block_mask(self, q, k, scale):
+    def block_mask(self, q, k, scale):
         qb = pool_blocks(q, self.block)
         kb = pool_blocks(expand_kv(k, q.shape[1]), self.block)
         probs = _causal_softmax(torch.matmul(qb, kb.transpose(-1, -2)) * scale)
@@ -193,22 +204,18 @@ class XAttentionEstimator(BlockEstimator):
     block; each row keeps its largest blocks until ``threshold`` of its mass.
 
     Args:
-        block: block size (a multiple of ``stride``); stride: ``S`` (8 in XAttention); threshold: ``tau`` (0.9).
-        chunk_blocks: query blocks scored per matmul, each chunk against only the key prefix it can see.
+        cfg: a :class:`~lightning_modules.sparse_prefill.methods.XAttentionConfig` (``block``: a multiple of
+            ``stride``; ``stride``: ``S``; ``threshold``: ``tau``; ``chunk_blocks``: query blocks scored per
+            matmul, each chunk against only the key prefix it can see).
     """
 
     name = "xattention"
 
-    def __init__(self, block: int = 64, stride: int = 8, threshold: float = 0.9, chunk_blocks: int = 16) -> None:
-        if stride < 1 or block % stride:
-            raise ValueError(f"block ({block}) must be a multiple of stride ({stride})")
-        if chunk_blocks < 1:
-            raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
-        top_p_mask(torch.ones(1), threshold)
-        self.block, self.stride, self.threshold = int(block), int(stride), float(threshold)
-        self.chunk_blocks = int(chunk_blocks)
+    def __init__(self, cfg: Any) -> None:
+        self.block, self.stride, self.threshold = int(cfg.block), int(cfg.stride), float(cfg.threshold)
+        self.chunk_blocks = int(cfg.chunk_blocks)
 
-    def _block_mask(self, q, k, scale):
+    def block_mask(self, q, k, scale):
         b, hq, n, d = q.shape
         s = self.stride
         m = math.ceil(n / self.block)
@@ -240,19 +247,17 @@ class FlexPrefillEstimator(BlockEstimator):
     otherwise vertical-slash: the columns and diagonals covering ``gamma`` of their masses.
 
     Args:
-        block: block size; gamma: mass to cover (0.9; Prism's comparison uses 0.95); tau: JSD threshold (0.1);
-        last_q: queries of the exact slice (FlexPrefill: one block of 128).
+        cfg: a :class:`~lightning_modules.sparse_prefill.methods.FlexPrefillConfig` (``block``; ``gamma``: mass
+            to cover, Prism's comparison uses 0.95; ``tau``: JSD threshold; ``last_q``: queries of the exact
+            slice, FlexPrefill: one block of 128).
     """
 
     name = "flexprefill"
 
-    def __init__(self, block: int = 64, gamma: float = 0.9, tau: float = 0.1, last_q: int = 64) -> None:
-        top_p_mask(torch.ones(1), gamma)
-        if tau < 0 or last_q < 1:
-            raise ValueError(f"tau must be >= 0 and last_q >= 1, got tau={tau}, last_q={last_q}")
-        self.block, self.gamma, self.tau, self.last_q = int(block), float(gamma), float(tau), int(last_q)
+    def __init__(self, cfg: Any) -> None:
+        self.block, self.gamma, self.tau, self.last_q = int(cfg.block), float(cfg.gamma), float(cfg.tau), int(cfg.last_q)
 
-    def _block_mask(self, q, k, scale):
+    def block_mask(self, q, k, scale):
         b, hq, n, d = q.shape
         bs = self.block
         m = math.ceil(n / bs)

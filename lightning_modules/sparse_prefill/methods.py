@@ -1,4 +1,10 @@
-"""Typed configs of the sparse prefill methods; each builds the estimator of a layer.
+"""Typed configs of the sparse prefill methods: each config is the method.
+
+A config is the single source of its method's defaults, validates itself in ``__post_init__`` (errors name
+``<method>.<field>`` and the valid values) and builds what runs: :meth:`PrefillConfig.build` returns the
+``layer -> estimator`` factory that :func:`~lightning_modules.sparse_prefill.session.install_sparse_prefill`
+takes, and :meth:`PrefillConfig.estimator` one layer's estimator. Estimator constructors take the config and have
+no defaults of their own.
 
 Common fields: ``min_length`` (prefills of at most this many tokens run dense, as SALE does below 1K) and
 ``layers`` (layers that go sparse; None = all). Block sizes default to the papers' (128; SALE 64 x 32).
@@ -7,9 +13,10 @@ Common fields: ``min_length`` (prefills of at most this many tokens run dense, a
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Type
 
 from lightning_modules.base import coerce_config
 from lightning_modules.sparse_prefill.estimators import (
@@ -21,76 +28,178 @@ from lightning_modules.sparse_prefill.estimators import (
 from lightning_modules.sparse_prefill.prism import PrismEstimator
 from lightning_modules.sparse_prefill.sale import SALEEstimator
 
-__all__ = ["SALEEstimateFields", "DensePrefillConfig", "MeanPoolConfig", "XAttentionConfig", "FlexPrefillConfig", "PrismConfig",
-           "SALEConfig", "PREFILL_METHODS", "estimator_factory", "prefill_config", "read_tau_table"]
+__all__ = ["PrefillConfig", "SALEEstimateFields", "DensePrefillConfig", "MeanPoolConfig", "XAttentionConfig",
+           "FlexPrefillConfig", "PrismConfig", "SALEConfig", "PREFILL_METHODS", "prefill_config", "read_tau_table"]
 
 
-class _Validated:
-    def __post_init__(self) -> None:
-        if self.min_length < 0:
-            raise ValueError(f"min_length must be >= 0, got {self.min_length}")
-        estimator_factory(self)(0)  # builds (and so validates) an estimator
+def _check(ok: bool, method: str, name: str, value: Any, valid: str) -> None:
+    """Raise ``ValueError('<method>.<name>=<value>: <valid>')`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{method}.{name}={value!r}: {valid}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_int(cfg: Any, name: str, low: int) -> None:
+    value = getattr(cfg, name)
+    _check(_is_int(value) and value >= low, cfg.method, name, value, f"must be an integer >= {low}")
+
+
+def _check_mass(cfg: Any, name: str) -> None:
+    value = getattr(cfg, name)
+    _check(isinstance(value, (int, float)) and 0.0 < value <= 1.0, cfg.method, name, value,
+           "must be in (0, 1] (the top-p mass to cover)")
 
 
 @dataclass
-class DensePrefillConfig(_Validated):
+class PrefillConfig:
+    """Base of the sparse prefill methods: ``method`` is the registry name.
+
+    Attributes:
+        min_length: prefills of at most this many tokens run dense.
+        layers: the layers that go sparse (None = all).
+    """
+
+    method: ClassVar[str] = "prefill"
+    min_length: int = 1024
+    layers: Optional[List[int]] = None
+
+    def __post_init__(self) -> None:
+        _check_int(self, "min_length", 0)
+        _check(self.layers is None or (isinstance(self.layers, (list, tuple))
+                                       and all(_is_int(x) and x >= 0 for x in self.layers)),
+               self.method, "layers", self.layers, "must be a list of layer indices >= 0 or null (every layer)")
+        self.check()
+
+    def check(self) -> None:
+        """Validate the method's own fields (errors name the field and its valid values)."""
+
+    def estimator(self, layer: int = 0) -> Any:
+        """The estimator of layer ``layer`` (a ``select(q, k, v, scale) -> Selection`` object)."""
+        raise NotImplementedError
+
+    def build(self) -> Callable[[int], Any]:
+        """``layer -> estimator``, the factory :func:`install_sparse_prefill` takes."""
+        return self.estimator
+
+
+@dataclass
+class DensePrefillConfig(PrefillConfig):
     """Dense prefill through the same runner (the baseline; its records give attention time)."""
 
-    min_length: int = 1024
-    layers: Optional[List[int]] = None
+    method: ClassVar[str] = "dense_prefill"
+
+    def estimator(self, layer: int = 0) -> DenseEstimator:
+        return DenseEstimator()
 
 
 @dataclass
-class MeanPoolConfig(_Validated):
-    """Mean-pooled block logits, top-p per row (``block``, ``top_p``)."""
+class MeanPoolConfig(PrefillConfig):
+    """Mean-pooled block logits, top-p per row.
 
+    Attributes:
+        block: block size (query and key); top_p: the row mass to cover.
+    """
+
+    method: ClassVar[str] = "mean_pool_prefill"
     block: int = 128
     top_p: float = 0.9
-    min_length: int = 1024
-    layers: Optional[List[int]] = None
+
+    def check(self) -> None:
+        _check_int(self, "block", 1)
+        _check_mass(self, "top_p")
+
+    def estimator(self, layer: int = 0) -> MeanPoolEstimator:
+        return MeanPoolEstimator(self)
 
 
 @dataclass
-class XAttentionConfig(_Validated):
-    """XAttention: strided anti-diagonal scoring (``block``, ``stride`` 8, ``threshold`` 0.9)."""
+class XAttentionConfig(PrefillConfig):
+    """XAttention: strided anti-diagonal scoring.
 
+    Attributes:
+        block: block size, a multiple of ``stride``; stride: ``S`` (8 in XAttention); threshold: the cumulative
+            row mass ``tau`` (0.9).
+        chunk_blocks: query blocks scored per matmul (memory only: the selection does not depend on it).
+    """
+
+    method: ClassVar[str] = "xattention"
     block: int = 128
     stride: int = 8
     threshold: float = 0.9
-    min_length: int = 1024
-    layers: Optional[List[int]] = None
+    chunk_blocks: int = 16
+
+    def check(self) -> None:
+        _check_int(self, "stride", 1)
+        _check(_is_int(self.block) and self.block >= 1 and self.block % self.stride == 0, self.method, "block",
+               self.block, f"must be a multiple of stride ({self.stride})")
+        _check_mass(self, "threshold")
+        _check_int(self, "chunk_blocks", 1)
+
+    def estimator(self, layer: int = 0) -> XAttentionEstimator:
+        return XAttentionEstimator(self)
 
 
 @dataclass
-class FlexPrefillConfig(_Validated):
-    """FlexPrefill: last-query estimates, query-aware or vertical-slash per head (``gamma`` 0.9, ``tau`` 0.1)."""
+class FlexPrefillConfig(PrefillConfig):
+    """FlexPrefill: last-query estimates, query-aware or vertical-slash per head.
 
+    Attributes:
+        block: block size; gamma: the mass each pattern covers (0.9); tau: the Jensen-Shannon threshold below
+            which a head is query-aware (0.1); last_q: queries of the exact slice (FlexPrefill: one block of 128).
+    """
+
+    method: ClassVar[str] = "flexprefill"
     block: int = 128
     gamma: float = 0.9
     tau: float = 0.1
     last_q: int = 128
-    min_length: int = 1024
-    layers: Optional[List[int]] = None
+
+    def check(self) -> None:
+        _check_int(self, "block", 1)
+        _check_mass(self, "gamma")
+        _check(isinstance(self.tau, (int, float)) and self.tau >= 0, self.method, "tau", self.tau, "must be >= 0")
+        _check_int(self, "last_q", 1)
+
+    def estimator(self, layer: int = 0) -> FlexPrefillEstimator:
+        return FlexPrefillEstimator(self)
 
 
 @dataclass
-class PrismConfig(_Validated):
-    """Prism: dual-band pooled estimate with energy calibration (``top_p`` 0.95, bands 0.5 / 0.75 of the pairs)."""
+class PrismConfig(PrefillConfig):
+    """Prism: dual-band pooled estimate with energy calibration.
 
+    Attributes:
+        block: block size (Prism: 128); top_p: the row mass each band covers (0.95).
+        high_fraction, low_fraction: shares of the RoPE pairs in the high band (0.5) and the low band (0.75).
+        calibrate: energy-based band temperatures (False: both 1).
+    """
+
+    method: ClassVar[str] = "prism"
     block: int = 128
     top_p: float = 0.95
     high_fraction: float = 0.5
     low_fraction: float = 0.75
     calibrate: bool = True
-    min_length: int = 1024
-    layers: Optional[List[int]] = None
+
+    def check(self) -> None:
+        _check_int(self, "block", 1)
+        for name in ("top_p", "high_fraction", "low_fraction"):
+            _check_mass(self, name)
+
+    def estimator(self, layer: int = 0) -> PrismEstimator:
+        return PrismEstimator(self)
 
 
 @dataclass
 class SALEEstimateFields:
     """SALE's estimate: ``bits`` / ``group_size`` of the quantisation (int4, per token), the ``block_q x block_k``
-    tiles (64 x 32) and the exact pass's ``sink`` and ``local`` tokens (32 and 128)."""
+    tiles (64 x 32) and the exact pass's ``sink`` and ``local`` tokens (32 and 128). Shared by the ``sale`` method
+    and the ``sale_calibration`` callback."""
 
+    method: ClassVar[str] = "sale"
     bits: int = 4
     group_size: int = 1
     block_q: int = 64
@@ -98,13 +207,19 @@ class SALEEstimateFields:
     sink: int = 32
     local: int = 128
 
-    def sale_estimator(self, tau: Any = 0.004) -> SALEEstimator:
-        return SALEEstimator(tau=tau, bits=self.bits, group_size=self.group_size, block_q=self.block_q,
-                             block_k=self.block_k, sink=self.sink, local=self.local)
+    def check_estimate(self) -> None:
+        _check(_is_int(self.bits) and 2 <= self.bits <= 8, self.method, "bits", self.bits,
+               "must be an integer in 2..8")
+        for name, low in (("group_size", 1), ("block_q", 1), ("block_k", 1), ("sink", 0), ("local", 0)):
+            _check_int(self, name, low)
+
+    def sale_estimator(self, tau: Any) -> SALEEstimator:
+        """A :class:`SALEEstimator` with these fields and threshold(s) ``tau``."""
+        return SALEEstimator(self, tau)
 
 
 @dataclass
-class SALEConfig(SALEEstimateFields, _Validated):
+class SALEConfig(SALEEstimateFields, PrefillConfig):
     """SALE: low-bit estimate, Relative Attention Score threshold per head (estimate fields:
     :class:`SALEEstimateFields`).
 
@@ -113,16 +228,34 @@ class SALEConfig(SALEEstimateFields, _Validated):
         tau_table: a JSON file written by the ``sale_calibration`` callback (thresholds per layer and head).
     """
 
+    method: ClassVar[str] = "sale"
     tau: float = 0.004
     tau_table: Optional[str] = None
-    min_length: int = 1024
-    layers: Optional[List[int]] = None
 
-    def __post_init__(self) -> None:
-        if self.tau_table is not None and not Path(self.tau_table).expanduser().is_file():
-            raise ValueError(f"tau_table={self.tau_table!r}: no such file (write one with the sale_calibration "
-                             f"callback, or set tau)")
-        super().__post_init__()
+    def check(self) -> None:
+        self.check_estimate()
+        _check(isinstance(self.tau, (int, float)) and math.isfinite(self.tau) and self.tau >= 0, self.method,
+               "tau", self.tau, "must be a finite threshold >= 0 (0 runs every head dense)")
+        if self.tau_table is not None:
+            if not Path(self.tau_table).expanduser().is_file():
+                raise ValueError(f"sale.tau_table={self.tau_table!r}: no such file (write one with the "
+                                 f"sale_calibration callback, or set tau)")
+            read_tau_table(self.tau_table)
+
+    def estimator(self, layer: int = 0) -> SALEEstimator:
+        return self.build()(layer)
+
+    def build(self) -> Callable[[int], SALEEstimator]:
+        table = read_tau_table(self.tau_table) if self.tau_table is not None else None
+
+        def make(layer: int) -> SALEEstimator:
+            if table is None:
+                return self.sale_estimator(self.tau)
+            if layer >= len(table):
+                raise ValueError(f"sale.tau_table={self.tau_table!r} has {len(table)} layers; layer {layer} has "
+                                 f"no thresholds")
+            return self.sale_estimator(table[layer])
+        return make
 
 
 def read_tau_table(path: str) -> List[List[float]]:
@@ -134,38 +267,15 @@ def read_tau_table(path: str) -> List[List[float]]:
     return table
 
 
-def _sale(cfg: SALEConfig) -> Callable[[int], Any]:
-    table = read_tau_table(cfg.tau_table) if cfg.tau_table is not None else None
-
-    def make(layer: int) -> SALEEstimator:
-        if table is not None and layer >= len(table):
-            raise ValueError(f"tau_table {cfg.tau_table} has {len(table)} layers; layer {layer} has no thresholds")
-        return cfg.sale_estimator(table[layer] if table is not None else cfg.tau)
-    return make
-
-
-PREFILL_METHODS: Dict[str, Tuple[Type[Any], Callable[[Any], Callable[[int], Any]]]] = {
-    "dense_prefill": (DensePrefillConfig, lambda c: lambda layer: DenseEstimator()),
-    "mean_pool_prefill": (MeanPoolConfig, lambda c: lambda layer: MeanPoolEstimator(c.block, c.top_p)),
-    "xattention": (XAttentionConfig, lambda c: lambda layer: XAttentionEstimator(c.block, c.stride, c.threshold)),
-    "flexprefill": (FlexPrefillConfig, lambda c: lambda layer: FlexPrefillEstimator(c.block, c.gamma, c.tau, c.last_q)),
-    "prism": (PrismConfig, lambda c: lambda layer: PrismEstimator(c.block, c.top_p, c.high_fraction, c.low_fraction,
-                                                                  c.calibrate)),
-    "sale": (SALEConfig, _sale),
+PREFILL_METHODS: Dict[str, Type[PrefillConfig]] = {
+    cls.method: cls
+    for cls in (DensePrefillConfig, MeanPoolConfig, XAttentionConfig, FlexPrefillConfig, PrismConfig, SALEConfig)
 }
-"""Method name -> (config class, ``config -> (layer -> estimator)``)."""
+"""Method name -> config class (``PREFILL_METHODS[name](**args).build()`` is the ``layer -> estimator`` factory)."""
 
 
-def estimator_factory(cfg: Any) -> Callable[[int], Any]:
-    """``layer -> estimator`` for a method config."""
-    for cls, build in PREFILL_METHODS.values():
-        if type(cfg) is cls:
-            return build(cfg)
-    raise TypeError(f"{type(cfg).__name__} is not a sparse prefill config")
-
-
-def prefill_config(name: str, args: Optional[Dict[str, Any]] = None) -> Any:
+def prefill_config(name: str, args: Optional[Mapping[str, Any]] = None) -> PrefillConfig:
     """The config of method ``name`` from a dict of its fields (unknown fields are named in the error)."""
     if name not in PREFILL_METHODS:
         raise ValueError(f"unknown sparse prefill method {name!r}; known: {', '.join(PREFILL_METHODS)}")
-    return coerce_config(dict(args or {}), PREFILL_METHODS[name][0])
+    return coerce_config(dict(args or {}), PREFILL_METHODS[name])

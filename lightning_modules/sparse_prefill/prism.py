@@ -1,7 +1,7 @@
 """Prism (arXiv 2602.08426): spectral-aware block selection.
 
 Mean pooling a block of RoPE-rotated vectors scales RoPE pair ``j`` by ``lambda_j(B)``
-(:func:`~lightning_modules.sparse_prefill.rope.pooled_attenuation`): the fast, high-frequency pairs that
+(:func:`~lightning_modules.layers.rope.pooled_attenuation`): the fast, high-frequency pairs that
 carry relative position (slash / diagonal heads) nearly vanish, so a pooled ``q_bar . k_bar`` cannot see them.
 Prism splits the pooled dims into a **high-frequency band** (the first ``high_fraction`` of the pairs) and a
 **low-frequency band** (the last ``low_fraction``; the two overlap on the transition pairs), gives each band a
@@ -52,23 +52,19 @@ class PrismEstimator(BlockEstimator):
     """Prism's dual-band block estimate (see the module docstring).
 
     Args:
-        block: block size (Prism: 128).
-        top_p: row mass each band must cover (Prism: 0.95 for Llama-3.1, 0.93 for Qwen).
-        high_fraction, low_fraction: shares of the RoPE pairs in the high band (0.5: d_high = 64 of d = 128) and
-            the low band (0.75: d_low = 96 of 128), Prism's defaults scaled to any head size.
-        calibrate: energy-based temperatures (False: both temperatures 1).
+        cfg: a :class:`~lightning_modules.sparse_prefill.methods.PrismConfig`: ``block`` (Prism: 128), ``top_p``
+            (the row mass each band must cover; Prism: 0.95 for Llama-3.1, 0.93 for Qwen), ``high_fraction`` /
+            ``low_fraction`` (shares of the RoPE pairs in the high band, 0.5: d_high = 64 of d = 128, and the
+            low band, 0.75: d_low = 96 of 128, Prism's defaults scaled to any head size) and ``calibrate``
+            (energy-based temperatures; False: both temperatures 1).
     """
 
     name = "prism"
 
-    def __init__(self, block: int = 64, top_p: float = 0.95, high_fraction: float = 0.5, low_fraction: float = 0.75,
-                 calibrate: bool = True) -> None:
-        top_p_mask(torch.ones(1), top_p)
-        for nm, f in (("high_fraction", high_fraction), ("low_fraction", low_fraction)):
-            if not 0.0 < f <= 1.0:
-                raise ValueError(f"{nm} must be in (0, 1], got {f}")
-        self.block, self.top_p = int(block), float(top_p)
-        self.high_fraction, self.low_fraction, self.calibrate = float(high_fraction), float(low_fraction), calibrate
+    def __init__(self, cfg: Any) -> None:
+        self.block, self.top_p = int(cfg.block), float(cfg.top_p)
+        self.high_fraction, self.low_fraction = float(cfg.high_fraction), float(cfg.low_fraction)
+        self.calibrate = bool(cfg.calibrate)
 
     def band_logits(self, q: torch.Tensor, k: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Calibrated block logits ``[B, H, M, M]`` of each band (``high``, ``low``) and their temperatures."""
@@ -90,7 +86,7 @@ class PrismEstimator(BlockEstimator):
             out[f"tau_{name}"] = tau.squeeze(-1).squeeze(-1)
         return out
 
-    def _block_mask(self, q, k, scale) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    def block_mask(self, q, k, scale) -> Tuple[torch.Tensor, Dict[str, Any]]:
         bands = self.band_logits(q, k)
         mask = None
         for name in ("high", "low"):

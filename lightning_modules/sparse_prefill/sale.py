@@ -18,8 +18,7 @@ needs ``tau <= 1e-4`` runs dense.
 from __future__ import annotations
 
 import math
-import time
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -27,6 +26,7 @@ import kernels
 from kernels import BlockLayout
 from kernels.layouts import causal_block_mask
 from lightning_modules.sparse_prefill.estimators import Selection, _check
+from litctx_common.timing import Stopwatch
 
 __all__ = ["SALEEstimator", "sink_local_layout", "calibrate_thresholds"]
 
@@ -46,27 +46,22 @@ class SALEEstimator:
     """SALE's selection with its exact sink + local pass (see the module docstring).
 
     Args:
-        tau: threshold, one value or one per query head (0 = dense head); SALE's README uses 0.004.
-        bits: quantisation bits of the estimate (4: int4, 8: int8).
-        group_size: rows sharing one quantisation scale (1: per token).
-        block_q, block_k: selection and compute tile (64 x 32).
-        sink, local: tokens of the exact pass (32 and 128).
+        cfg: SALE's estimate fields, :class:`~lightning_modules.sparse_prefill.methods.SALEEstimateFields`
+            (``bits`` / ``group_size`` of the quantisation, the ``block_q x block_k`` selection and compute tile,
+            the exact pass's ``sink`` and ``local`` tokens), validated there.
+        tau: threshold, one value or one per query head (0 = dense head); the method config gives it
+            (``SALEConfig.tau`` or a row of its ``tau_table``).
     """
 
     name = "sale"
 
-    def __init__(self, tau: Union[float, Sequence[float]] = 0.004, bits: int = 4, group_size: int = 1,
-                 block_q: int = 64, block_k: int = 32, sink: int = 32, local: int = 128) -> None:
+    def __init__(self, cfg: Any, tau: Union[float, Sequence[float]]) -> None:
         tau_t = torch.as_tensor(tau, dtype=torch.float64).flatten()
-        if (tau_t < 0).any() or tau_t.numel() == 0:
-            raise ValueError(f"tau must be >= 0 (one value or one per head), got {tau}")
-        if not 2 <= bits <= 8:
-            raise ValueError(f"bits must be in 2..8, got {bits}")
-        if min(block_q, block_k) < 1 or sink < 0 or local < 0:
-            raise ValueError(f"invalid blocks/sink/local: {block_q}, {block_k}, {sink}, {local}")
+        if tau_t.numel() == 0 or bool((tau_t < 0).any()) or not bool(torch.isfinite(tau_t).all()):
+            raise ValueError(f"sale.tau must be finite and >= 0 (one value or one per head), got {tau}")
         self.tau = tau_t
-        self.bits, self.group_size = int(bits), int(group_size)
-        self.block_q, self.block_k, self.sink, self.local = int(block_q), int(block_k), int(sink), int(local)
+        self.bits, self.group_size = int(cfg.bits), int(cfg.group_size)
+        self.block_q, self.block_k, self.sink, self.local = int(cfg.block_q), int(cfg.block_k), int(cfg.sink), int(cfg.local)
 
     def _tau(self, n_heads: int) -> torch.Tensor:
         if self.tau.numel() == 1:
@@ -81,28 +76,27 @@ class SALEEstimator:
         b, hq, n, _ = q.shape
         exact_layout = sink_local_layout(n, self.block_q, self.block_k, self.sink, self.local, q.device)
         exact = kernels.attention(q, k, v, scale=scale, causal=True, layout=exact_layout)
-        t0 = time.perf_counter()
-        tau = self._tau(hq) if tau is None else tau
-        keep = kernels.lowbit_block_estimate(q, k, exact[1], tau, scale=scale, block_q=self.block_q,
-                                                       block_k=self.block_k, bits=self.bits,
-                                                       group_size=self.group_size)
-        layout = BlockLayout.from_block_mask(keep.to_block_mask() | exact_layout.to_block_mask(), self.block_q,
-                                             self.block_k, (n, n))
-        seconds = time.perf_counter() - t0
-        return Selection(layout, exact=exact, exact_layout=exact_layout.expand(b, hq), seconds=seconds)
+        with Stopwatch(q) as sw:  # the estimate only (the exact pass above counts as compute); synced on CUDA
+            tau = self._tau(hq) if tau is None else tau
+            keep = kernels.lowbit_block_estimate(q, k, exact[1], tau, scale=scale, block_q=self.block_q,
+                                                 block_k=self.block_k, bits=self.bits, group_size=self.group_size)
+            layout = BlockLayout.from_block_mask(keep.to_block_mask() | exact_layout.to_block_mask(), self.block_q,
+                                                 self.block_k, (n, n))
+        return Selection(layout, exact=exact, exact_layout=exact_layout.expand(b, hq), seconds=sw.seconds)
 
 
 def calibrate_thresholds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, theta: float,
-                         estimator: Optional[SALEEstimator] = None, tau0: float = 0.008,
-                         tau_min: float = 1e-4) -> torch.Tensor:
-    """Per-query-head thresholds ``[Hq]`` (float64) for one prefill: the largest ``tau0 / 2^i`` whose output
-    error ``sum_{i,d} |O - O~|`` stays below ``theta * N`` for every batch row; 0 (dense) when none above
-    ``tau_min`` does."""
+                         estimator: SALEEstimator, tau0: float, tau_min: float) -> torch.Tensor:
+    """Per-query-head thresholds ``[Hq]`` (float64) for one prefill of ``q [B, Hq, N, d]``, ``k, v [B, Hk, N,
+    d]``: the largest ``tau0 / 2^i`` whose output error ``sum_{i,d} |O - O~|`` stays below ``theta * N`` for
+    every batch row; 0 (dense) when none above ``tau_min`` does. ``estimator`` gives the estimate's fields (its
+    own ``tau`` is not used); the defaults of ``theta``, ``tau0``, ``tau_min`` live in
+    :class:`~lightning_modules.sparse_prefill.callbacks.SALECalibrationConfig`."""
     from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
 
     if theta <= 0 or tau0 <= 0:
         raise ValueError(f"theta and tau0 must be > 0, got theta={theta}, tau0={tau0}")
-    est = estimator or SALEEstimator()
+    est = estimator
     b, hq, n, _ = q.shape
     dense, _ = kernels.attention(q, k, v, scale=scale, causal=True)
     result = torch.zeros(hq, dtype=torch.float64)

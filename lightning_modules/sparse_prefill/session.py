@@ -52,19 +52,21 @@ class SparsePrefillSession:
 class SparsePrefillRunner:
     """One layer's attention: sparse for long unpadded prefills, exact otherwise."""
 
-    def __init__(self, layer: int, estimator: Any, session: SparsePrefillSession, min_length: int = 1024) -> None:
+    def __init__(self, layer: int, estimator: Any, session: SparsePrefillSession, min_length: int) -> None:
         self.layer, self.estimator, self.session, self.min_length = layer, estimator, session, int(min_length)
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+               attention_mask: Optional[torch.Tensor], scale: float, window: Optional[int] = None) -> torch.Tensor:
         n_q, n_k = query.shape[2], key.shape[2]
-        if self.estimator is not None and n_q == n_k and n_q > self.min_length and _unpadded(attention_mask, n_q):
+        sparse = window is None or n_q <= window  # estimators choose causal blocks: sliding layers stay exact
+        if (self.estimator is not None and sparse and n_q == n_k and n_q > self.min_length
+                and _unpadded(attention_mask, n_q)):
             o, _, stats = sparse_prefill_attention(query, key, value, self.estimator, scale)
             self.session.records.append({"layer": self.layer, "n": n_q, "density": stats.density,
                                          "estimate_seconds": stats.estimate_seconds,
                                          "compute_seconds": stats.compute_seconds})
             return o
-        return causal_attention(query, key, value, attention_mask, scale)
+        return causal_attention(query, key, value, attention_mask, scale, window=window)
 
 
 def _unpadded(attention_mask: Optional[torch.Tensor], n: int) -> bool:
@@ -75,10 +77,12 @@ def _unpadded(attention_mask: Optional[torch.Tensor], n: int) -> bool:
 
 
 @contextlib.contextmanager
-def install_sparse_prefill(model: torch.nn.Module, estimator: Union[Any, Callable[[int], Any]],
-                           min_length: int = 1024, layers: Optional[List[int]] = None) -> Iterator[SparsePrefillSession]:
-    """Run ``model``'s long prefills through ``estimator`` (one estimator for every layer, or a function
-    ``layer -> estimator``) inside the block; ``layers`` limits the layers (None = all)."""
+def install_sparse_prefill(model: torch.nn.Module, estimator: Union[Any, Callable[[int], Any]], *,
+                           min_length: int, layers: Optional[List[int]] = None) -> Iterator[SparsePrefillSession]:
+    """Run ``model``'s prefills longer than ``min_length`` tokens through ``estimator`` (one estimator for every
+    layer, or a function ``layer -> estimator`` such as a method config's ``build()``) inside the block;
+    ``layers`` limits the layers (None = all). A method config carries ``min_length`` and ``layers``:
+    ``install_sparse_prefill(model, cfg.build(), min_length=cfg.min_length, layers=cfg.layers)``."""
     session = SparsePrefillSession()
 
     def make_runner(module: torch.nn.Module) -> SparsePrefillRunner:

@@ -30,7 +30,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from lightning_modules.sparse_prefill.rope import apply_rope, pooled_attenuation, rope_frequencies
+from lightning_modules.layers.rope import apply_rope, pooled_attenuation, rope_frequencies
 
 __all__ = ["HEAD_KINDS", "structured_head", "structured_heads", "offset_blocks"]
 

@@ -34,7 +34,7 @@ def qkv():
 
 
 @pytest.mark.parametrize("case", ["dense", "window", "layout", "reference", "reference_lssa", "q_index",
-                                  "colstats"])
+                                  "colstats", "key_mask", "key_mask_window"])
 def test_peak_tensor_is_subquadratic(case):
     q, k, v = qkv()
     mode = LargestTensor()
@@ -49,6 +49,10 @@ def test_peak_tensor_is_subquadratic(case):
             o, _ = attention_reference(q, k, v, layout=BlockLayout.random_causal(N, 128, 0.3), chunk=128)
         elif case == "reference_lssa":
             o, _ = attention_reference(q, k, v, score_mode="lssar", chunk=128)
+        elif case in ("key_mask", "key_mask_window"):  # left padding plus random holes (the fused CPU paths)
+            keep = torch.rand(1, 1, N, generator=torch.Generator().manual_seed(2)) < 0.7
+            keep[..., : N // 4] = False
+            o, _ = kernels.attention(q, k, v, key_mask=keep, window=512 if case == "key_mask_window" else None)
         elif case == "q_index":
             qi = QueryIndex.from_mask(torch.rand(1, 1, N, generator=torch.Generator().manual_seed(1)) < 0.2)
             o, _ = kernels.attention(q, k, v, q_index=qi)

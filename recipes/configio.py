@@ -1,0 +1,259 @@
+"""The leaf of the configuration path: the error type, YAML reading, the configs folder, and validation of a
+mapping against a config dataclass with one-line errors.
+
+``recipes.config`` (the layered merge) and ``recipes.registry`` (the component tables) both import this module;
+it imports neither, so the two never import each other's private helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import importlib.metadata
+import os
+import typing
+from pathlib import Path, PurePath, PurePosixPath
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+
+import yaml
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+__all__ = [
+    "ConfigError",
+    "DISTRIBUTION",
+    "WHEEL_CONFIGS",
+    "complete_component_args",
+    "config_dir",
+    "friendly_error",
+    "is_plain",
+    "plain_value",
+    "read_yaml",
+    "validate_component_args",
+]
+
+DISTRIBUTION = "litctx"
+WHEEL_CONFIGS = "share/litctx/configs"
+"""Where a wheel installs the ``configs`` folder, relative to the install scheme's data root (``sys.prefix`` in
+a venv); setup.cfg's ``[options.data_files]`` puts it there."""
+
+
+# ---------------------------------------------------------------------------------------------- errors
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the person who typed it (one line, no traceback needed)."""
+
+
+# ---------------------------------------------------------------------------------------------- messages
+def _dotted_fields(schema: type, prefix: str = "") -> Dict[str, Any]:
+    """Map every dotted field path of a dataclass schema to its annotation."""
+    out: Dict[str, Any] = {}
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        path = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        out[path] = tp
+        if dataclasses.is_dataclass(tp):
+            out.update(_dotted_fields(tp, path + "."))
+    return out
+
+
+def _describe_type(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        parts = [a for a in typing.get_args(tp) if a is not type(None)]
+        text = " or ".join(_describe_type(a) for a in parts)
+        return text + (" or null" if len(parts) < len(typing.get_args(tp)) else "")
+    if origin in (list, List):
+        (inner,) = typing.get_args(tp) or (Any,)
+        return f"a list of {_describe_type(inner)}"
+    if origin in (dict, Dict):
+        return "a mapping"
+    if tp is Any:
+        return "any value"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({tp.__name__})"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _nearest(key: str, candidates: Iterable[str], n: int = 2) -> List[str]:
+    """The closest valid keys to ``key``, by the whole dotted path and by the last component."""
+    candidates = list(candidates)
+    leaf = key.rsplit(".", 1)[-1]
+    leaves = {c: c.rsplit(".", 1)[-1] for c in candidates}
+    scored = []
+    for c in candidates:
+        score = max(difflib.SequenceMatcher(None, key, c).ratio(), difflib.SequenceMatcher(None, leaf, leaves[c]).ratio())
+        if score >= 0.7:
+            scored.append((score, c))
+    scored.sort(key=lambda sc: -sc[0])
+    if not scored:
+        return []
+    best = scored[0][0]
+    return [c for score, c in scored if score >= best - 0.05][:n]
+
+
+def friendly_error(err: OmegaConfBaseException, layer: str, schema: type, args_of: Optional[str] = None) -> ConfigError:
+    """Turn an OmegaConf error into a one-line message naming the key, the layer and what would be valid."""
+    fields = _dotted_fields(schema)
+    full_key = getattr(err, "full_key", None) or ""
+    shown = f"{args_of}.{full_key}" if args_of else full_key
+    source = f" (from {layer})" if layer else ""
+    if isinstance(err, ConfigKeyError) and full_key:
+        parent = full_key.rsplit(".", 1)[0] if "." in full_key else ""
+        siblings = [p for p in fields if (p.rsplit(".", 1)[0] if "." in p else "") == parent]
+        near = _nearest(full_key, siblings) or _nearest(full_key, fields)
+        near_shown = [f"{args_of}.{k}" if args_of else k for k in near]
+        hint = f"; did you mean {' or '.join(repr(k) for k in near_shown)}?" if near_shown else ""
+        valid = ", ".join(s.rsplit(".", 1)[-1] for s in siblings)
+        where = f" under '{args_of + '.' + parent if args_of and parent else (args_of or parent)}'" if (parent or args_of) else ""
+        return ConfigError(f"unknown key '{shown}'{source}{hint} Valid keys{where}: {valid}")
+    if isinstance(err, ValidationError) and full_key:
+        expected = _describe_type(fields[full_key]) if full_key in fields else "a different type"
+        first = str(err).splitlines()[0]
+        value = first.split("'")[1] if first.startswith("Value '") else None
+        got = f", got {value!r}" if value is not None else f": {first}"
+        return ConfigError(f"{shown}: expected {expected}{got}{source}")
+    first = str(err).splitlines()[0]
+    return ConfigError(f"{shown + ': ' if shown else ''}{first}{source}")
+
+
+# ---------------------------------------------------------------------------------------------- files
+def _checkout_configs() -> Path:
+    """The ``configs`` folder next to the ``recipes`` package (a checkout or an editable install)."""
+    return Path(__file__).resolve().parent.parent / "configs"
+
+
+def _installed_configs() -> Optional[Path]:
+    """The ``configs`` folder a (non-editable) wheel installed as data files, found through the
+    distribution's RECORD, so any install scheme (venv, ``--user``, ``--prefix``) works."""
+    try:
+        dist = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    suffix = PurePosixPath(WHEEL_CONFIGS) / "defaults.yaml"
+    for entry in dist.files or ():
+        parts = PurePosixPath(entry).parts
+        if parts[-len(suffix.parts):] == suffix.parts:
+            return Path(dist.locate_file(entry)).resolve().parent
+    return None
+
+
+def config_dir(explicit: Optional[str] = None) -> Path:
+    """Where ``defaults.yaml``, ``recipes/`` and ``profiles/`` live: ``explicit``, else ``$LITCTX_CONFIG_DIR``,
+    else the ``configs`` folder next to the ``recipes`` package (a checkout or an editable install), else the
+    copy an installed wheel carries (``<prefix>/share/litctx/configs``).
+
+    Raises:
+        ConfigError: an explicit or ``$LITCTX_CONFIG_DIR`` folder without ``defaults.yaml``, or no folder found.
+    """
+    for label, given in (("cfg_dir", explicit), ("LITCTX_CONFIG_DIR", os.environ.get("LITCTX_CONFIG_DIR"))):
+        if given:
+            path = Path(given)
+            if not (path / "defaults.yaml").is_file():
+                raise ConfigError(f"config directory {path} (from {label}) has no defaults.yaml")
+            return path
+    checkout = _checkout_configs()
+    if (checkout / "defaults.yaml").is_file():
+        return checkout
+    installed = _installed_configs()
+    if installed is not None and (installed / "defaults.yaml").is_file():
+        return installed
+    raise ConfigError(
+        f"cannot find the litctx configs folder (looked in {checkout} and in the installed '{DISTRIBUTION}' "
+        f"distribution's {WHEEL_CONFIGS}); reinstall litctx, or set LITCTX_CONFIG_DIR to the folder holding "
+        "defaults.yaml"
+    )
+
+
+def read_yaml(path: Path) -> Dict[str, Any]:
+    """A YAML file's top-level mapping (``{}`` for an empty file).
+
+    Raises:
+        ConfigError: the file is not valid YAML or its top level is not a mapping.
+    """
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def _merged_component(schema: type, args: Mapping[str, Any], where: str) -> Tuple[DictConfig, Any]:
+    """``args`` merged over the schema's defaults, and the config object built from them (its ``__post_init__``
+    checks run)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(dict(args)))
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise friendly_error(err, "", schema, args_of=where) from None
+    except (TypeError, ValueError) as err:  # raised by the schema's own __post_init__
+        raise ConfigError(f"{where}: {err}") from None
+    missing = [k for k, v in dataclasses.asdict(obj).items() if v == MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing value(s) for {', '.join(missing)}")
+    return merged, obj
+
+
+def validate_component_args(schema: type, args: Mapping[str, Any], where: str) -> Any:
+    """Validate ``args`` against a component's config dataclass and return an instance of it.
+
+    ``where`` is the dotted prefix used in messages (e.g. ``method.args``).
+    """
+    return _merged_component(schema, args, where)[1]
+
+
+def complete_component_args(schema: type, args: Mapping[str, Any], where: str) -> Dict[str, Any]:
+    """Every field of ``schema`` with its value (``args`` over the defaults), as plain YAML-able containers:
+    what a run records in ``config.yaml`` and its fingerprint.
+
+    The values are the *inputs* of the config (after type conversion, before ``__post_init__``), so loading
+    the record again builds the same object, and a value the constructor derives is derived again.
+
+    Raises:
+        ConfigError: ``args`` does not validate (see :func:`validate_component_args`), or a field holds a value
+            YAML cannot represent (named with its dotted key).
+    """
+    merged, _ = _merged_component(schema, args, where)
+    values = OmegaConf.to_container(merged, resolve=True, enum_to_str=True)
+    return {key: plain_value(value, f"{where}.{key}") for key, value in values.items()}
+
+
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def plain_value(value: Any, where: str) -> Any:
+    """``value`` as YAML-able plain containers (dicts with string keys, lists, scalars; paths become strings).
+
+    Raises:
+        ConfigError: naming ``where`` when a value (or an element of it) has no plain form.
+    """
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.name
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain_value(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): plain_value(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise ConfigError(f"{where}: a {type(value).__name__} value cannot be recorded in config.yaml; "
+                      "use a scalar, list or mapping")
+
+
+def is_plain(value: Any) -> bool:
+    """Whether :func:`plain_value` can represent ``value``."""
+    try:
+        plain_value(value, "")
+    except ConfigError:
+        return False
+    return True
