@@ -17,7 +17,7 @@ MIN_FREE_GIB ?= 7
 
 .PHONY: venv run test test-interpret test-slow bench clean
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c 'import torch' 2>/dev/null || { \
 	  free=$$(df -Pk $(VENV) | awk 'NR==2 {print int($$4 / 1048576)}'); \

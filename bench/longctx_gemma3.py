@@ -14,8 +14,8 @@ import argparse
 from pathlib import Path
 from typing import Dict, List, Mapping, Sequence
 
-from lightning_modules.io import read_jsonl
 from lightning_modules.llm.suite_metrics import markdown_table, paired_bootstrap, summarise
+from litctx_common.io import read_jsonl
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FULL = RESULTS / "longctx_gemma3_compress_then_ask.jsonl"

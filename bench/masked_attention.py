@@ -37,7 +37,7 @@ import torch
 from bench._report import REPO, save_json, write_section
 
 RESULTS = REPO / "bench" / "results" / "masked_attention.json"
-COMMAND = "flock /tmp/litctx-heavy.lock .venv/bin/python -m bench.masked_attention"
+COMMAND = "python -m bench.masked_attention"
 BACKENDS = {"reference": "before (reference)", "auto": "after (fused)"}
 
 

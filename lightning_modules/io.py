@@ -5,7 +5,7 @@ temp folder; when that is another file system the final move is a copy, and a ki
 truncated checkpoint. :class:`AtomicCheckpointIO` writes through :func:`litctx_common.io.atomic_open` (next to
 the target, then a rename), so a checkpoint file is always either the previous complete one or the new one.
 The atomic-write and JSONL helpers themselves live in :mod:`litctx_common.io` (``datamodules`` and the
-benchmarks need them too); ``atomic_open``, ``append_jsonl`` and ``read_jsonl`` are re-exported here.
+benchmarks need them too).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from litctx_common.io import append_jsonl, atomic_open, read_jsonl
+from litctx_common.io import atomic_open
 
-__all__ = ["append_jsonl", "read_jsonl", "atomic_open", "AtomicCheckpointIO", "load_checkpoint", "load_weights"]
+__all__ = ["AtomicCheckpointIO", "load_checkpoint", "load_weights"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

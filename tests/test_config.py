@@ -237,11 +237,13 @@ def test_every_config_callback_records_all_its_fields(name):
     yaml.safe_load(to_yaml(loaded.run))  # plain, YAML-able values
 
 
-def test_show_marks_defaults():
-    out = run_cli(["-m", "recipes.show", "meg_xl_finetune"])
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert any(ln.strip().startswith("siglip_t:") and ln.endswith("# default") for ln in lines), out.stdout
+def test_show_marks_defaults(capsys):
+    from recipes import show
+
+    assert show.main(["meg_xl_finetune"]) in (0, None)  # in process: the CLI path itself is covered above
+    stdout = capsys.readouterr().out
+    lines = stdout.splitlines()
+    assert any(ln.strip().startswith("siglip_t:") and ln.endswith("# default") for ln in lines), stdout
     assert any(ln.strip().startswith("mask_ratio:") and ln.endswith("# default") for ln in lines)
     assert any(ln.strip().startswith("loss: clip") and "from recipe meg_xl_finetune" in ln for ln in lines)
 
