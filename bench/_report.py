@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from litctx_common.io import atomic_open, atomic_path
+from litctx_common.io import atomic_open, atomic_path, atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,8 +28,7 @@ def write_section(name: str, body: str, heading: str, path: Path = REPO / "docs"
         new = head + section + rest.split(end, 1)[1]
     else:
         new = current.rstrip() + f"\n\n## {heading}\n\n{section}\n"
-    with atomic_open(path, "w") as f:
-        f.write(new)
+    atomic_write_text(path, new)
     return section
 
 

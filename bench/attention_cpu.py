@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -30,17 +29,14 @@ from bench._report import REPO, save_figure, save_json, write_section
 import kernels
 from kernels import BlockLayout
 from kernels.cpu_sparse import block_sparse_attention_cpu
+from litctx_common.timing import time_call
 
 DENSITIES = (0.05, 0.10, 0.25, 0.50, 1.00)
 
 
 def best_of(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    """The fastest of ``repeats`` runs of ``fn()`` (CPU wall time)."""
+    return time_call(fn, repeats, device="cpu", reduce="min")
 
 
 def flex_runner(n: int):

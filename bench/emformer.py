@@ -149,7 +149,7 @@ def report(cache: dict, args) -> None:
             continue
         for metric in ("rmse", "acc"):
             for lead in sorted({0, min(3, leads - 1), leads - 1}):
-                vals = [f"{mean_sd([chan(r, a, metric, name, lead) for r in runs])[0]:.3g}"
+                vals = [f"{mean_sd([chan(r, a, metric, name, lead) for r in runs]).mean:.3g}"
                         for a in ("persistence", "climatology", "control", "rollout")]
                 key_rows.append(f"| {name} | {metric.upper()} | {6 * (lead + 1)} h | " + " | ".join(vals) + " |")
     beats_persistence = all(norm_rmse(r, "rollout", lead) < norm_rmse(r, "persistence", lead)
@@ -184,7 +184,7 @@ Merged multi-scale convolution (1x1 + 3x3 + 5x5 as one 5x5 kernel) against three
 
 Verdict here: rollout fine-tuning vs the control at leads >= 3 (18 h+): changes
 {', '.join(f'{100 * v:+.2f}%' for v in late)} ({'lower at every one' if max(late) < 0 else 'not lower at every one'});
-lead-1 change {100 * lead1[0]:+.2f}% ± {100 * lead1[1]:.2f} (acceptance: at most +3%). EMFormer (rollout) beats
+lead-1 change {100 * lead1.mean:+.2f}% ± {100 * lead1.sd:.2f} (acceptance: at most +3%). EMFormer (rollout) beats
 persistence on the channel-mean RMSE at every lead: {'yes' if beats_persistence else 'no'}; per channel it loses
 (or ties) in {len(losses)} of {len(channels) * leads} (channel, lead) cells{': ' + ', '.join(losses) if losses else ''}.
 The paper's 5.69x speed-up was measured on GPU (dense 2304-channel convolutions); the CPU ratios above are ours.
@@ -199,14 +199,14 @@ The paper's 5.69x speed-up was measured on GPU (dense 2304-channel convolutions)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     hours = [6 * (i + 1) for i in range(leads)]
     for arm in arms:
-        means = [mean_sd([norm_rmse(r, arm, lead) for r in runs])[0] for lead in range(leads)]
+        means = [mean_sd([norm_rmse(r, arm, lead) for r in runs]).mean for lead in range(leads)]
         axes[0].plot(hours, means, marker="o", ms=3, label=arm)
     axes[0].set_xlabel("lead (h)")
     axes[0].set_ylabel("RMSE (normalised, mean of 12 channels)")
     axes[0].legend(fontsize=8)
     if "geopotential@500" in channels:
         for arm in arms:
-            means = [mean_sd([chan(r, arm, "acc", "geopotential@500", lead) for r in runs])[0] for lead in range(leads)]
+            means = [mean_sd([chan(r, arm, "acc", "geopotential@500", lead) for r in runs]).mean for lead in range(leads)]
             axes[1].plot(hours, means, marker="o", ms=3, label=arm)
         axes[1].set_xlabel("lead (h)")
         axes[1].set_ylabel("Z500 ACC")

@@ -30,7 +30,8 @@ from typing import Any, Dict, List, Tuple
 
 from bench._report import REPO, pyplot, save_figure, save_json, write_section
 
-from litctx_common.io import append_jsonl, read_jsonl  # noqa: E402
+from litctx_common.io import append_jsonl, read_jsonl
+from litctx_common.timing import clock
 
 RESULTS = REPO / "bench" / "results" / "kv_eviction_smollm2.jsonl"
 FIGURE = REPO / "docs" / "figures" / "kv_eviction_smollm2.png"
@@ -72,8 +73,6 @@ def run_suite(args, model, tok) -> None:
     haystack = Haystack(pydoc_documents(), tok)
     stops = stop_token_ids(tok, model)
     keys = [(p, n, t, i) for p in args.protocols for n in args.lengths for i in range(args.samples) for t in args.tasks]
-    from litctx_common.timing import clock
-
     t_start = clock(model.device)
     for count, (protocol, length, task, index) in enumerate(keys):
         sid = f"{task}-{length}-{index}"

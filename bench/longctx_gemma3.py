@@ -14,10 +14,11 @@ import argparse
 from pathlib import Path
 from typing import Dict, List, Mapping, Sequence
 
-from lightning_modules.llm.suite_metrics import markdown_table, paired_bootstrap, summarise
+from bench._report import REPO
+from lightning_modules.llm.suite_metrics import markdown_table, mean_prefill_seconds, paired_bootstrap, summarise
 from litctx_common.io import read_jsonl
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = REPO / "bench" / "results"
 FULL = RESULTS / "longctx_gemma3_compress_then_ask.jsonl"
 METHODS = {"snapkv 50% evicted": RESULTS / "longctx_gemma3_snapkv50.jsonl",
            "prism top_p 0.95": RESULTS / "longctx_gemma3_prism95.jsonl"}
@@ -25,7 +26,7 @@ METHODS = {"snapkv 50% evicted": RESULTS / "longctx_gemma3_snapkv50.jsonl",
 
 def latest(path: Path) -> Dict[str, Mapping]:
     """The last record per sample id of ``path`` (a rerun's record replaces an earlier one)."""
-    return {r["id"]: r for r in read_jsonl(path)} if path.is_file() else {}
+    return {r["id"]: r for r in read_jsonl(path, key=lambda r: r["id"])}
 
 
 def paired_rows(label: str, method: Mapping[str, Mapping], full: Mapping[str, Mapping]) -> List[str]:
@@ -51,11 +52,8 @@ def report(full_path: Path = FULL, methods: Mapping[str, Path] = METHODS) -> str
     if not full:
         raise FileNotFoundError(f"no full-cache records in {full_path}")
     records: Sequence[Mapping] = list(full.values())
-    prefill: Dict[int, List[float]] = {}
-    for r in records:
-        prefill.setdefault(int(r["length"]), []).append(float(r["prefill_s"]))
-    timing = ", ".join(f"{n // 1024}K {sum(v) / len(v):.1f} s" for n, v in sorted(prefill.items()))
-    out = [markdown_table(summarise(records)), "", f"Mean prefill time per sample as recorded: {timing}.", "",
+    out = [markdown_table(summarise(records)), "",
+           f"Mean prefill time per sample as recorded: {mean_prefill_seconds(records)}.", "",
            "| length | method | accuracy % | full cache, same samples % | difference (paired 95% CI) | n |",
            "|---|---|---|---|---|---|"]
     for label, path in methods.items():

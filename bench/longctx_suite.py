@@ -18,9 +18,9 @@ from pathlib import Path
 
 from bench._report import REPO, write_section
 
-from lightning_modules.llm.report import plot_depth_grid  # noqa: E402
-from lightning_modules.llm.suite_metrics import depth_grid, markdown_table, summarise  # noqa: E402
-from litctx_common.io import read_jsonl  # noqa: E402
+from lightning_modules.llm.report import plot_depth_grid
+from lightning_modules.llm.suite_metrics import depth_grid, markdown_table, mean_prefill_seconds, summarise
+from litctx_common.io import read_jsonl
 
 
 def read_records(path: Path, samples: int, lengths, model: str) -> list:
@@ -64,10 +64,7 @@ def main() -> int:
     grid = depth_grid(records)
     figure = REPO / "docs" / "figures" / "longctx_smollm2_depth.png"
     plot_depth_grid(grid, figure, title=f"SmolLM2-135M-Instruct, full cache ({args.protocol})")
-    prefill = {}
-    for r in records:
-        prefill.setdefault(int(r["length"]), []).append(float(r["prefill_s"]))
-    timing = ", ".join(f"{n // 1024}K {sum(v) / len(v):.1f} s" for n, v in sorted(prefill.items()))
+    timing = mean_prefill_seconds(records)
     complete = all(c["n"] >= args.samples for by in summary["cells"].values() for c in by.values())
     n_cells = sum(len(by) for by in summary["cells"].values())
     status = ("complete" if complete and n_cells == 6 * len(args.lengths) else

@@ -41,35 +41,23 @@ COMMAND = "python -m bench.masked_attention"
 BACKENDS = {"reference": "before (reference)", "auto": "after (fused)"}
 
 
-@contextlib.contextmanager
 def kernel_backend(name: str):
     """Set ``LITCTX_KERNEL_BACKEND`` inside the block (the dispatcher reads it at every call)."""
     from kernels.dispatch import BACKEND_ENV
 
-    old = os.environ.get(BACKEND_ENV)
-    os.environ[BACKEND_ENV] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(BACKEND_ENV, None)
-        else:
-            os.environ[BACKEND_ENV] = old
+    return mock.patch.dict(os.environ, {BACKEND_ENV: name})
 
 
 @contextlib.contextmanager
-def attention_timer(acc: List[float]):
-    """Accumulate the wall time of every ``kernels.attention`` call made inside the block into ``acc[0]``."""
+def attention_timer(sw: Stopwatch):
+    """Time every ``kernels.attention`` call made inside the block as one lap of ``sw``."""
     import kernels
 
     inner = kernels.attention
 
     def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
+        with sw:
             return inner(*args, **kwargs)
-        finally:
-            acc[0] += time.perf_counter() - t0
 
     kernels.attention = timed
     try:
@@ -118,11 +106,11 @@ def run_kernels(n: int, repeats: int) -> Dict[str, Any]:
         res = {}
         for r in range(repeats + 1):  # the first round warms up (not timed)
             for backend in BACKENDS:
-                t0 = time.perf_counter()
-                with torch.no_grad():
+                sw = Stopwatch("cpu")
+                with sw, torch.no_grad():
                     res[backend] = kernels.attention(**case, backend=backend)
                 if r:
-                    times[backend].append(time.perf_counter() - t0)
+                    times[backend].append(sw.seconds)
         (o_ref, l_ref), (o, lse) = res["reference"], res["auto"]
         fin = torch.isfinite(l_ref)
         out[name] = {
@@ -155,12 +143,7 @@ def padded_batch(tok, n: int) -> Dict[str, torch.Tensor]:
 def adakv_policy(ratio: float):
     from lightning_modules.kv_eviction.methods import method_config
 
-    cfg = method_config("adakv", {"base": "snapkv", "base_args": {"window": 32, "compression_ratio": ratio}})
-    if hasattr(cfg, "build"):
-        return cfg.build()
-    from lightning_modules.kv_eviction.methods import build_eviction_policy
-
-    return build_eviction_policy(cfg)
+    return method_config("adakv", {"base": "snapkv", "base_args": {"window": 32, "compression_ratio": ratio}}).build()
 
 
 def generate_once(model, batch, steps: int, policy_factory: Callable[[], Any]) -> Dict[str, Any]:
@@ -169,19 +152,15 @@ def generate_once(model, batch, steps: int, policy_factory: Callable[[], Any]) -
 
     policy = policy_factory()
     ctx = install_policy(model, policy) if policy is not None else contextlib.nullcontext()
-    acc = [0.0]
+    prefill, prefill_attention, decode, decode_attention = (Stopwatch("cpu") for _ in range(4))
     with ctx:
         lm = CachedLM(model)
-        t0 = time.perf_counter()
-        with attention_timer(acc):
+        with prefill, attention_timer(prefill_attention):
             logits = lm.feed(batch["input_ids"], batch["attention_mask"])
-        t1 = time.perf_counter()
-        dec = [0.0]
-        with attention_timer(dec):
+        with decode, attention_timer(decode_attention):
             tokens = lm.greedy(logits, steps + 1)  # the first token comes from the prefill logits
-        t2 = time.perf_counter()
-    return {"prefill_s": t1 - t0, "prefill_attention_s": acc[0], "decode_s": t2 - t1, "decode_attention_s": dec[0],
-            "tokens": tokens, "logits": logits}
+    return {"prefill_s": prefill.seconds, "prefill_attention_s": prefill_attention.seconds, "decode_s": decode.seconds,
+            "decode_attention_s": decode_attention.seconds, "tokens": tokens, "logits": logits}
 
 
 def run_model(n: int, steps: int, repeats: int, ratio: float) -> Dict[str, Any]:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from bench._report import REPO, load_cache, pyplot, save_figure, save_json, write_section
+from litctx_common.stats import mean_sd
 
 PRE = {"long": {"context_s": 150.0, "stride_s": 15.0, "batch_size": 1, "mask_s": 3.0},
        "short": {"context_s": 5.0, "stride_s": 0.625, "batch_size": 30, "mask_s": 2.0}}
@@ -223,11 +224,7 @@ def _values(args, cache, context, init, field) -> List[float]:
 
 
 def _fmt(values: List[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+    return mean_sd(values).text(3) if values else "-"
 
 
 def _protocol_text(args) -> str:

@@ -28,7 +28,8 @@ from typing import Any, Dict, List, Tuple
 
 from bench._report import REPO, pyplot, save_figure, save_json, write_section
 
-from litctx_common.io import append_jsonl, read_jsonl  # noqa: E402
+from litctx_common.io import append_jsonl, read_jsonl
+from litctx_common.timing import time_call
 
 RESULTS = REPO / "bench" / "results"
 SYNTH = RESULTS / "sparse_prefill_synthetic.json"
@@ -378,8 +379,6 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
     with install_policy(model, KVPolicy(), record_prefill=True) as rec:
         lm.feed(torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0))
     obs = rec.prefill_observations
-
-    from litctx_common.timing import time_call
 
     def timed(fn, reps=args.reps):  # median of synchronised runs (the device of the recorded prefill)
         return time_call(fn, reps, device=obs[0].q, reduce="median")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Dict
 
 from bench._report import REPO, load_cache, save_figure, save_json, write_section
+from litctx_common.timing import Stopwatch, clock
 
 RECIPES = {"events": {"lif": "spiking_events", "ts": "spiking_events_ts"},
            "digits": {"lif": "spiking_digits", "ts": "spiking_digits_ts"},
@@ -63,7 +64,6 @@ def train_and_test(args, neuron: str, steps: int, seed: int) -> Dict[str, float]
                  f"trainer.max_epochs={args.epochs}",
                  "logging.progress=none", "logging.tensorboard=false", "trainer.extra.enable_model_summary=false",
                  f"name=bench-{args.dataset}-{neuron}-T{steps}-s{seed}-e{args.epochs}-{args.task}", "resume=auto"]
-    from litctx_common.timing import clock
 
     start = clock()
     run = build(RECIPES[args.dataset][neuron], overrides)
@@ -87,7 +87,6 @@ def speed(neuron: str = "lif", steps: int = 64, repeats: int = 3) -> Dict[str, f
     import torch
 
     from lightning_modules.spiking import LIF, TSNeuron
-    from litctx_common.timing import Stopwatch
 
     x = torch.rand(steps, 32, 64, 64) * 2
     out = {}

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench._report import save_json
 from kernels.flops import attention_flops, mask_pairs
 from kernels.layouts import BlockLayout
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
 
     def save() -> None:  # after every case, so a run killed from outside still leaves its measurements
         result["wall_s"] = time.time() - t_start
-        out.write_text(json.dumps(result, indent=1))
+        save_json(out, result)
 
     def over_budget(label: str) -> bool:
         if time.time() - t_start > args.budget_s:

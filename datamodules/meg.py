@@ -120,9 +120,9 @@ def find_recordings(path: str | os.PathLike, subjects: Optional[Sequence[str]] =
         found = set()
         for pattern in RAW_PATTERNS:
             for p in root.rglob(pattern):
-                inner = p.relative_to(root).parts
-                if any(part.startswith(".") for part in inner) or any(part.lower().endswith(".ds") for part in p.parent.parts):
-                    continue  # a hidden part: a file being written (litctx_common.io.atomic_path) or not data
+                inner = p.relative_to(root).parts  # relative: the study root itself may sit anywhere
+                if any(part.startswith(".") for part in inner) or any(part.lower().endswith(".ds") for part in inner[:-1]):
+                    continue  # a hidden part (a file being written by litctx_common.io.atomic_path), or a CTF file
                 found.add(p.parent if p.name == "c,rfDC" else p)
         found = sorted(found)
     if subjects is not None:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.layouts import BlockLayout, resolve_q_offset
-from kernels.reference.attention import check_qkv
+from kernels.reference.attention import check_qkv, expand_key_mask
 
 __all__ = ["block_sparse_attention_cpu", "plan_buckets", "BucketPlan"]
 
@@ -186,13 +186,15 @@ class _BlockSparseCPU(torch.autograd.Function):
             o_blocks.index_fill_(0, plan.empty_q_ids, 0.0)
             lse_blocks.index_fill_(0, plan.empty_q_ids, float("-inf"))
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        k_ws = _workspace(plan, bk, d, k.dtype, limit, d + dv)
-        v_ws = _workspace(plan, bk, dv, v.dtype, limit, d + dv)
         km_blocks = _key_mask_blocks(key_mask, pk, bk, q.dtype)
+        mask_rows = 0 if km_blocks is None else bq  # each chunk then builds an additive [n, 1, bq, c * bk] mask
+        k_ws = _workspace(plan, bk, d, k.dtype, limit, d + dv, mask_rows=mask_rows)
+        v_ws = _workspace(plan, bk, dv, v.dtype, limit, d + dv, mask_rows=mask_rows)
         mq = pq // bq
         for bucket in plan.buckets:
             c = bucket.kv_ids.shape[1]
-            for sl in _chunks(bucket, c * bk * (d + dv) * k.element_size(), limit):
+            for sl in _chunks(bucket, _entry_bytes(c, bk, d + dv, k.element_size(), mask_rows),
+                              limit):
                 ids = bucket.q_ids[sl]
                 n = ids.numel()
                 flat = bucket.kv_ids[sl].reshape(-1)
@@ -241,13 +243,15 @@ class _BlockSparseCPU(torch.autograd.Function):
         dq_blocks = torch.zeros_like(q_blocks)
         dk_blocks, dv_blocks = torch.zeros_like(k_blocks), torch.zeros_like(v_blocks)
         flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        k_ws = _workspace(plan, bk, d, k.dtype, limit, d + dv)
-        v_ws = _workspace(plan, bk, dv, v.dtype, limit, d + dv)
         km_blocks = _key_mask_blocks(ctx.key_mask, pk, bk, q.dtype)
+        mask_rows = 0 if km_blocks is None else bq
+        k_ws = _workspace(plan, bk, d, k.dtype, limit, d + dv, mask_rows=mask_rows)
+        v_ws = _workspace(plan, bk, dv, v.dtype, limit, d + dv, mask_rows=mask_rows)
         mq = pq // bq
         for bucket in plan.buckets:
             c = bucket.kv_ids.shape[1]
-            for sl in _chunks(bucket, c * bk * (d + dv) * k.element_size(), limit):
+            for sl in _chunks(bucket, _entry_bytes(c, bk, d + dv, k.element_size(), mask_rows),
+                              limit):
                 ids = bucket.q_ids[sl]
                 n = ids.numel()
                 flat = bucket.kv_ids[sl].reshape(-1)
@@ -296,15 +300,22 @@ def _gather_kv(k_blocks: torch.Tensor, v_blocks: torch.Tensor, flat: torch.Tenso
     return kg.view(n, 1, c * bk, d), vg.view(n, 1, c * bk, dv)
 
 
+def _entry_bytes(c: int, bk: int, kv_width: int, elem: int, mask_rows: int = 0) -> int:
+    """Bytes one bucket entry gathers: its ``c`` K/V blocks (``kv_width = d + dv`` per key) and, with a key mask
+    (``mask_rows = bq``), its additive ``[bq, c * bk]`` chunk mask (:func:`_chunk_mask`, q's dtype)."""
+    return c * bk * (kv_width + mask_rows) * elem
+
+
 def _workspace(plan: BucketPlan, bk: int, width: int, dtype: torch.dtype, limit: int,
-               chunk_width: Optional[int] = None) -> torch.Tensor:
+               chunk_width: Optional[int] = None, mask_rows: int = 0) -> torch.Tensor:
     """One flat buffer sized for the largest gather (reused across buckets: fresh pages cost more than copies).
-    ``chunk_width`` is the per-row width the bucket chunking uses (K and V together)."""
+    ``chunk_width`` is the per-row width the bucket chunking uses (K and V together); ``mask_rows``: rows of the
+    key-mask tile each chunk entry builds (counted as :func:`_entry_bytes` does)."""
     elem = torch.empty((), dtype=dtype).element_size()
     need = 0
     for bucket in plan.buckets:
         n, c = bucket.kv_ids.shape
-        per = c * bk * (chunk_width or width) * elem
+        per = _entry_bytes(c, bk, chunk_width or width, elem, mask_rows)
         rows = max(1, min(n, limit // max(per, 1)))
         need = max(need, rows * c * bk * width)
     return torch.empty(need, dtype=dtype)
@@ -332,8 +343,8 @@ def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                window: Optional[int] = None, max_workspace_bytes: int = _MAX_WORKSPACE_BYTES,
                                key_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q [B, Hq, Nq, d]`` over the blocks of ``layout`` (and the element mask) with
-    ``k [B, Hk, Nk, d]``, ``v [B, Hk, Nk, dv]`` on CPU tensors; ``key_mask`` (boolean ``[B, Hq, Nk]``, True =
-    attend) removes keys per batch row and query head.
+    ``k [B, Hk, Nk, d]``, ``v [B, Hk, Nk, dv]`` on CPU tensors; ``key_mask`` (boolean ``[B, 1|Hk|Hq, Nk]``,
+    True = attend) removes keys per batch row and head.
 
     Returns ``o [B, Hq, Nq, dv]`` (q's dtype) and ``lse [B, Hq, Nq]`` (float32; float64 for float64); rows with no valid key give
     ``o = 0``, ``lse = -inf``. Differentiable in q, k, v (and through ``lse``).
@@ -348,9 +359,7 @@ def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     off = resolve_q_offset(n_q, n_k, q_offset)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if key_mask is not None:
-        if tuple(key_mask.shape) != (b, hq, n_k):
-            raise ValueError(f"key_mask must be [B, Hq, Nk]=[{b}, {hq}, {n_k}], got {list(key_mask.shape)}")
-        key_mask = key_mask.to(device=q.device, dtype=torch.bool)
+        key_mask = expand_key_mask(key_mask, q, k)  # boolean [B, Hq, Nk]; float / additive masks are rejected
     if d != dv:  # the CPU flash kernel needs one head size: zero-pad to the larger (exact), slice the output
         width = max(d, dv)
         o, lse = block_sparse_attention_cpu(F.pad(q, (0, width - d)), F.pad(k, (0, width - d)),

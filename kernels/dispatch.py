@@ -35,7 +35,13 @@ from kernels.reference import (
     attention_reference,
     gather_attention_reference,
 )
-from kernels.reference.attention import SCORE_MODES, check_qkv
+from kernels.reference.attention import (  # noqa: F401  (check_key_mask, expand_key_mask: re-exported)
+    SCORE_MODES,
+    broadcast_key_mask,
+    check_key_mask,
+    check_qkv,
+    expand_key_mask,
+)
 
 __all__ = ["attention", "gather_attention", "attention_colstats", "select_backend", "BACKEND_ENV", "BACKENDS"]
 
@@ -160,18 +166,7 @@ def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout,
     if causal and window is None and off >= n_k - 1:
         causal = False  # every query sees every key (e.g. one decode step): the causal mask is all ones
     if layout is None and window is None and (not causal or off == 0):
-        if key_mask is not None:
-            return _cpu_dense_masked(q, k, v, key_mask, scale=scale, causal=causal)
-        if q.shape[1] != k.shape[1]:  # GQA: the CPU flash kernel needs one head count
-            b, hq, hk = q.shape[0], q.shape[1], k.shape[1]
-            g = hq // hk
-            if not causal:  # every query sees every key: fold each group's queries into one kv head (no copy of K/V)
-                _log_once("attention", "torch", "cpu: dense flash kernel, GQA groups folded into the query axis")
-                o, lse = _flash_cpu(q.reshape(b, hk, g * n_q, d), k, v, scale=scale, causal=False)
-                return o.reshape(b, hq, n_q, dv), lse.reshape(b, hq, n_q)
-            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        _log_once("attention", "torch", "cpu: dense flash kernel")
-        return _flash_cpu(q, k, v, scale=scale, causal=causal)
+        return _cpu_dense(q, k, v, scale=scale, causal=causal, key_mask=key_mask)
     if layout is None:
         block = 128
         layout = (BlockLayout.causal(n_q, n_k, block, block, q_offset=off, window=window) if causal
@@ -179,7 +174,7 @@ def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout,
     _log_once("attention", "torch", "cpu: block-sparse flash path" + (" with a key mask" if key_mask is not None
                                                                        else ""))
     if key_mask is not None:
-        key_mask = expand_key_mask(key_mask, q, k)
+        key_mask = broadcast_key_mask(key_mask, q.shape[1])  # checked by attention()
     return block_sparse_attention_cpu(q, k, v, layout, scale=scale, causal=causal, q_offset=off, window=window,
                                       key_mask=key_mask)
 
@@ -199,31 +194,40 @@ def empty_rows(key_mask: torch.Tensor, n_q: int, q_offset: int, causal: bool,
     return (counts[..., hi] - counts[..., lo]) <= 0
 
 
-def _cpu_dense_masked(q, k, v, key_mask, *, scale, causal) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Dense (``causal`` = top-left, ``q_offset = 0``) softmax attention with a key mask through one CPU flash
-    call. ``key_mask [B, Hm, Nk]``, ``Hm in (1, Hk, Hq)``. Without causality and with a mask shared by each GQA
-    group, the group's queries fold into one kv head (no copy of K/V); otherwise K/V are repeated per query head.
-    Rows with no valid key give ``o = 0``, ``lse = -inf`` (the reference's convention)."""
+def _cpu_dense(q, k, v, *, scale, causal,
+               key_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dense (``causal`` = top-left, ``q_offset = 0``) softmax attention through one CPU flash call, with an
+    optional checked boolean ``key_mask [B, Hm, Nk]``, ``Hm in (1, Hk, Hq)`` (an additive ``[B, Hm, 1, Nk]``
+    mask broadcast over the queries). GQA: without causality (and with a mask shared by each group) the group's
+    queries fold into one kv head (no copy of K/V); otherwise K/V are repeated per query head. Rows with no
+    valid key give ``o = 0``, ``lse = -inf`` (the reference's convention)."""
     b, hq, n_q, d = q.shape
-    hk, n_k, dv = k.shape[1], k.shape[2], v.shape[-1]
-    g, hm = hq // hk, key_mask.shape[1]
-    key_mask = key_mask.to(torch.bool)
-    additive = torch.zeros(key_mask.shape, dtype=q.dtype).masked_fill_(~key_mask, float("-inf")).unsqueeze(2)
+    hk, dv = k.shape[1], v.shape[-1]
+    g = hq // hk
+    hm = 1 if key_mask is None else key_mask.shape[1]
+    additive = None
+    if key_mask is not None:
+        additive = torch.zeros(key_mask.shape, dtype=q.dtype).masked_fill_(~key_mask, float("-inf")).unsqueeze(2)
+    what = "cpu: dense flash kernel" + (" with a key mask" if key_mask is not None else "")
     if g > 1 and not causal and hm in (1, hk):
-        _log_once("attention", "torch", "cpu: dense flash kernel with a key mask, GQA groups folded")
-        o, lse = _flash_cpu(q.reshape(b, hk, g * n_q, d), k, v, scale=scale, causal=False, attn_mask=additive)
+        _log_once("attention", "torch", what + ", GQA groups folded into the query axis")
+        o, lse = _flash_cpu(q.reshape(b, hk, g * n_q, d), k, v, scale=scale, causal=False, attn_mask=additive,
+                            key_mask=key_mask)
         o, lse = o.reshape(b, hq, n_q, dv), lse.reshape(b, hq, n_q)
     else:
+        fmask = key_mask
         if g > 1:
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-            if hm == hk:
-                additive = additive.repeat_interleave(g, dim=1)
-        _log_once("attention", "torch", "cpu: dense flash kernel with a key mask")
-        o, lse = _flash_cpu(q, k, v, scale=scale, causal=causal, attn_mask=additive)
+            if key_mask is not None and hm == hk > 1:  # a per-kv-head mask follows its heads (one head broadcasts)
+                additive, fmask = additive.repeat_interleave(g, dim=1), key_mask.repeat_interleave(g, dim=1)
+        _log_once("attention", "torch", what)
+        o, lse = _flash_cpu(q, k, v, scale=scale, causal=causal, attn_mask=additive, key_mask=fmask)
+    if key_mask is None:
+        return o, lse
     # the flash kernel already writes o = 0 for such rows (tested) but reports lse = 0: set it to -inf
     empty = empty_rows(key_mask, n_q, 0, causal, None)  # [B, Hm, Nq]
     if bool(empty.any()):
-        if hm == hk and g > 1:
+        if hm == hk > 1 and g > 1:
             empty = empty.repeat_interleave(g, dim=1)
         lse = lse.masked_fill(empty.expand(b, hq, n_q), float("-inf"))
     return o, lse
@@ -231,45 +235,47 @@ def _cpu_dense_masked(q, k, v, key_mask, *, scale, causal) -> Tuple[torch.Tensor
 
 class _FlashCPU(torch.autograd.Function):
     """PyTorch's CPU flash attention with its LSE (natural log) as a second, differentiable-through-o output.
-    ``attn_mask``: None or an additive mask broadcastable to ``[B, H, Nq, Nk]`` in q's dtype (0 / -inf)."""
+    ``attn_mask``: None or an additive mask ``[B, 1|H, 1, Nk]`` in q's dtype (0 / -inf); ``key_mask``: the same
+    mask as booleans ``[B, 1|H, Nk]`` (True = attend), kept for the reference backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, causal, attn_mask):
+    def forward(ctx, q, k, v, scale, causal, attn_mask, key_mask):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=attn_mask,
                                                                             scale=scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.scale, ctx.causal, ctx.attn_mask = scale, causal, attn_mask
+        ctx.scale, ctx.causal, ctx.attn_mask, ctx.key_mask = scale, causal, attn_mask, key_mask
         return o, lse
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
         q, k, v, o, lse = ctx.saved_tensors
         if grad_lse is not None and bool((grad_lse != 0).any()):
-            key_mask = None
-            if ctx.attn_mask is not None:  # [B', H', 1, Nk] additive -> boolean [B, H, Nk]
-                key_mask = (ctx.attn_mask[:, :, 0] == 0).expand(q.shape[0], q.shape[1], k.shape[2])
+            key_mask = ctx.key_mask
+            if key_mask is not None:
+                key_mask = key_mask.expand(q.shape[0], q.shape[1], k.shape[2])
             with torch.enable_grad():
                 qr, kr, vr = (t.detach().requires_grad_(True) for t in (q, k, v))
                 o2, lse2 = attention_reference(qr, kr, vr, scale=ctx.scale, causal=ctx.causal,
                                                q_offset=0 if ctx.causal else None, key_mask=key_mask)
                 outs = [lse2] + ([o2] if grad_o is not None else [])
-                # rows without a valid key have lse = -inf in the reference: no gradient flows there
-                grads = [torch.nan_to_num(grad_lse.to(lse2.dtype), posinf=0.0, neginf=0.0)
-                         .masked_fill(torch.isneginf(lse2), 0.0)] + ([grad_o] if grad_o is not None else [])
+                # rows without a valid key (lse = -inf) get no gradient: the reference masks their scores
+                grads = [grad_lse.to(lse2.dtype)] + ([grad_o] if grad_o is not None else [])
                 dq, dk, dv = torch.autograd.grad(outs, (qr, kr, vr), grads)
-            return dq, dk, dv, None, None, None
+            return dq, dk, dv, None, None, None, None
         if grad_o is None:
             grad_o = torch.zeros_like(o)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_o.contiguous(), q, k, v, o, lse, 0.0, ctx.causal, attn_mask=ctx.attn_mask, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def _flash_cpu(q, k, v, *, scale, causal, attn_mask: Optional[torch.Tensor] = None):
+def _flash_cpu(q, k, v, *, scale, causal, attn_mask: Optional[torch.Tensor] = None,
+               key_mask: Optional[torch.Tensor] = None):
     import math
 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, lse = _FlashCPU.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, causal, attn_mask)
+    o, lse = _FlashCPU.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, causal, attn_mask,
+                             key_mask)
     if q.dtype != torch.float64:
         lse = lse.float()
     return o, lse
@@ -314,35 +320,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
         return _cpu_softmax(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window, layout=layout,
                             key_mask=key_mask)
     if key_mask is not None:
-        key_mask = expand_key_mask(key_mask, q, k)
+        key_mask = broadcast_key_mask(key_mask, q.shape[1])  # checked above
     return attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
                                layout=layout, q_index=q_index, score_mode=score_mode, lssar_power=lssar_power,
                                lssar_offset_rows=lssar_offset_rows, key_mask=key_mask)
-
-
-def check_key_mask(key_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Validate a key mask ``[B, 1|Hk|Hq, Nk]`` (boolean, or 0/1 integers) against ``q [B, Hq, Nq, d]`` and
-    ``k [B, Hk, Nk, d]``; returns it as a boolean tensor on q's device, head count unchanged."""
-    b, hq, hk, n_k = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
-    if not isinstance(key_mask, torch.Tensor) or key_mask.dim() != 3 or key_mask.shape[0] != b \
-            or key_mask.shape[2] != n_k or key_mask.shape[1] not in (1, hk, hq):
-        got = list(key_mask.shape) if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
-        raise ValueError(f"key_mask must be [B, 1|Hk|Hq, Nk] = [{b}, 1|{hk}|{hq}, {n_k}], got {got}")
-    if key_mask.dtype.is_floating_point or key_mask.dtype.is_complex:
-        raise TypeError(f"key_mask must be boolean (True = attend), got {key_mask.dtype}")
-    return key_mask.to(device=q.device, dtype=torch.bool)
-
-
-def expand_key_mask(key_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """A boolean key mask ``[B, 1|Hk|Hq, Nk]`` as ``[B, Hq, Nk]`` (kv head ``j`` serves query heads
-    ``j*g .. j*g+g-1``)."""
-    b, hq, hk, n_k = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
-    key_mask = check_key_mask(key_mask, q, k)
-    if key_mask.shape[1] == hq:
-        return key_mask
-    if key_mask.shape[1] == 1:
-        return key_mask.expand(b, hq, n_k)
-    return key_mask.repeat_interleave(hq // hk, dim=1)
 
 
 @_eager_only

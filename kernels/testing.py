@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["relative_rms_error", "assert_close"]
+__all__ = ["relative_rms_error", "assert_close", "assert_attention_close"]
 
 
 def relative_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -39,3 +39,18 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, ratio: float = 1e
     ref = e.pow(2).mean().sqrt().item()
     if err > ratio * ref + atol:
         raise AssertionError(f"{name}: rms error {err:.3e} > {ratio:.1e} * rms(expected) {ref:.3e} + {atol:.1e}")
+
+
+def assert_attention_close(o: torch.Tensor, lse: torch.Tensor, o_ref: torch.Tensor, lse_ref: torch.Tensor,
+                           ratio: float = 1e-6, atol: float = 1e-12, name: str = "attention") -> torch.Tensor:
+    """Attention ``(o, lse)`` against a reference whose rows with no valid key have ``lse_ref = -inf``: the same
+    empty rows, ``o = 0`` and ``lse = -inf`` on them, and ``o`` and the live rows' ``lse`` within
+    :func:`assert_close`'s bound. Returns the boolean live-row mask."""
+    live = torch.isfinite(lse_ref)
+    if not torch.equal(torch.isfinite(lse), live):
+        raise AssertionError(f"{name}: rows with no valid key differ from the reference")
+    if not bool((lse[~live] == float("-inf")).all()) or not bool((o[~live] == 0).all()):
+        raise AssertionError(f"{name}: a row with no valid key has o != 0 or lse != -inf")
+    assert_close(o, o_ref, ratio, atol, name=f"{name} o")
+    assert_close(lse[live], lse_ref[live], ratio, atol, name=f"{name} lse")
+    return live

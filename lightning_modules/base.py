@@ -27,7 +27,8 @@ from torch import nn
 
 from lightning_modules.optim import OptimConfig, build_optimizer, build_scheduler
 
-__all__ = ["LongContextModule", "SharedEvalStages", "coerce_config", "collect_rng_states", "restore_rng_states", "estimate_total_steps"]
+__all__ = ["LongContextModule", "SharedEvalStages", "coerce_config", "check_field", "is_int", "is_number",
+           "collect_rng_states", "restore_rng_states", "estimate_total_steps"]
 
 METRIC_STAGES = ("fit", "val", "test")
 """Keys of :meth:`LongContextModule.stage_metrics` (``fit`` = training: ``train`` is taken by ``nn.Module``)."""
@@ -48,6 +49,22 @@ def coerce_config(value: Any, cls: Type[Any]) -> Any:
     if unknown:
         raise TypeError(f"{cls.__name__}: unknown field(s) {unknown}; valid: {sorted(names)}")
     return cls(**dict(value))
+
+
+def check_field(ok: bool, owner: str, name: str, value: Any, valid: str) -> None:
+    """Raise ``ValueError('<owner>.<name>=<value>: <valid>')`` unless ``ok`` (the config validation convention)."""
+    if not ok:
+        raise ValueError(f"{owner}.{name}={value!r}: {valid}")
+
+
+def is_int(x: Any) -> bool:
+    """``x`` is an int (not a bool)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: Any) -> bool:
+    """``x`` is an int or a float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def collect_rng_states() -> Dict[str, Any]:

@@ -4,7 +4,8 @@ Every file or folder litctx writes for later reading goes through :func:`atomic_
 built on it): the new content is written inside a private staging folder next to the target, on the same file
 system, and renamed into place only when complete. A reader (or a rerun after a kill) sees the old content or
 the new content, never a part of it. The staging folder is hidden (``.<name>.<random>.tmp``) and removed on
-every exit, clean or not.
+every exit Python sees (a clean one or an exception); a process killed by SIGKILL leaves it behind, hidden,
+where readers pass over it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ def _commit(tmp: Path, target: Path, keep_existing: bool, aside: Path) -> None:
     # staging folder that is removed afterwards, then rename the new one in. A reader can find nothing at
     # ``target`` for an instant, never a partly written entry.
     os.replace(target, aside)
-    os.replace(tmp, target)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        os.replace(aside, target)  # put the old entry back: the staging folder (with ``aside``) is removed next
+        raise
 
 
 @contextlib.contextmanager
@@ -92,8 +97,7 @@ def atomic_open(path: Any, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
     with atomic_path(path) as tmp:
         with open(tmp, mode, **kwargs) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
+        # closed (hence flushed); atomic_path's commit syncs it once before the rename
 
 
 def atomic_write_text(path: Any, text: str, encoding: str = "utf-8") -> None:

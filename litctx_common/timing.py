@@ -43,7 +43,7 @@ def resolve_device(device: Any = "auto") -> Any:
         if cuda.is_available() and cuda.is_initialized():
             return torch.device("cuda", cuda.current_device())
         return torch.device("cpu")
-    if not isinstance(device, str) and hasattr(device, "device") and not _is_torch_device(device, torch):
+    if not isinstance(device, str) and hasattr(device, "device"):  # a tensor, a module (torch.device has none)
         device = device.device
     if torch is None:
         if isinstance(device, str) and device.split(":")[0] == "cpu":
@@ -54,10 +54,6 @@ def resolve_device(device: Any = "auto") -> Any:
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"timing device {device!r} is not a device; valid: 'auto', 'cpu', 'cuda', 'cuda:N', a "
                          f"torch.device, or an object with a .device (a tensor, a module)") from err
-
-
-def _is_torch_device(obj: Any, torch: Any) -> bool:
-    return torch is not None and isinstance(obj, torch.device)
 
 
 def synchronize(device: Any = "auto") -> None:
@@ -87,37 +83,39 @@ def clock(device: Any = "auto") -> float:
 class Stopwatch:
     """Accumulated wall time of the ``with`` blocks run on it (synchronised at entry and exit).
 
+    ``"auto"`` (or ``None``) is resolved at each :meth:`start` (CUDA may be initialised after the stopwatch is
+    made); any other device is resolved, and checked, at construction.
+
     Attributes:
         seconds: total over every block so far.
         laps: the duration of each block, in order.
     """
 
     def __init__(self, device: Any = "auto") -> None:
-        self.device = resolve_device(device)
+        self.device = "auto" if device is None or (isinstance(device, str) and device == "auto") \
+            else resolve_device(device)
         self.seconds = 0.0
         self.laps: List[float] = []
         self._start: Optional[float] = None
+        self._lap_device: Any = None
 
     def start(self) -> "Stopwatch":
         """Begin a lap (``with sw:`` calls this); laps do not nest."""
         if self._start is not None:
             raise RuntimeError("Stopwatch laps do not nest; stop() the running lap or use a second Stopwatch")
-        self._start = clock(self.device)
+        self._lap_device = resolve_device(self.device)
+        self._start = clock(self._lap_device)
         return self
 
     def stop(self) -> float:
         """End the running lap; returns its seconds."""
         if self._start is None:
             raise RuntimeError("Stopwatch.stop() without a running lap (call start() first)")
-        lap = clock(self.device) - self._start
+        lap = clock(self._lap_device) - self._start
         self._start = None
         self.laps.append(lap)
         self.seconds += lap
         return lap
-
-    @property
-    def running(self) -> bool:
-        return self._start is not None
 
     def __enter__(self) -> "Stopwatch":
         return self.start()
@@ -129,9 +127,6 @@ class Stopwatch:
     def last(self) -> float:
         """Duration of the most recent block (0 before any)."""
         return self.laps[-1] if self.laps else 0.0
-
-    def reset(self) -> None:
-        self.seconds, self.laps, self._start = 0.0, [], None
 
 
 def time_call(fn: Callable[[], Any], repeats: int = 3, device: Any = "auto", reduce: str = "median",

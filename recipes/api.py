@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from litctx_common.io import atomic_write_text
 from recipes import registry
 from recipes.config import ConfigError, LoadedConfig, RunConfig, load_config, to_plain, to_yaml
 from recipes.rundir import (
@@ -32,7 +33,6 @@ from recipes.rundir import (
     resolve_resume,
     resolve_run_dir,
     write_meta,
-    write_text_atomic,
 )
 
 __all__ = ["Run", "build", "load_run", "progress_mode"]
@@ -269,8 +269,8 @@ def _save_config(run_dir: Path, loaded: LoadedConfig, run: RunConfig) -> None:
         while (run_dir / f"config.prev{n}.yaml").exists():
             n += 1
         shutil.copy2(target, run_dir / f"config.prev{n}.yaml")
-    write_text_atomic(target, text)
-    write_text_atomic(run_dir / "overrides.txt", "\n".join(loaded.layers + ["--"] + loaded.overrides) + "\n")
+    atomic_write_text(target, text)
+    atomic_write_text(run_dir / "overrides.txt", "\n".join(loaded.layers + ["--"] + loaded.overrides) + "\n")
 
 
 def build(

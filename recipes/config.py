@@ -33,7 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_modules.optim import OptimConfig
 from recipes import registry
-from recipes.configio import ConfigError, config_dir, friendly_error, read_yaml, validate_component_args
+from recipes.configio import ConfigError, config_dir, friendly_error, read_yaml
 
 __all__ = [
     "ComponentConfig",
@@ -49,7 +49,6 @@ __all__ = [
     "config_dir",
     "load_config",
     "to_yaml",
-    "validate_component_args",
 ]
 
 _RUN_CONTROL_KEYS = ("name", "run_dir", "resume", "runs_root")
@@ -423,9 +422,10 @@ def _record_component_defaults(run: RunConfig, tree: DictConfig, provenance: Dic
         node = OmegaConf.select(tree, owner_key)
         with open_dict(node):
             node.args = dict(values)
-        for leaf in _leaves(values, where + "."):
+        leaves = _leaves(values, where + ".")
+        for leaf in leaves:
             provenance.setdefault(leaf, DEFAULT)
-        for leaf in [k for k in provenance if k.startswith(where + ".") and k not in _leaves(values, where + ".")]:
+        for leaf in [k for k in provenance if k.startswith(where + ".") and k not in leaves]:
             del provenance[leaf]  # e.g. a mapping replaced by its completed leaves
 
 

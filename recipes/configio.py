@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import importlib.metadata
 import os
 import typing
@@ -17,7 +18,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 __all__ = [
@@ -124,6 +125,7 @@ def _checkout_configs() -> Path:
     return Path(__file__).resolve().parent.parent / "configs"
 
 
+@functools.lru_cache(maxsize=None)
 def _installed_configs() -> Optional[Path]:
     """The ``configs`` folder a (non-editable) wheel installed as data files, found through the
     distribution's RECORD, so any install scheme (venv, ``--user``, ``--prefix``) works."""
@@ -195,9 +197,6 @@ def _merged_component(schema: type, args: Mapping[str, Any], where: str) -> Tupl
         raise friendly_error(err, "", schema, args_of=where) from None
     except (TypeError, ValueError) as err:  # raised by the schema's own __post_init__
         raise ConfigError(f"{where}: {err}") from None
-    missing = [k for k, v in dataclasses.asdict(obj).items() if v == MISSING]
-    if missing:
-        raise ConfigError(f"{where}: missing value(s) for {', '.join(missing)}")
     return merged, obj
 
 

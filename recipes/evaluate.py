@@ -26,7 +26,7 @@ def evaluate(run, stage: str, ckpt: Optional[str]) -> dict:
     """Run one evaluation stage of a built :class:`recipes.api.Run` and write its outputs."""
 
     from lightning_modules.io import AtomicCheckpointIO
-    from recipes.rundir import write_text_atomic
+    from litctx_common.io import atomic_write_text
 
     label = Path(ckpt).stem if ckpt and ckpt not in ("best", "last") else (ckpt or run.cfg.test_ckpt)
     out_dir = run.run_dir / "eval"
@@ -37,7 +37,7 @@ def evaluate(run, stage: str, ckpt: Optional[str]) -> dict:
         return {"predictions": str(path), "batches": len(predictions)}
     metrics = run.validate(ckpt) if stage == "validate" else run.test(ckpt)
     metrics = {k: float(v) for k, v in metrics.items()}
-    write_text_atomic(out_dir / f"{stage}-{label}.json", json.dumps(metrics, indent=2, sort_keys=True))
+    atomic_write_text(out_dir / f"{stage}-{label}.json", json.dumps(metrics, indent=2, sort_keys=True))
     return metrics
 
 

@@ -62,11 +62,51 @@ def _set_by_layers(value: Any, key: str, provenance: Mapping[str, str]) -> Any:
     return _UNSET if provenance.get(key) == DEFAULT else value
 
 
+def _args_prefix(key: str) -> Optional[str]:
+    """``method.args`` / ``data.args`` / ``callbacks.<label>.args`` when ``key`` lies inside a component's args."""
+    parts = key.split(".")
+    if parts[0] in ("method", "data") and len(parts) > 2 and parts[1] == "args":
+        return ".".join(parts[:2])
+    if parts[0] == "callbacks" and len(parts) > 3 and parts[2] == "args":
+        return ".".join(parts[:3])
+    return None
+
+
+def _component_without_config(loaded, key: str) -> bool:
+    """Whether a missing ``then.inherit`` key lies in the args of a component without a config class (whose args
+    are open-ended, so the key may be one this run does not set). For a component with a config class its args
+    are complete: raise a :class:`ConfigError` naming the key and the valid keys."""
+    from omegaconf import OmegaConf
+
+    from recipes import registry
+
+    prefix = _args_prefix(key)
+    if prefix is None:
+        return False
+    kind = prefix.split(".")[0]
+    run = loaded.run
+    if kind == "method":
+        config = registry.method_spec(run.method.name).config
+    elif kind == "data":
+        config = registry.datamodule_spec(run.data.name).config
+    else:
+        label = prefix.split(".")[1]
+        if label not in run.callbacks:
+            return False
+        config = registry.callback_spec(run.callbacks[label].name).config
+    if config is None:
+        return True
+    node = OmegaConf.select(loaded.tree, key.rsplit(".", 1)[0], default=None)
+    valid = sorted(str(k) for k in node.keys()) if OmegaConf.is_dict(node) else []
+    raise ConfigError(f"then.inherit: key {key!r} is not in the config of recipe {loaded.run.recipe!r}"
+                      + (f"; valid keys of {key.rsplit('.', 1)[0]}: {', '.join(valid)}" if valid else ""))
+
+
 def follow_up_overrides(loaded, run_dir: Path, checkpoint: Optional[str]) -> List[str]:
     """The overrides of ``loaded.run.then``'s recipe: the inherited keys, ``init_from``, its run directory
-    (``<run_dir>/then-<recipe>``), then ``then.overrides``. An inherited key inside a component's free-form
-    ``args`` that this run does not set is not copied (the follow-up keeps its own value); any other unknown
-    key is an error."""
+    (``<run_dir>/then-<recipe>``), then ``then.overrides``. An inherited key inside the args of a component
+    without a config class that this run does not set is not copied (the follow-up keeps its own value); any
+    other unknown key is an error (for a component with a config class, naming its valid keys)."""
     from omegaconf import OmegaConf
 
     then = loaded.run.then
@@ -74,7 +114,7 @@ def follow_up_overrides(loaded, run_dir: Path, checkpoint: Optional[str]) -> Lis
     for key in then.inherit:
         value = OmegaConf.select(loaded.tree, key, default="__missing__")
         if isinstance(value, str) and value == "__missing__":
-            if ".args." in f".{key}." and key.split(".")[0] in ("method", "data", "callbacks"):
+            if _component_without_config(loaded, key):
                 continue
             raise ConfigError(f"then.inherit: key {key!r} is not in the config of recipe {loaded.run.recipe!r}")
         if OmegaConf.is_config(value):

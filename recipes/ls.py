@@ -115,11 +115,12 @@ def _render(rows: List[List[str]], widths: List[int], wrap: bool = True) -> List
 
 
 def _stages(stages: Sequence[str]) -> str:
-    every = registry.CallbackSpec("", "").stages
-    return "all" if tuple(stages) == tuple(every) else ",".join(stages)
+    return "all" if tuple(stages) == registry.ALL_STAGES else ",".join(stages)
 
 
 def _section(title: str, rows: List[List[str]], header: List[str], width: Optional[int]) -> str:
+    if width is not None:
+        title = textwrap.fill(title, width, break_on_hyphens=False)
     return title + "\n" + (table(rows, header, width) if rows else "  (none)")
 
 

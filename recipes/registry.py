@@ -38,6 +38,7 @@ __all__ = [
     "MethodSpec",
     "DataSpec",
     "CallbackSpec",
+    "ALL_STAGES",
     "RecipeSpec",
     "METHODS",
     "DATAMODULES",
@@ -54,6 +55,9 @@ __all__ = [
     "create_callback",
     "import_target",
 ]
+
+ALL_STAGES: Tuple[str, ...] = ("fit", "validate", "test", "predict")
+"""The trainer stages; a callback runs in all of them unless its :class:`CallbackSpec` names fewer."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ class CallbackSpec:
     target: str
     config: Optional[str] = None
     description: str = ""
-    stages: Tuple[str, ...] = ("fit", "validate", "test", "predict")
+    stages: Tuple[str, ...] = ALL_STAGES
     requires: Tuple[str, ...] = ()
     extra: Optional[str] = None
     paper: Optional[Paper] = None

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from litctx_common.io import atomic_open
+from litctx_common.io import atomic_write_text
 from recipes.config import ConfigError, RunConfig, fingerprint_payload
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "fingerprint",
     "resolve_run_dir",
     "resolve_resume",
-    "write_text_atomic",
     "mark",
     "read_meta",
 ]
@@ -46,12 +45,6 @@ def fingerprint(run: RunConfig) -> str:
     """8 hex digits identifying what a config computes (run-control keys such as ``name`` excluded)."""
     payload = json.dumps(fingerprint_payload(run), sort_keys=True, default=str)
     return hashlib.sha1(payload.encode()).hexdigest()[:8]
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a text file so that readers see either the old or the new content, never a partial one."""
-    with atomic_open(path, "w") as f:
-        f.write(text)
 
 
 def read_meta(run_dir: Path) -> Dict[str, Any]:
@@ -162,11 +155,11 @@ def mark(run_dir: Path, status: str, detail: str = "") -> None:
         for stale in ("DONE", "FAILED"):
             (run_dir / stale).unlink(missing_ok=True)
     else:
-        write_text_atomic(run_dir / status, f"{now}\n{detail}")
+        atomic_write_text(run_dir / status, f"{now}\n{detail}")
     meta = read_meta(run_dir)
     meta.setdefault("history", []).append({"status": status, "time": now})
     meta["status"] = status
-    write_text_atomic(run_dir / META, json.dumps(meta, indent=2))
+    atomic_write_text(run_dir / META, json.dumps(meta, indent=2))
 
 
 def write_meta(run_dir: Path, run: RunConfig, command: List[str]) -> None:
@@ -176,4 +169,4 @@ def write_meta(run_dir: Path, run: RunConfig, command: List[str]) -> None:
     meta["fingerprint"] = fingerprint(run)
     meta["recipe"] = run.recipe
     meta.setdefault("commands", []).append(command)
-    write_text_atomic(run_dir / META, json.dumps(meta, indent=2))
+    atomic_write_text(run_dir / META, json.dumps(meta, indent=2))

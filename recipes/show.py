@@ -40,14 +40,16 @@ def defining_file(target: str) -> str:
     return _shown(Path(spec.origin))
 
 
-def _component(kind: str, name: str, target: str, config: Optional[str]) -> List[str]:
+def _component(kind: str, name: str, target: str, config: Optional[str]) -> str:
+    """One line: the component's class and file, and its config class (with its file when another)."""
     cls = target.partition(":")[2]
-    line = f"{kind:<9} {name}: {defining_file(target)} ({cls})"
+    target_file = defining_file(target)
+    line = f"{kind:<9} {name}: {target_file} ({cls})"
     if config is not None:
         cfg_file = defining_file(config)
         cfg_cls = config.partition(":")[2]
-        line += f", config {cfg_cls}" + ("" if cfg_file == defining_file(target) else f" in {cfg_file}")
-    return [line]
+        line += f", config {cfg_cls}" + ("" if cfg_file == target_file else f" in {cfg_file}")
+    return line
 
 
 def _recipe_files(loaded: LoadedConfig) -> List[str]:
@@ -66,11 +68,11 @@ def source_lines(loaded: LoadedConfig) -> List[str]:
     spec = registry.method_spec(run.method.name)
     dspec = registry.datamodule_spec(run.data.name)
     lines = _recipe_files(loaded)
-    lines += _component("method", spec.name, spec.target, spec.config)
-    lines += _component("data", dspec.name, dspec.target, dspec.config)
+    lines.append(_component("method", spec.name, spec.target, spec.config))
+    lines.append(_component("data", dspec.name, dspec.target, dspec.config))
     for label, comp in run.callbacks.items():
         cspec = registry.callback_spec(comp.name)
-        lines += _component("callback", f"{label} = {cspec.name}", cspec.target, cspec.config)
+        lines.append(_component("callback", f"{label} = {cspec.name}", cspec.target, cspec.config))
     return lines
 
 
@@ -81,20 +83,20 @@ def _show_component(name: str) -> Optional[str]:
     if name in registry.METHODS:
         s = registry.METHODS[name]
         runs = [r.name for r in recipes if r.method == name]
-        blocks.append(_component("method", name, s.target, s.config)
-                      + [f"  {s.kind}: {s.description}", f"  paper: {s.paper.short()}",
-                         f"  recipes: {', '.join(runs) or '(none)'}"
-                         + (f"   (python -m recipes.show {runs[0]})" if runs else "")])
+        blocks.append([_component("method", name, s.target, s.config),
+                       f"  {s.kind}: {s.description}", f"  paper: {s.paper.short()}",
+                       f"  recipes: {', '.join(runs) or '(none)'}"
+                       + (f"   (python -m recipes.show {runs[0]})" if runs else "")])
     if name in registry.DATAMODULES:
         s = registry.DATAMODULES[name]
         used = [r.name for r in recipes if r.data == name]
-        blocks.append(_component("data", name, s.target, s.config)
-                      + [f"  {s.description}", f"  recipes: {', '.join(used) or '(none)'}"])
+        blocks.append([_component("data", name, s.target, s.config),
+                       f"  {s.description}", f"  recipes: {', '.join(used) or '(none)'}"])
     if name in registry.CALLBACKS:
         s = registry.CALLBACKS[name]
-        blocks.append(_component("callback", name, s.target, s.config)
-                      + [f"  {s.description}", f"  stages: {', '.join(s.stages)}",
-                         f"  add it: callbacks.LABEL={{name: {name}, args: {{...}}}}"])
+        blocks.append([_component("callback", name, s.target, s.config),
+                       f"  {s.description}", f"  stages: {', '.join(s.stages)}",
+                       f"  add it: callbacks.LABEL={{name: {name}, args: {{...}}}}"])
     return "\n\n".join("\n".join(b) for b in blocks) if blocks else None
 
 

@@ -118,15 +118,13 @@ def prepare(run: RunConfig, job: SlurmJob, write: bool) -> tuple:
     config_path = run_dir / "config.yaml"
     script = render_sbatch(job, run_dir, [config_path], python=sys.executable)
     if write:
-        from litctx_common.io import atomic_open
+        from litctx_common.io import atomic_write_text
 
         (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
         if config_path.exists() and any((run_dir / "checkpoints").glob("*.ckpt")):
             print(f"[litctx] {run_dir} has checkpoints: the job continues it (resume=auto)", file=sys.stderr)
-        with atomic_open(config_path, "w") as f:
-            f.write(to_yaml(run))
-        with atomic_open(run_dir / "slurm" / "job.sbatch", "w") as f:
-            f.write(script)
+        atomic_write_text(config_path, to_yaml(run))
+        atomic_write_text(run_dir / "slurm" / "job.sbatch", script)
     return run_dir, config_path, script
 
 
@@ -205,7 +203,7 @@ def _sbatch(script: Path) -> str:
 def _submit_sweep(args, job: SlurmJob, loaded, forced: List[str], overrides: List[str]) -> int:
     """Expand and validate the sweep (the same trials and folder as ``recipes.sweep``), then one array job over
     the unfinished trials."""
-    from litctx_common.io import atomic_open
+    from litctx_common.io import atomic_write_text
     from recipes import sweep as sw
 
     spec, folder = sw.locate(loaded, args.sweep_file, args.profile, args.config, overrides)
@@ -222,8 +220,7 @@ def _submit_sweep(args, job: SlurmJob, loaded, forced: List[str], overrides: Lis
         print(script, end="")
         return 0
     (folder / "slurm").mkdir(parents=True, exist_ok=True)
-    with atomic_open(folder / "slurm" / "array.sbatch", "w") as f:
-        f.write(script)
+    atomic_write_text(folder / "slurm" / "array.sbatch", script)
     job_id = _sbatch(folder / "slurm" / "array.sbatch")
     print(f"[litctx] submitted array job {job_id} with {len(pending)} trial(s) of {len(trials)}; sweep {folder}; "
           f"summary: python -m recipes.sweep --recipe {args.recipe} --collect")

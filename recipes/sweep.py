@@ -191,7 +191,7 @@ def materialize(recipe: str, base_overrides: Sequence[str], profiles: Sequence[s
                 spec: SweepSpec, folder: Path, write: bool = True, trial_prefix: Sequence[str] = ()) -> List[Trial]:
     """Resolve and validate every trial's config (nothing runs before all are valid), then write
     ``manifest.yaml`` and ``trials/<id>/config.yaml`` (each trial's run directory is its folder)."""
-    from litctx_common.io import atomic_open
+    from litctx_common.io import atomic_open, atomic_write_text
 
     trials = expand(spec)
     resolved = []
@@ -206,8 +206,7 @@ def materialize(recipe: str, base_overrides: Sequence[str], profiles: Sequence[s
     if write:
         for t, run in zip(trials, resolved):
             t.run_dir.mkdir(parents=True, exist_ok=True)
-            with atomic_open(t.config, "w") as f:
-                f.write(to_yaml(run))
+            atomic_write_text(t.config, to_yaml(run))
         manifest = {"recipe": recipe, "profiles": list(profiles), "config_files": list(config_files),
                     "overrides": list(base_overrides), "metric": spec.metric, "mode": spec.mode,
                     "trials": [{"index": t.index, "id": t.id, "overrides": t.overrides, "run_dir": str(t.run_dir)}

@@ -50,14 +50,10 @@ def torch_seed():
 def two_torch_threads():
     """Run one test with 2 intra-op torch threads (the exact float64 checks are faster than on many threads),
     then restore the previous count."""
-    import torch
+    from litctx_common.torch_state import torch_threads
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def run_cli(args, cwd=REPO, env_extra=None, timeout=600):

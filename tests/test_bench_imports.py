@@ -1,5 +1,5 @@
 """Every benchmark imports as ``bench.<name>`` without side effects: no ``sys.path`` edit, no change of torch's
-default dtype or thread count, no work (each module's import is timed; heavy work belongs in ``main``).
+default dtype or thread count, no work (each import is timed, 10 s at most; heavy work belongs in ``main``).
 
 The imports run in the test process (a fresh interpreter would spend its time starting torch); each module is
 imported for the first time here, and whatever a misbehaving module changed is restored afterwards."""
@@ -41,6 +41,6 @@ def test_every_bench_module_imports_cleanly_as_a_package_module():
             problems.append(f"{name} changes torch's default dtype at import")
         if changed[2]:
             problems.append(f"{name} changes torch's thread count at import")
-        if seconds > 30:
+        if seconds > 10:  # torch is loaded already: only work done at import (or a heavy library) costs time here
             problems.append(f"{name} takes {seconds:.1f} s to import: move the work into main()")
     assert not problems, "\n".join(problems)

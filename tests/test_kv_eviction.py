@@ -382,6 +382,11 @@ def test_every_method_config_validates_and_names_the_bad_field():
         OBCacheConfig(base_args={"score": "attention"})
     with pytest.raises(ValueError, match="recent_fraction"):
         H2OConfig(recent_fraction=1.5)
+    # a string where a number belongs names the field and its range (not a bare TypeError)
+    with pytest.raises(ValueError, match=r"h2o.compression_ratio='0.5': must be in \[0, 1\)"):
+        H2OConfig(compression_ratio="0.5")
+    with pytest.raises(ValueError, match=r"adakv.alpha='0.2': must be in \[0, 1\]"):
+        AdaKVConfig(alpha="0.2")
 
 
 def test_eviction_callbacks_remove_everything_they_install_also_when_the_stage_raises():

@@ -273,3 +273,14 @@ def test_read_raw_routes_each_format_to_its_mne_reader(tmp_path, monkeypatch):
     assert calls[-1][2]["config_fname"] == bti / "config"
     found = find_recordings(tmp_path)
     assert ctf in found and kit in found and bti in found
+
+
+def test_find_recordings_skips_hidden_and_ctf_internals_only_below_the_study_root(tmp_path):
+    root = tmp_path / "archive.ds" / "study"  # a root that itself sits under a *.ds folder keeps its recordings
+    (root / "sub-01").mkdir(parents=True)
+    fif = root / "sub-01" / "sub-01_task-x_meg.fif"
+    fif.write_bytes(b"")
+    hidden = root / "sub-01" / ".sub-01_task-y_meg.fif.abc.tmp" / "sub-01_task-y_meg.fif"
+    hidden.parent.mkdir()
+    hidden.write_bytes(b"")  # a write in progress (litctx_common.io.atomic_path)
+    assert find_recordings(root) == [fif]

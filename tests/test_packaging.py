@@ -120,11 +120,13 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     assert str(venv_root) in shown or str(venv) in shown, "show should name the installed recipe file"
 
 
-def test_config_dir_order_and_the_installed_copy(tmp_path, monkeypatch):
+def test_config_dir_order_and_the_installed_copy(tmp_path, monkeypatch, request):
     """explicit > $LITCTX_CONFIG_DIR > the checkout's configs/ > the copy an installed wheel lists in RECORD."""
     import importlib.metadata
 
     from recipes import configio
+
+    request.addfinalizer(configio._installed_configs.cache_clear)  # no fake RECORD left for later tests
 
     def folder(name):
         (tmp_path / name).mkdir()
@@ -156,11 +158,13 @@ def test_config_dir_order_and_the_installed_copy(tmp_path, monkeypatch):
             return site / path
 
     monkeypatch.setattr(importlib.metadata, "distribution", lambda name: FakeDist())
+    configio._installed_configs.cache_clear()  # the RECORD is read once per process
     assert configio.config_dir() == installed.resolve()
 
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    configio._installed_configs.cache_clear()
     with pytest.raises(configio.ConfigError, match="LITCTX_CONFIG_DIR"):
         configio.config_dir()

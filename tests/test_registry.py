@@ -106,7 +106,7 @@ def test_ls_lists_methods_with_papers_and_recipes():
 
 # ---------------------------------------------------------------------------------------------- listing and show
 def test_ls_fits_the_terminal_width():
-    for columns in (100, 72):
+    for columns in (100, 72, 40):
         out = run_cli(["-m", "recipes.ls"], env_extra={"COLUMNS": str(columns)})
         assert out.returncode == 0, out.stderr
         long = [ln for ln in out.stdout.splitlines() if len(ln) > columns]

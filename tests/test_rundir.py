@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
+from litctx_common.io import atomic_write_text
 from recipes.config import ConfigError, load_config
-from recipes.rundir import ENV_RUN_DIR, fingerprint, mark, resolve_resume, resolve_run_dir, write_meta, write_text_atomic
+from recipes.rundir import ENV_RUN_DIR, fingerprint, mark, resolve_resume, resolve_run_dir, write_meta
 
 
 def _run(*overrides):
@@ -70,8 +71,8 @@ def test_resume_resolution(tmp_path):
 
 def test_atomic_write_and_markers(tmp_path):
     path = tmp_path / "a" / "f.txt"
-    write_text_atomic(path, "one")
-    write_text_atomic(path, "two")
+    atomic_write_text(path, "one")
+    atomic_write_text(path, "two")
     assert path.read_text() == "two" and sorted(p.name for p in path.parent.iterdir()) == ["f.txt"]
     mark(tmp_path, "STARTED")
     mark(tmp_path, "FAILED", "Traceback: boom")

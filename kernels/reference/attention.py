@@ -30,7 +30,8 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.layouts import BlockLayout, QueryIndex, resolve_q_offset
 
-__all__ = ["attention_reference", "log_softplus", "row_lengths", "check_qkv", "SCORE_MODES"]
+__all__ = ["attention_reference", "log_softplus", "row_lengths", "check_qkv", "check_key_mask", "expand_key_mask",
+           "broadcast_key_mask", "SCORE_MODES"]
 
 SCORE_MODES = ("softmax", "lssa", "lssar")
 _NEG_INF = float("-inf")
@@ -55,6 +56,38 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[int, i
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     return b, hq, hk, nq, nk, d, v.shape[-1]
+
+
+def check_key_mask(key_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Validate a key mask ``[B, 1|Hk|Hq, Nk]`` (boolean, True = attend; 0/1 integers are accepted) against
+    ``q [B, Hq, Nq, d]`` and ``k [B, Hk, Nk, d]``; returns it as a boolean tensor on q's device, head count
+    unchanged (no copy when it already is one). Float masks are rejected: an additive 0/-inf mask cast to bool
+    would be inverted."""
+    b, hq, hk, n_k = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
+    if not isinstance(key_mask, torch.Tensor) or key_mask.dim() != 3 or key_mask.shape[0] != b \
+            or key_mask.shape[2] != n_k or key_mask.shape[1] not in (1, hk, hq):
+        got = list(key_mask.shape) if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
+        raise ValueError(f"key_mask must be [B, 1|Hk|Hq, Nk] = [{b}, 1|{hk}|{hq}, {n_k}], got {got}")
+    if key_mask.dtype.is_floating_point or key_mask.dtype.is_complex:
+        raise TypeError(f"key_mask must be boolean [B, 1|Hk|Hq, Nk] = [{b}, 1|{hk}|{hq}, {n_k}] (True = attend), "
+                        f"got {key_mask.dtype} (an additive 0/-inf mask is not a key mask)")
+    return key_mask.to(device=q.device, dtype=torch.bool)
+
+
+def broadcast_key_mask(key_mask: torch.Tensor, hq: int) -> torch.Tensor:
+    """An already checked boolean ``[B, 1|Hk|Hq, Nk]`` mask as ``[B, Hq, Nk]`` (kv head ``j`` serves query heads
+    ``j*g .. j*g+g-1``; a shared row is expanded without a copy)."""
+    b, hm, n_k = key_mask.shape
+    if hm == hq:
+        return key_mask
+    if hm == 1:
+        return key_mask.expand(b, hq, n_k)
+    return key_mask.repeat_interleave(hq // hm, dim=1)
+
+
+def expand_key_mask(key_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """:func:`check_key_mask`, then the mask as boolean ``[B, Hq, Nk]`` (see :func:`broadcast_key_mask`)."""
+    return broadcast_key_mask(check_key_mask(key_mask, q, k), q.shape[1])
 
 
 def log_softplus(x: torch.Tensor) -> torch.Tensor:
@@ -154,7 +187,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
         score_mode: ``"softmax"``, ``"lssa"`` or ``"lssar"``.
         chunk: query rows per step; memory is ``O(chunk x Nk)`` per head (with autograd, each chunk is
             recomputed in backward instead of stored).
-        key_mask: optional boolean ``[B, Hq, Nk]`` restricting the keys per query head (gather attention).
+        key_mask: optional boolean ``[B, 1|Hk|Hq, Nk]`` (True = attend) restricting the keys per batch row and
+            head (see :func:`check_key_mask`).
 
     Returns:
         ``o [B, Hq, Nq|Nc, dv]`` in q's dtype and ``lse [B, Hq, Nq|Nc]`` (float32, or float64 for float64
@@ -181,8 +215,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
         if lb not in (1, b) or lh not in (1, hq):
             raise ValueError(f"layout (B, H)=({lb}, {lh}) must be (1 or {b}, 1 or {hq})")
         block_mask = layout.to_block_mask().to(q.device)
-    if key_mask is not None and tuple(key_mask.shape) != (b, hq, n_k):
-        raise ValueError(f"key_mask must be [B, Hq, Nk]=[{b}, {hq}, {n_k}], got {list(key_mask.shape)}")
+    if key_mask is not None:
+        key_mask = expand_key_mask(key_mask, q, k)
     if q_index is not None:
         if q_index.n_q != n_q or q_index.idx.shape[1] not in (1, hq) or q_index.idx.shape[0] != b:
             raise ValueError(f"q_index (idx {list(q_index.idx.shape)}, n_q={q_index.n_q}) does not fit q "

@@ -32,6 +32,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from kernels.layouts import BlockLayout, QueryIndex, resolve_q_offset
+from kernels.reference.attention import check_key_mask
 from kernels.triton._compat import attention_config, check_device, check_offsets, device_guard, kernel_dtype, next_pow2
 
 __all__ = ["triton_attention"]
@@ -834,17 +835,11 @@ def _validate(q, k, v, causal, window, layout, q_index, score_mode):
 def _key_mask_int8(key_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """``key_mask [B, 1|Hk|Hq, Nk]`` as int8 ``[B, 1|Hq, Nk]`` on q's device (kv head ``j`` serves query heads
     ``j*g .. j*g+g-1``; a shared ``[B, 1, Nk]`` mask stays one row, read with a zero head stride)."""
-    b, hq, hk, n_k = q.shape[0], q.shape[1], k.shape[1], k.shape[2]
-    if not isinstance(key_mask, torch.Tensor) or key_mask.dim() != 3 or key_mask.shape[0] != b \
-            or key_mask.shape[2] != n_k or key_mask.shape[1] not in (1, hk, hq):
-        got = list(key_mask.shape) if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
-        raise ValueError(f"key_mask must be [B, 1|Hk|Hq, Nk] = [{b}, 1|{hk}|{hq}, {n_k}], got {got}")
-    if key_mask.dtype.is_floating_point:
-        raise TypeError(f"key_mask must be boolean (True = attend), got {key_mask.dtype}")
-    km = key_mask.to(device=q.device, dtype=torch.bool)
+    hq, hk = q.shape[1], k.shape[1]
+    km = check_key_mask(key_mask, q, k)  # boolean on q's device; float / additive masks are rejected
     if km.shape[1] not in (1, hq):
         km = km.repeat_interleave(hq // hk, dim=1)
-    return km.to(torch.int8).contiguous()
+    return km.contiguous().view(torch.int8)  # bool and int8 share a byte: no copy when already contiguous
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,

@@ -25,10 +25,11 @@ method                    scorer / selector                                     
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Type
 
-from lightning_modules.base import coerce_config
+from lightning_modules.base import check_field as _check, coerce_config, is_int as _is_int, is_number
 from lightning_modules.kv_eviction.scores import GQA_REDUCTIONS, SCORE_KINDS
 from lightning_modules.kv_eviction.scorers import POOLS, AccumulatedScorer, WindowScorer
 from lightning_modules.kv_eviction.selectors import AdaKVSelector
@@ -63,17 +64,8 @@ ADAPTABLE: Tuple[str, ...] = ("h2o", "snapkv", "tova", "streaming_llm")
 """Bases AdaKV's head-adaptive selection can wrap."""
 OBCACHE_BASES: Tuple[str, ...] = ("h2o", "snapkv", "tova")
 """Bases whose attention score OBCache replaces."""
-OBCACHE_KINDS: Tuple[str, ...] = ("v", "k", "kv")
-
-
-def _check(ok: bool, method: str, name: str, value: Any, valid: str) -> None:
-    """Raise ``ValueError('<method>.<name>=<value>: <valid>')`` unless ``ok``."""
-    if not ok:
-        raise ValueError(f"{method}.{name}={value!r}: {valid}")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+OBCACHE_KINDS: Tuple[str, ...] = tuple(k[len("obcache_"):] for k in SCORE_KINDS if k.startswith("obcache_"))
+"""OBCache's kinds (``v``, ``k``, ``kv``): the ``obcache_<kind>`` scores of :data:`SCORE_KINDS`."""
 
 
 def _schedule(decode: bool) -> Schedule:
@@ -81,18 +73,18 @@ def _schedule(decode: bool) -> Schedule:
 
 
 @dataclass
-class EvictionConfig:
+class EvictionConfig(ABC):
     """Base of the eviction methods: ``method`` is the registry name, :meth:`build` the policy."""
 
     method: ClassVar[str] = "eviction"
 
+    @abstractmethod
     def build(self) -> KVPolicy:
         """The :class:`KVPolicy` this config describes (a fresh one per call: scorers hold state)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def with_compression_ratio(self, ratio: float) -> "EvictionConfig":
         """A copy at compression ratio ``ratio`` (an absolute ``keep`` is dropped)."""
-        raise NotImplementedError
 
 
 @dataclass
@@ -107,7 +99,8 @@ class _Budgeted(EvictionConfig):
 
     def __post_init__(self) -> None:
         m = self.method
-        _check(self.compression_ratio is None or 0.0 <= self.compression_ratio < 1.0, m, "compression_ratio",
+        _check(self.compression_ratio is None or (is_number(self.compression_ratio)
+                                                 and 0.0 <= self.compression_ratio < 1.0), m, "compression_ratio",
                self.compression_ratio, "must be in [0, 1) or null")
         _check(self.keep is None or (_is_int(self.keep) and self.keep >= 1), m, "keep", self.keep,
                "must be an integer >= 1 or null")
@@ -177,8 +170,8 @@ class H2OConfig(_Budgeted):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check(0.0 <= self.recent_fraction <= 1.0, self.method, "recent_fraction", self.recent_fraction,
-               "must be in [0, 1]")
+        _check(is_number(self.recent_fraction) and 0.0 <= self.recent_fraction <= 1.0, self.method,
+               "recent_fraction", self.recent_fraction, "must be in [0, 1]")
         _check_score(self)
         _check(self.obs_window is None or (_is_int(self.obs_window) and self.obs_window >= 1), self.method,
                "obs_window", self.obs_window, "must be an integer >= 1 or null")
@@ -265,6 +258,15 @@ def _base_config(method: str, base: str, base_args: Mapping[str, Any], valid: Se
         raise ValueError(f"{method}.base_args: {err}") from None
 
 
+def _check_alpha(cfg: Any) -> None:
+    _check(is_number(cfg.alpha) and 0.0 <= cfg.alpha <= 1.0, cfg.method, "alpha", cfg.alpha, "must be in [0, 1]")
+
+
+def _adaptive(base: KVPolicy, alpha: float) -> KVPolicy:
+    """``base`` with AdaKV's head-adaptive selection (safeguard ``alpha``)."""
+    return replace(base, selector=AdaKVSelector(alpha), name=f"adakv({base.name})")
+
+
 def _ratio_args(base_args: Mapping[str, Any], ratio: float) -> Dict[str, Any]:
     return {**{k: v for k, v in base_args.items() if k != "keep"}, "compression_ratio": ratio}
 
@@ -285,7 +287,7 @@ class AdaKVConfig(EvictionConfig):
     alpha: float = 0.2
 
     def __post_init__(self) -> None:
-        _check(0.0 <= self.alpha <= 1.0, self.method, "alpha", self.alpha, "must be in [0, 1]")
+        _check_alpha(self)
         self.base_config()
 
     def base_config(self) -> "_Budgeted":
@@ -293,8 +295,7 @@ class AdaKVConfig(EvictionConfig):
         return _base_config(self.method, self.base, self.base_args, ADAPTABLE)
 
     def build(self) -> KVPolicy:
-        base = self.base_config().build()
-        return replace(base, selector=AdaKVSelector(self.alpha), name=f"adakv({base.name})")
+        return _adaptive(self.base_config().build(), self.alpha)
 
     def with_compression_ratio(self, ratio: float) -> "AdaKVConfig":
         return replace(self, base_args=_ratio_args(self.base_args, ratio))
@@ -322,7 +323,7 @@ class OBCacheConfig(EvictionConfig):
     def __post_init__(self) -> None:
         _check(self.kind in OBCACHE_KINDS, self.method, "kind", self.kind,
                f"valid kinds are {', '.join(OBCACHE_KINDS)}")
-        _check(0.0 <= self.alpha <= 1.0, self.method, "alpha", self.alpha, "must be in [0, 1]")
+        _check_alpha(self)
         if isinstance(self.base_args, Mapping) and "score" in self.base_args:
             raise ValueError("obcache.base_args.score: the score is set by obcache.kind; remove it")
         self.base_config()
@@ -335,9 +336,7 @@ class OBCacheConfig(EvictionConfig):
 
     def build(self) -> KVPolicy:
         base = self.base_config().build()
-        if self.adaptive:
-            return replace(base, selector=AdaKVSelector(self.alpha), name=f"adakv({base.name})")
-        return base
+        return _adaptive(base, self.alpha) if self.adaptive else base
 
     def with_compression_ratio(self, ratio: float) -> "OBCacheConfig":
         return replace(self, base_args=_ratio_args(self.base_args, ratio))

@@ -145,9 +145,7 @@ def litctx_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     runner = getattr(module, RUNNER_ATTR, None)
     if runner is not None:
-        # runners take the layer's window as a keyword (passed only to sliding-window layers)
-        extra = {} if window is None else {"window": window}
-        out = runner.attend(module, query, key, value, attention_mask, scale, **extra)
+        out = runner.attend(module, query, key, value, attention_mask, scale, window=window)
     else:
         out = causal_attention(query, key, value, attention_mask, scale, window=window)
     return out.transpose(1, 2).contiguous(), None

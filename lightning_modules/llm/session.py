@@ -253,8 +253,8 @@ class LayerRunner:
         been installed during that prefill."""
         layer_cache = cache.layers[self.layer]
         rows = self._rows(obs.k.shape[0])
-        layer_cache.keys = obs.k.expand(rows, -1, -1, -1) if rows != obs.k.shape[0] else obs.k
-        layer_cache.values = obs.v.expand(rows, -1, -1, -1) if rows != obs.v.shape[0] else obs.v
+        layer_cache.keys = obs.k.expand(rows, -1, -1, -1)
+        layer_cache.values = obs.v.expand(rows, -1, -1, -1)
         self.cache = cache
         self._start()
         self._after_attention(obs)
@@ -297,7 +297,7 @@ class LayerRunner:
             return slots, valid  # a cache layer that does not hold this view: leave it alone
         layer_cache.keys = layer_cache.keys[:, :, n_dead:]
         layer_cache.values = layer_cache.values[:, :, n_dead:]
-        if self.state.recompute is not None and self.state.recompute.shape[-1] == slots.shape[-1]:
+        if self.state.recompute is not None:  # prefix-aligned with the view (later entries are appended)
             self.state.recompute = self.state.recompute[..., n_dead:]
         return slots[..., n_dead:], valid[..., n_dead:]
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 from litctx_common.stats import mean_sd
 
-__all__ = ["score_prediction", "summarise", "markdown_table", "depth_grid", "paired_bootstrap"]
+__all__ = ["score_prediction", "summarise", "markdown_table", "depth_grid", "paired_bootstrap", "mean_prefill_seconds"]
 
 
 def score_prediction(prediction: str, answers: Sequence[str], metric: str) -> float:
@@ -103,3 +103,11 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], n_boot: int = 2000,
     tail = (1.0 - level) / 2
     lo, hi = torch.quantile(means, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
     return {"diff": float(d.mean()), "lo": lo, "hi": hi, "n": d.numel()}
+
+
+def mean_prefill_seconds(records: Sequence[Mapping[str, Any]]) -> str:
+    """``"1K 2.8 s, 2K 7.8 s, ..."``: the mean recorded ``prefill_s`` per context length, shortest first."""
+    by_length: Dict[int, List[float]] = defaultdict(list)
+    for r in records:
+        by_length[int(r["length"])].append(float(r["prefill_s"]))
+    return ", ".join(f"{n // 1024}K {sum(v) / len(v):.1f} s" for n, v in sorted(by_length.items()))

@@ -213,7 +213,6 @@ class RetrievalTopK(MulticlassAccuracy):
 
     def __init__(self, num_classes: int, k: int = 10, **kwargs: Any) -> None:
         super().__init__(num_classes=num_classes, top_k=min(k, num_classes), average="none", **kwargs)
-        self.k = k
 
     def update(self, scores: torch.Tensor, labels: torch.Tensor) -> None:
         keep = (labels >= 0) & (labels < self.num_classes)
@@ -221,8 +220,7 @@ class RetrievalTopK(MulticlassAccuracy):
             super().update(scores[keep], labels[keep])
 
     def per_class(self):
-        tp, _, _, fn = self._final_state()
-        return tp.float(), (tp + fn).float()
+        return self.tp.float(), (self.tp + self.fn).float()  # the per-class states (global average)
 
     def compute(self) -> Dict[str, torch.Tensor]:
         hits, counts = self.per_class()

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Dict, Optional
 import lightning.pytorch as pl
 import torch
 
+from lightning_modules.base import check_field, is_int, is_number
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
 from lightning_modules.llm.callbacks import target_model
 from lightning_modules.llm.session import attach_runners
@@ -113,14 +114,14 @@ class SALECalibrationConfig(SALEEstimateFields):
     min_length: int = 1024
 
     def __post_init__(self) -> None:
-        for name, low in (("theta", 0.0), ("tau0", 0.0)):
+        m = self.method
+        for name in ("theta", "tau0"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > low:
-                raise ValueError(f"sale_calibration.{name}={value!r}: must be > 0")
-        if not isinstance(self.tau_min, (int, float)) or not 0 <= self.tau_min < self.tau0:
-            raise ValueError(f"sale_calibration.tau_min={self.tau_min!r}: must be in [0, tau0={self.tau0})")
-        if not isinstance(self.min_length, int) or self.min_length < 0:
-            raise ValueError(f"sale_calibration.min_length={self.min_length!r}: must be an integer >= 0")
+            check_field(is_number(value) and value > 0, m, name, value, "must be > 0")
+        check_field(is_number(self.tau_min) and 0 <= self.tau_min < self.tau0, m, "tau_min", self.tau_min,
+                    f"must be in [0, tau0={self.tau0})")
+        check_field(is_int(self.min_length) and self.min_length >= 0, m, "min_length", self.min_length,
+                    "must be an integer >= 0")
         self.check_estimate()
 
 
@@ -134,9 +135,11 @@ class _CalibrationRunner:
         from lightning_modules.llm.attention import causal_attention
 
         n_q, n_k = query.shape[2], key.shape[2]
-        causal = window is None or n_q <= window  # sliding-window layers beyond their window are not calibrated
-        if causal and n_q == n_k and n_q > self.owner.cfg.min_length and _unpadded(attention_mask, n_q):
-            self.owner.observe(self.layer, query, key, value, scale)
+        if n_q == n_k and n_q > self.owner.cfg.min_length and _unpadded(attention_mask, n_q, window):
+            if window is None or n_q <= window:
+                self.owner.observe(self.layer, query, key, value, scale)
+            else:  # a sliding-window layer beyond its window stays exact under ``sale``: record it dense
+                self.owner.record(self.layer, torch.zeros(query.shape[1], dtype=torch.float64))
         return causal_attention(query, key, value, attention_mask, scale, window=window)
 
 
@@ -152,7 +155,11 @@ class SALECalibrationCallback(EvalStageSwitch):
         self.prompts = 0
 
     def observe(self, layer: int, q, k, v, scale) -> None:
-        tau = calibrate_thresholds(q, k, v, scale, self.cfg.theta, self.estimator, self.cfg.tau0, self.cfg.tau_min)
+        self.record(layer, calibrate_thresholds(q, k, v, scale, self.cfg.theta, self.estimator, self.cfg.tau0,
+                                                self.cfg.tau_min))
+
+    def record(self, layer: int, tau: torch.Tensor) -> None:
+        """Layer ``layer``'s thresholds ``[Hq]`` from one prompt (0 = dense; a head keeps its smallest)."""
         self.table[layer] = tau if layer not in self.table else torch.minimum(self.table[layer], tau)
         if layer == min(self.table):
             self.prompts += 1

@@ -25,6 +25,7 @@ have no defaults of their own, so a default lives only in the config dataclass, 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
@@ -71,7 +72,7 @@ class Selection:
     info: Dict[str, Any] = field(default_factory=dict)
 
 
-class BlockEstimator:
+class BlockEstimator(ABC):
     """Base: ``select(q, k, v, scale) -> Selection``; subclasses set ``block`` and implement :meth:`block_mask`."""
 
     name = "estimator"
@@ -83,21 +84,25 @@ class BlockEstimator:
         if n <= self.block:  # a single block: nothing to skip (nothing estimated)
             return Selection(None)
         with Stopwatch(q) as sw:  # synchronised on CUDA: the estimate's work, not its kernel launches
-            mask, info = self.selected_block_mask(q, k, scale)
+            mask, info = self._finished_block_mask(q, k, scale)  # q, k checked above
             layout = BlockLayout.from_block_mask(mask, self.block, self.block, (n, n))
         return Selection(layout, seconds=sw.seconds, info=info)
 
+    @abstractmethod
     def block_mask(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> Tuple[torch.Tensor, Dict[str, Any]]:
         """The estimator's own choice for ``q [B, Hq, N, d]``, ``k [B, Hk, N, d]``: a boolean ``[B, Hq, M, M]``
         over ``M = ceil(N / block)`` query x key blocks (before the causal restriction and the forced sink
         column and diagonal), and a dict of estimator-specific details."""
-        raise NotImplementedError
 
     def selected_block_mask(self, q: torch.Tensor, k: torch.Tensor,
                             scale: float) -> Tuple[torch.Tensor, Dict[str, Any]]:
         """Exactly the blocks :meth:`select` computes: :meth:`block_mask` restricted to causal blocks, plus the
         sink column and the diagonal (``[B, Hq, M, M]`` bool), and the details dict."""
         _check(q, k)
+        return self._finished_block_mask(q, k, scale)
+
+    def _finished_block_mask(self, q: torch.Tensor, k: torch.Tensor,
+                             scale: float) -> Tuple[torch.Tensor, Dict[str, Any]]:
         mask, info = self.block_mask(q, k, scale)
         return finish_block_mask(mask, q.shape[2], self.block), info
 
@@ -167,8 +172,8 @@ def _causal_softmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
 
 
-class DenseEstimator(BlockEstimator):
-    """Every causal block: plain causal attention (no estimate)."""
+class DenseEstimator:
+    """Every causal block: plain causal attention (no estimate, so no block mask: not a :class:`BlockEstimator`)."""
 
     name = "dense"
 

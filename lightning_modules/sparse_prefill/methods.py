@@ -13,12 +13,13 @@ Common fields: ``min_length`` (prefills of at most this many tokens run dense, a
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Type
 
-from lightning_modules.base import coerce_config
+from lightning_modules.base import check_field as _check, coerce_config, is_int as _is_int, is_number
 from lightning_modules.sparse_prefill.estimators import (
     DenseEstimator,
     FlexPrefillEstimator,
@@ -32,29 +33,18 @@ __all__ = ["PrefillConfig", "SALEEstimateFields", "DensePrefillConfig", "MeanPoo
            "FlexPrefillConfig", "PrismConfig", "SALEConfig", "PREFILL_METHODS", "prefill_config", "read_tau_table"]
 
 
-def _check(ok: bool, method: str, name: str, value: Any, valid: str) -> None:
-    """Raise ``ValueError('<method>.<name>=<value>: <valid>')`` unless ``ok``."""
-    if not ok:
-        raise ValueError(f"{method}.{name}={value!r}: {valid}")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _check_int(cfg: Any, name: str, low: int) -> None:
     value = getattr(cfg, name)
     _check(_is_int(value) and value >= low, cfg.method, name, value, f"must be an integer >= {low}")
 
 
-def _check_mass(cfg: Any, name: str) -> None:
+def _check_mass(cfg: Any, name: str, what: str = "the top-p mass to cover") -> None:
     value = getattr(cfg, name)
-    _check(isinstance(value, (int, float)) and 0.0 < value <= 1.0, cfg.method, name, value,
-           "must be in (0, 1] (the top-p mass to cover)")
+    _check(is_number(value) and 0.0 < value <= 1.0, cfg.method, name, value, f"must be in (0, 1] ({what})")
 
 
 @dataclass
-class PrefillConfig:
+class PrefillConfig(ABC):
     """Base of the sparse prefill methods: ``method`` is the registry name.
 
     Attributes:
@@ -76,9 +66,9 @@ class PrefillConfig:
     def check(self) -> None:
         """Validate the method's own fields (errors name the field and its valid values)."""
 
+    @abstractmethod
     def estimator(self, layer: int = 0) -> Any:
         """The estimator of layer ``layer`` (a ``select(q, k, v, scale) -> Selection`` object)."""
-        raise NotImplementedError
 
     def build(self) -> Callable[[int], Any]:
         """``layer -> estimator``, the factory :func:`install_sparse_prefill` takes."""
@@ -186,8 +176,9 @@ class PrismConfig(PrefillConfig):
 
     def check(self) -> None:
         _check_int(self, "block", 1)
-        for name in ("top_p", "high_fraction", "low_fraction"):
-            _check_mass(self, name)
+        _check_mass(self, "top_p")
+        for name in ("high_fraction", "low_fraction"):
+            _check_mass(self, name, "the share of the RoPE pairs in the band")
 
     def estimator(self, layer: int = 0) -> PrismEstimator:
         return PrismEstimator(self)
@@ -233,6 +224,8 @@ class SALEConfig(SALEEstimateFields, PrefillConfig):
     tau_table: Optional[str] = None
 
     def check(self) -> None:
+        # the parsed table: a plain attribute, not a field (asdict / the run records keep the path only)
+        self._table: Optional[List[List[float]]] = None
         self.check_estimate()
         _check(isinstance(self.tau, (int, float)) and math.isfinite(self.tau) and self.tau >= 0, self.method,
                "tau", self.tau, "must be a finite threshold >= 0 (0 runs every head dense)")
@@ -240,22 +233,16 @@ class SALEConfig(SALEEstimateFields, PrefillConfig):
             if not Path(self.tau_table).expanduser().is_file():
                 raise ValueError(f"sale.tau_table={self.tau_table!r}: no such file (write one with the "
                                  f"sale_calibration callback, or set tau)")
-            read_tau_table(self.tau_table)
+            self._table = read_tau_table(self.tau_table)  # parsed once, here
 
     def estimator(self, layer: int = 0) -> SALEEstimator:
-        return self.build()(layer)
-
-    def build(self) -> Callable[[int], SALEEstimator]:
-        table = read_tau_table(self.tau_table) if self.tau_table is not None else None
-
-        def make(layer: int) -> SALEEstimator:
-            if table is None:
-                return self.sale_estimator(self.tau)
-            if layer >= len(table):
-                raise ValueError(f"sale.tau_table={self.tau_table!r} has {len(table)} layers; layer {layer} has "
-                                 f"no thresholds")
-            return self.sale_estimator(table[layer])
-        return make
+        table = self._table
+        if table is None:
+            return self.sale_estimator(self.tau)
+        if layer >= len(table):
+            raise ValueError(f"sale.tau_table={self.tau_table!r} has {len(table)} layers; layer {layer} has "
+                             f"no thresholds")
+        return self.sale_estimator(table[layer])
 
 
 def read_tau_table(path: str) -> List[List[float]]:

@@ -69,10 +69,10 @@ class SparsePrefillRunner:
         return causal_attention(query, key, value, attention_mask, scale, window=window)
 
 
-def _unpadded(attention_mask: Optional[torch.Tensor], n: int) -> bool:
+def _unpadded(attention_mask: Optional[torch.Tensor], n: int, window: Optional[int] = None) -> bool:
     if attention_mask is None:
         return True
-    key_mask = mask_to_key_mask(attention_mask, n, attention_mask.shape[-1])
+    key_mask = mask_to_key_mask(attention_mask, n, attention_mask.shape[-1], window=window)
     return key_mask is not None and bool(key_mask.all())
 
 

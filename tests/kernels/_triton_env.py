@@ -17,3 +17,18 @@ def triton_device() -> str:
                     allow_module_level=True)
     pytest.importorskip("triton")
     return "cpu" if interpret else "cuda"
+
+
+def compiled_cuda_device() -> str:
+    """``"cuda"`` for the compiled-kernel GPU tests; skips the calling module without a CUDA device, under
+    ``TRITON_INTERPRET=1`` (those tests time and compare compiled kernels) or without Triton. Call at module level."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device", allow_module_level=True)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("compiled-kernel tests: unset TRITON_INTERPRET", allow_module_level=True)
+    pytest.importorskip("triton")
+    return "cuda"
+
+
+GPU_RATIO = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.5e-2}
+"""Relative-RMS tolerance of a compiled kernel against the float64 reference, per input dtype."""

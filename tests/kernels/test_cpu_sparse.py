@@ -135,3 +135,31 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         block_sparse_attention_cpu(q, k[:, :1].expand(1, 3, 32, 16), v[:, :1].expand(1, 3, 32, 16),
                                    BlockLayout.causal(32, 32, 16))
+
+
+def test_chunk_sizing_counts_the_key_mask_tile(monkeypatch):
+    """With a key mask each chunk also builds an additive ``[n, 1, bq, c * bk]`` mask: the per-entry byte count
+    (and the workspace sized from it) includes it, and a tight workspace limit still gives the reference."""
+    import kernels.cpu_sparse as cs
+
+    q, k, v = make(1, 4, 2, 96, 96, 16, torch.float32)
+    lay = layout_for("random", 1, 4, 96, 96, 32, 32, True, None, None)
+    keep = torch.rand(1, 4, 96, generator=torch.Generator().manual_seed(2)) > 0.3
+    seen, real = [], cs._chunks
+
+    def spy(bucket, per_entry_bytes, limit):
+        seen.append((bucket.kv_ids.shape[1], per_entry_bytes))
+        return real(bucket, per_entry_bytes, limit)
+
+    monkeypatch.setattr(cs, "_chunks", spy)
+    limit = 3 * 32 * 32 * 4 * 2
+    o, lse = block_sparse_attention_cpu(q, k, v, lay, key_mask=keep, max_workspace_bytes=limit)
+    assert seen and all(per == c * 32 * (16 + 16 + 32) * 4 for c, per in seen)
+    seen.clear()
+    block_sparse_attention_cpu(q, k, v, lay, max_workspace_bytes=limit)
+    assert seen and all(per == c * 32 * (16 + 16) * 4 for c, per in seen)
+    ro, rlse = attention_reference(*(t.double() for t in (q, k, v)), layout=lay, key_mask=keep)
+    fin = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert_close(o, ro, ratio=1e-5)
+    assert_close(lse[fin], rlse[fin], ratio=1e-5)

@@ -13,6 +13,7 @@ from kernels import BlockLayout
 from kernels.cpu_sparse import block_sparse_attention_cpu
 from kernels.dispatch import BACKEND_ENV, empty_rows, expand_key_mask
 from kernels.reference import attention_reference
+from kernels.testing import assert_attention_close
 from tests.kernels._brute import brute_attention, brute_mask
 
 
@@ -49,9 +50,7 @@ def _check(q, k, v, key_mask, **kw):
     o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), key_mask=expand_key_mask(key_mask, q, k),
                                          **kw)
     assert o.dtype == q.dtype and o.shape == o_ref.shape and lse.shape == lse_ref.shape
-    live = torch.isfinite(lse_ref)
-    assert torch.equal(torch.isfinite(lse), live), "rows with no valid key differ from the reference"
-    assert bool((lse[~live] == float("-inf")).all()) and bool((o[~live] == 0).all())
+    live = assert_attention_close(o, lse, o_ref, lse_ref, 1e-5, name="fused")
     torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double()[live], lse_ref[live], atol=1e-5, rtol=1e-5)
     return o, lse, live
@@ -68,7 +67,20 @@ CASES = {
     "window_prefill": (2, 6, 2, 300, 300, {"window": 48}),
     "window_decode": (2, 6, 2, 1, 300, {"window": 64}),
     "noncausal": (2, 6, 2, 30, 200, {"causal": False}),
+    "prefill_one_kv_head": (2, 4, 1, 200, 200, {}),  # Gemma-3: 4 query heads share one KV head
+    "decode_one_kv_head": (2, 4, 1, 1, 200, {}),
 }
+
+
+@pytest.mark.parametrize("hk", [1, 2])
+@pytest.mark.parametrize("kw", [{}, {"causal": False}, {"window": 48}])
+def test_unmasked_gqa_matches_reference(hk, kw):
+    """The dense CPU path without a key mask, including a single KV head (no mask to repeat per group)."""
+    q, k, v = _qkv(2, 4, hk, 150, 150, 16)
+    o, lse = kernels.attention(q, k, v, **kw)
+    o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), **kw)
+    torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("heads", ["one", "kv", "q"])
@@ -157,8 +169,26 @@ def test_block_sparse_path_takes_a_key_mask():
     assert torch.equal(torch.isfinite(lse), live)
     torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double()[live], lse_ref[live], atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match=r"key_mask must be \[B, Hq, Nk\]"):
-        block_sparse_attention_cpu(q, k, v, layout, key_mask=keep[:, :2])
+    o2, _ = block_sparse_attention_cpu(q, k, v, layout, key_mask=keep[:, ::2])  # a per-kv-head mask is expanded
+    o2_ref, _ = attention_reference(q.double(), k.double(), v.double(), layout=layout,
+                                    key_mask=keep[:, ::2].repeat_interleave(2, dim=1))
+    torch.testing.assert_close(o2.double(), o2_ref, atol=1e-5, rtol=1e-5)
+    expected = r"key_mask must be \[B, 1\|Hk\|Hq, Nk\] = \[2, 1\|2\|4, 256\], got \[2, 3, 256\]"
+    with pytest.raises(ValueError, match=expected):
+        block_sparse_attention_cpu(q, k, v, layout, key_mask=keep[:, :3])
+
+
+@pytest.mark.parametrize("where", ["block_sparse", "reference", "dispatch"])
+def test_float_key_mask_is_rejected(where):
+    """An additive 0/-inf mask cast to bool would be inverted (-inf -> True): every entry point refuses floats."""
+    q, k, v = _qkv(1, 4, 2, 64, 64, 16, seed=3)
+    additive = torch.zeros(1, 4, 64).masked_fill_(torch.rand(1, 4, 64) > 0.5, float("-inf"))
+    call = {"block_sparse": lambda: block_sparse_attention_cpu(q, k, v, BlockLayout.full(64, 64, 16),
+                                                               key_mask=additive),
+            "reference": lambda: attention_reference(q, k, v, key_mask=additive),
+            "dispatch": lambda: kernels.attention(q, k, v, key_mask=additive)}[where]
+    with pytest.raises(TypeError, match=r"key_mask must be boolean \[B, 1\|Hk\|Hq, Nk\] = \[1, 1\|2\|4, 64\].*float32"):
+        call()
 
 
 def test_empty_rows_matches_brute_force():

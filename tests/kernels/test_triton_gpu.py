@@ -9,18 +9,14 @@ checked against a float64 brute force at small N on CPU). Sized to finish in abo
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+from tests.kernels._triton_env import GPU_RATIO, compiled_cuda_device
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("compiled-kernel tests: unset TRITON_INTERPRET", allow_module_level=True)
-pytest.importorskip("triton")
+pytestmark = pytest.mark.gpu
+DEV = compiled_cuda_device()
 
 from kernels.layouts import BlockLayout, QueryIndex, TokenIndex  # noqa: E402
 from kernels.reference import attention_reference, gather_attention_reference  # noqa: E402
@@ -28,9 +24,6 @@ from kernels.testing import assert_close  # noqa: E402
 from kernels.triton.attention import triton_attention  # noqa: E402
 from kernels.triton.colstats import triton_attention_colstats  # noqa: E402
 from kernels.triton.gather import triton_gather_attention  # noqa: E402
-
-DEV = "cuda"
-RATIO = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.5e-2}
 
 
 def brute(q, k, v, *, key_keep=None, **kw):
@@ -55,7 +48,7 @@ def make(b, hq, hk, n, d, dtype, seed, n_k=None, transposed=False):
 
 
 def parity(q, k, v, backward=True, **kw):
-    ratio = RATIO[q.dtype]
+    ratio = GPU_RATIO[q.dtype]
     gen = torch.Generator(device=DEV).manual_seed(99)
     leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
     o, lse = triton_attention(*leaves, **kw)
@@ -142,8 +135,8 @@ def test_gather_16k():
         qq, kk, vv = q.to(dtype), k.to(dtype), v.to(dtype)
         o, lse = triton_gather_attention(qq, kk, vv, ti)
         ro, rl = brute(qq, kk, vv, key_keep=keep)
-        assert_close(o, ro, ratio=RATIO[dtype], name="o")
-        assert_close(lse, rl, ratio=RATIO[dtype], name="lse")
+        assert_close(o, ro, ratio=GPU_RATIO[dtype], name="o")
+        assert_close(lse, rl, ratio=GPU_RATIO[dtype], name="lse")
 
 
 def test_colstats_8k():
@@ -159,4 +152,4 @@ def test_colstats_8k():
     p2 = p * p
     expected = (p.sum(2), p2.sum(2), p2.transpose(-1, -2) @ o, (p2 * o.pow(2).sum(-1, keepdim=True)).sum(2))
     for name, a, e in zip(stats._fields, stats, expected):
-        assert_close(a, e, ratio=RATIO[torch.float16], name=name)
+        assert_close(a, e, ratio=GPU_RATIO[torch.float16], name=name)
