@@ -29,12 +29,13 @@ import contextlib
 import os
 import platform
 import statistics
-import time
 from typing import Any, Callable, Dict, List
+from unittest import mock
 
 import torch
 
 from bench._report import REPO, save_json, write_section
+from litctx_common.timing import Stopwatch
 
 RESULTS = REPO / "bench" / "results" / "masked_attention.json"
 COMMAND = "python -m bench.masked_attention"
