@@ -199,7 +199,8 @@ def _cpu_dense(q, k, v, *, scale, causal,
     """Dense (``causal`` = top-left, ``q_offset = 0``) softmax attention through one CPU flash call, with an
     optional checked boolean ``key_mask [B, Hm, Nk]``, ``Hm in (1, Hk, Hq)`` (an additive ``[B, Hm, 1, Nk]``
     mask broadcast over the queries). GQA: without causality (and with a mask shared by each group) the group's
-    queries fold into one kv head (no copy of K/V); otherwise K/V are repeated per query head. Rows with no
+    queries fold into one kv head; otherwise one flash call per group member ``j`` takes query heads
+    ``kv * g + j`` against kv head ``kv``. Neither copies K/V. Rows with no
     valid key give ``o = 0``, ``lse = -inf`` (the reference's convention)."""
     b, hq, n_q, d = q.shape
     hk, dv = k.shape[1], v.shape[-1]
@@ -214,21 +215,28 @@ def _cpu_dense(q, k, v, *, scale, causal,
         o, lse = _flash_cpu(q.reshape(b, hk, g * n_q, d), k, v, scale=scale, causal=False, attn_mask=additive,
                             key_mask=key_mask)
         o, lse = o.reshape(b, hq, n_q, dv), lse.reshape(b, hq, n_q)
+    elif g > 1:
+        # causal (or a per-query-head mask): one flash call per member j of the groups, on query heads
+        # kv * g + j, which read kv head kv directly: K/V are never repeated
+        _log_once("attention", "torch", what + ", one call per GQA group member")
+        qg = q.view(b, hk, g, n_q, d)
+        add_g = None if additive is None or hm != hq else additive.view(b, hk, g, 1, -1)
+        mask_g = None if key_mask is None or hm != hq else key_mask.view(b, hk, g, -1)
+        outs = [_flash_cpu(qg[:, :, j], k, v, scale=scale, causal=causal,
+                           attn_mask=additive if add_g is None else add_g[:, :, j],
+                           key_mask=key_mask if mask_g is None else mask_g[:, :, j]) for j in range(g)]
+        o = torch.stack([oj for oj, _ in outs], dim=2).reshape(b, hq, n_q, dv)
+        lse = torch.stack([lj for _, lj in outs], dim=2).reshape(b, hq, n_q)
     else:
-        fmask = key_mask
-        if g > 1:
-            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-            if key_mask is not None and hm == hk > 1:  # a per-kv-head mask follows its heads (one head broadcasts)
-                additive, fmask = additive.repeat_interleave(g, dim=1), key_mask.repeat_interleave(g, dim=1)
         _log_once("attention", "torch", what)
-        o, lse = _flash_cpu(q, k, v, scale=scale, causal=causal, attn_mask=additive, key_mask=fmask)
+        o, lse = _flash_cpu(q, k, v, scale=scale, causal=causal, attn_mask=additive, key_mask=key_mask)
     if key_mask is None:
         return o, lse
     # the flash kernel already writes o = 0 for such rows (tested) but reports lse = 0: set it to -inf
     empty = empty_rows(key_mask, n_q, 0, causal, None)  # [B, Hm, Nq]
     if bool(empty.any()):
         if hm == hk > 1 and g > 1:
-            empty = empty.repeat_interleave(g, dim=1)
+            empty = empty.unsqueeze(2).expand(b, hk, g, n_q).reshape(b, hq, n_q)  # boolean rows, not K/V
         lse = lse.masked_fill(empty.expand(b, hq, n_q), float("-inf"))
     return o, lse
 

@@ -27,7 +27,8 @@ from torch import nn
 
 from lightning_modules.optim import OptimConfig, build_optimizer, build_scheduler
 
-__all__ = ["LongContextModule", "SharedEvalStages", "coerce_config", "check_field", "is_int", "is_number",
+__all__ = ["LongContextModule", "SharedEvalStages", "coerce_config", "check_field", "count_parameters", "is_int",
+           "is_number",
            "collect_rng_states", "restore_rng_states", "estimate_total_steps"]
 
 METRIC_STAGES = ("fit", "val", "test")
@@ -55,6 +56,11 @@ def check_field(ok: bool, owner: str, name: str, value: Any, valid: str) -> None
     """Raise ``ValueError('<owner>.<name>=<value>: <valid>')`` unless ``ok`` (the config validation convention)."""
     if not ok:
         raise ValueError(f"{owner}.{name}={value!r}: {valid}")
+
+
+def count_parameters(module: nn.Module) -> int:
+    """Number of parameter elements of ``module``; lazily-initialised parameters (not yet materialised) count 0."""
+    return sum(p.numel() for p in module.parameters() if not isinstance(p, nn.parameter.UninitializedParameter))
 
 
 def is_int(x: Any) -> bool:

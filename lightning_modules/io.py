@@ -4,6 +4,9 @@ Lightning's default local save goes through an fsspec transaction whose temporar
 temp folder; when that is another file system the final move is a copy, and a kill during the copy leaves a
 truncated checkpoint. :class:`AtomicCheckpointIO` writes through :func:`litctx_common.io.atomic_open` (next to
 the target, then a rename), so a checkpoint file is always either the previous complete one or the new one.
+Every load (``init_from``, ``resume``, Lightning's ``ckpt_path`` through :class:`AtomicCheckpointIO`) goes
+through :func:`load_checkpoint`: weights only, and a :class:`CheckpointError` that says a file is empty, truncated,
+corrupt or not a checkpoint (with its size and what to do) instead of torch's raw ``EOFError`` / ``OSError``.
 The atomic-write and JSONL helpers themselves live in :mod:`litctx_common.io` (``datamodules`` and the
 benchmarks need them too).
 """
@@ -12,6 +15,9 @@ from __future__ import annotations
 
 import difflib
 import os
+import pickle
+import re
+import zipfile
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -20,7 +26,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from litctx_common.io import atomic_open
 
-__all__ = ["AtomicCheckpointIO", "load_checkpoint", "load_weights"]
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "load_checkpoint", "load_weights"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -34,13 +40,89 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         with atomic_open(path, "wb") as f:
             torch.save(checkpoint, f)
 
+    def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Lightning's load path (``trainer.fit/validate/test(ckpt_path=...)``): local files go through
+        :func:`load_checkpoint` (weights only, and an error that explains a truncated or corrupt file)."""
+        if "://" in str(path) or weights_only is False:
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        keep = map_location if map_location is not None else (lambda storage, loc: storage)  # Lightning's default
+        return load_checkpoint(path, map_location=keep)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be loaded: empty, truncated, corrupt, not a checkpoint, or holding objects
+    a weights-only load refuses. The message names the file, its size, what is wrong and what to do."""
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_ADVICE = ("use another checkpoint (the run's checkpoints/last.ckpt, or a step*.ckpt / hpc_ckpt_*.ckpt of the same "
+           "run), or delete this file")
+
+
+def _looks_like_text(head: bytes) -> bool:
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return all(ch.isprintable() or ch in "\n\r\t" for ch in text)
+
+
+def _diagnose(path: Path, err: BaseException) -> str:
+    """Why ``torch.load`` failed on ``path``, in words, from the file's own bytes (torch's errors are OSError 22,
+    EOFError, IndexError, KeyError, ... depending on where the bytes run out)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(64)
+    message = str(err)
+    is_zip = head.startswith(_ZIP_MAGIC) and zipfile.is_zipfile(path)
+    is_pickle = len(head) > 1 and head[0] == 0x80 and 2 <= head[1] <= 5  # a pickle's PROTO opcode
+    refused = ((is_zip or is_pickle) and isinstance(err, pickle.UnpicklingError)
+               and "Weights only load failed" in message)  # random bytes can decode to a refused GLOBAL too
+    if size == 0:
+        return f"it is empty (0 bytes: the write never happened or was cut at once); {_ADVICE}"
+    if refused:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", message)
+        what = f" (e.g. {found.group(1)})" if found else ""
+        return (f"it holds pickled Python objects{what} beyond tensors and plain containers, which litctx never "
+                "loads (a checkpoint must not run code when read); use a checkpoint written by litctx, or re-save "
+                "this one's weights as a plain state dict (torch.save(model.state_dict(), ...)) from a trusted "
+                "session")
+    if head.startswith(_ZIP_MAGIC):
+        if not is_zip:
+            return (f"it is truncated (a PyTorch zip checkpoint without its end record: the write or copy was cut "
+                    f"short); {_ADVICE}")
+        return f"it is corrupt (a PyTorch zip checkpoint whose contents do not load: {type(err).__name__}); {_ADVICE}"
+    if is_pickle:
+        return f"it is truncated or corrupt (a legacy pickle checkpoint that ends early); {_ADVICE}"
+    if _looks_like_text(head):
+        first = head.decode("utf-8").splitlines()[0][:40] if head.strip() else ""
+        return f"it is a text file, not a checkpoint (it starts with {first!r}); {_ADVICE}"
+    return f"it is not a PyTorch checkpoint (unrecognised content); {_ADVICE}"
+
 
 def load_checkpoint(path: Any, map_location: Any = "cpu") -> Dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True`` (never executes pickled code)."""
+    """Load a checkpoint with ``weights_only=True`` (never executes pickled code).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        CheckpointError: the file is empty, truncated, corrupt, not a checkpoint (not a dictionary), or holds
+            objects a weights-only load refuses; the message names the file, its size and what to do.
+    """
     path = Path(os.fspath(path))
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    return torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except Exception as err:  # torch raises many types here (OSError, EOFError, IndexError, KeyError, ...)
+        raise CheckpointError(f"checkpoint {path} ({path.stat().st_size:,} bytes) cannot be loaded: "
+                              f"{_diagnose(path, err)}") from err
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"checkpoint {path} ({path.stat().st_size:,} bytes) holds a {type(ckpt).__name__}, "
+                              f"not a checkpoint dictionary; {_ADVICE}")
+    return ckpt
 
 
 def load_weights(

@@ -53,6 +53,14 @@ class OptimConfig:
             problems.append(f"optim.decay_fraction={self.decay_fraction}: must be in (0, 1]")
         if self.warmup_steps < 0:
             problems.append(f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
+        if self.weight_decay < 0:
+            problems.append(f"optim.weight_decay={self.weight_decay}: must be >= 0")
+        if self.momentum < 0:
+            problems.append(f"optim.momentum={self.momentum}: must be >= 0")
+        if len(self.betas) == 2 and not all(0.0 <= b < 1.0 for b in self.betas):
+            problems.append(f"optim.betas={self.betas}: each must be in [0, 1)")
+        if self.total_steps is not None and self.total_steps < 1:
+            problems.append(f"optim.total_steps={self.total_steps}: must be >= 1 or null")
         for prefix, scale in self.lr_scale.items():
             if not isinstance(scale, (int, float)) or scale < 0:
                 problems.append(f"optim.lr_scale[{prefix!r}]={scale!r}: must be a number >= 0")

@@ -35,7 +35,7 @@ from recipes.rundir import (
     write_meta,
 )
 
-__all__ = ["Run", "build", "load_run", "progress_mode"]
+__all__ = ["Run", "build", "load_run", "method_args_from_data", "progress_mode"]
 
 
 def progress_mode(setting: str) -> str:
@@ -136,7 +136,9 @@ class Run:
         d = registry.datamodule_spec(self.cfg.data.name)
         cbs = ", ".join(type(c).__name__ for c in t.callbacks)
         loggers = ", ".join(type(lg).__name__ for lg in t.loggers) or "none"
-        n_params = sum(p.numel() for p in self.model.parameters())
+        from lightning_modules.base import count_parameters
+
+        n_params = count_parameters(self.model)  # before setup; ParameterCount reports a changed count later
         lines = [
             f"recipe     {self.cfg.recipe}  (fingerprint {fingerprint(self.cfg)}, seed {self.cfg.seed})",
             f"method     {m.name} -> {m.target}  ({n_params:,} parameters)",
@@ -163,6 +165,22 @@ def _recorded_best(last: Path) -> Optional[str]:
         if key.startswith("ModelCheckpoint") and path and state.get("monitor") and Path(path).is_file():
             return path
     return None
+
+
+def method_args_from_data(args: Dict[str, Any], datamodule: Any) -> Dict[str, Any]:
+    """``args`` with each null value that the data determines filled in from ``datamodule.method_hints()``.
+
+    A DataModule may define ``method_hints() -> {arg: value}`` (e.g. ERA5's ``in_chans``, ``img_size`` and
+    ``latitudes`` from the opened dataset); a method arg left at ``null`` in the config takes the hint, a value
+    the user set is kept (the method then checks it against the data). ``config.yaml`` keeps the nulls (the run
+    derives them again from the same data); the checkpoint's hyperparameters hold the values used.
+    """
+    hints = datamodule.method_hints() if callable(getattr(datamodule, "method_hints", None)) else {}
+    out = dict(args)
+    for key, value in (hints or {}).items():
+        if key in out and out[key] is None:
+            out[key] = value
+    return out
 
 
 def _trainer_kwargs(run: RunConfig) -> Dict[str, Any]:
@@ -245,15 +263,20 @@ def _callbacks(run: RunConfig, run_dir: Path) -> List[Any]:
     return callbacks
 
 
-def _loggers(run: RunConfig, run_dir: Path) -> List[Any]:
-    from lightning_modules.loggers import ResumableCSVLogger
-
-    loggers: List[Any] = [ResumableCSVLogger(save_dir=str(run_dir), name="logs", version="")]
+def _check_tensorboard(run: RunConfig) -> bool:
+    """Whether the run logs to TensorBoard (``logging.tensorboard=true`` without it installed is an error)."""
     want_tb = run.logging.tensorboard
     has_tb = importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
     if want_tb and not has_tb:
         raise ConfigError("logging.tensorboard=true but tensorboard is not installed; pip install tensorboard")
-    if want_tb or (want_tb is None and has_tb):
+    return bool(want_tb or (want_tb is None and has_tb))
+
+
+def _loggers(run: RunConfig, run_dir: Path) -> List[Any]:
+    from lightning_modules.loggers import ResumableCSVLogger
+
+    loggers: List[Any] = [ResumableCSVLogger(save_dir=str(run_dir), name="logs", version="")]
+    if _check_tensorboard(run):
         from lightning.pytorch.loggers import TensorBoardLogger
 
         loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tb", version="", default_hp_metric=False))
@@ -296,7 +319,7 @@ def build(
     """
     import lightning.pytorch as pl
 
-    from lightning_modules.io import AtomicCheckpointIO, load_weights
+    from lightning_modules.io import AtomicCheckpointIO, CheckpointError, load_weights
 
     loaded = loaded or load_config(recipe, overrides, profiles, config_files)
     run = loaded.run
@@ -306,13 +329,23 @@ def build(
     spec = registry.method_spec(run.method.name)
     _check_method_constraints(run, spec)
     strategy = _strategy(run, spec)
+    trainer_kwargs = _trainer_kwargs(run)  # every config check before anything is created
+    _check_tensorboard(run)
     pl.seed_everything(run.seed, workers=True, verbose=False)
     datamodule = registry.create_datamodule(run.data.name, run.data.args)
-    model = registry.create_method(run.method.name, run.method.args, optim=run.optim)
+    model = registry.create_method(run.method.name, method_args_from_data(run.method.args, datamodule),
+                                   optim=run.optim)
     if run.init_from and resume_from is None and stage == "fit":
-        load_weights(model, run.init_from, strict=run.init_strict, prefixes=getattr(model, "init_prefixes", None))
+        try:
+            load_weights(model, run.init_from, strict=run.init_strict, prefixes=getattr(model, "init_prefixes", None))
+        except (CheckpointError, FileNotFoundError, ValueError) as err:  # the file, or its keys and shapes
+            text = str(err)
+            raise ConfigError(text if text.startswith("init_from=") else f"init_from={run.init_from}: {text}") from None
 
-    callbacks = _callbacks(run, run_dir) + list(extra_callbacks)
+    from lightning_modules.base import count_parameters
+    from lightning_modules.callbacks.param_count import ParameterCount
+
+    callbacks = _callbacks(run, run_dir) + [ParameterCount(count_parameters(model))] + list(extra_callbacks)
     _quiet_cloud_tips()
     trainer = pl.Trainer(
         default_root_dir=str(run_dir),
@@ -321,7 +354,7 @@ def build(
         enable_progress_bar=progress_mode(run.logging.progress) == "bar",
         use_distributed_sampler=False,
         plugins=[AtomicCheckpointIO()],
-        **{**_trainer_kwargs(run), "strategy": strategy},
+        **{**trainer_kwargs, "strategy": strategy},
     )
     if write and _is_rank_zero():
         run_dir.mkdir(parents=True, exist_ok=True)

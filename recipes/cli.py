@@ -45,7 +45,11 @@ def split_overrides(parser: argparse.ArgumentParser, items: Sequence[str]) -> Li
 
 
 def guarded(main: Callable[[Optional[Sequence[str]]], int]) -> Callable[[Optional[Sequence[str]]], int]:
-    """Run a CLI entry point; a :class:`ConfigError` becomes one line on stderr and exit status 2."""
+    """Run a CLI entry point; a :class:`ConfigError` (or an unreadable checkpoint's
+    :class:`~lightning_modules.io.CheckpointError`) becomes one line on stderr and exit status 2, a
+    :class:`~litctx_common.errors.DataError` raised while building (before a run directory exists) the message
+    and "fix the data" on stderr and exit status 1 (``resume=auto`` cannot repair data)."""
+    from litctx_common.errors import DataError
 
     def wrapper(argv: Optional[Sequence[str]] = None) -> int:
         try:
@@ -53,6 +57,15 @@ def guarded(main: Callable[[Optional[Sequence[str]]], int]) -> Callable[[Optiona
         except ConfigError as err:
             print(f"litctx: error: {err}", file=sys.stderr)
             return 2
+        except DataError as err:
+            print(f"litctx: error: bad input data: {err}\nlitctx: fix the data and run again", file=sys.stderr)
+            return 1
+        except Exception as err:  # an unreadable checkpoint (``--ckpt`` of recipes.evaluate, ...): one line too
+            io = sys.modules.get("lightning_modules.io")  # loaded whenever a checkpoint was; never imported here
+            if io is not None and isinstance(err, io.CheckpointError):
+                print(f"litctx: error: {err}", file=sys.stderr)
+                return 2
+            raise
 
     wrapper.__doc__ = main.__doc__
     wrapper.__name__ = main.__name__

@@ -7,8 +7,11 @@ Merge order (later wins)::
         <- command-line ``key=value`` items
 
 The merged tree is in struct mode: an unknown key is an error that names the nearest valid keys, a value of
-the wrong type names the key and the type it expects, and every error says which layer (file or command-line
-item) it came from. ``method.args``, ``data.args`` and each callback's ``args`` are free-form here and are
+the wrong type names the key and the type it expects (``stages: expected a list of strings, got 'fit'``), and
+every error says which layer (file or command-line item) it came from. Each section checks its values in
+``__post_init__`` (``trainer.max_epochs=-3: must be an integer >= -1 (-1: no limit) or null``), and
+``checkpoint.monitor`` / an ``early_stopping`` monitor must match a metric the method declares it logs
+(:attr:`recipes.registry.MethodSpec.logs`), so every ``key=value`` mistake fails here, before anything is built. ``method.args``, ``data.args`` and each callback's ``args`` are free-form here and are
 validated against the component's own config class by :mod:`recipes.registry`; the validated args come back
 complete (every field, defaults included) and replace the given ones, so ``config.yaml`` and the fingerprint
 record every value a run used (provenance ``default`` for the values no layer set).
@@ -33,7 +36,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lightning_modules.optim import OptimConfig
 from recipes import registry
-from recipes.configio import ConfigError, config_dir, friendly_error, read_yaml
+from recipes.configio import (
+    ConfigError,
+    check_list_elements,
+    config_dir,
+    container_type_error,
+    find_container_mismatch,
+    friendly_error,
+    read_yaml,
+)
 
 __all__ = [
     "ComponentConfig",
@@ -49,9 +60,81 @@ __all__ = [
     "config_dir",
     "load_config",
     "to_yaml",
+    "config_differences",
 ]
 
-_RUN_CONTROL_KEYS = ("name", "run_dir", "resume", "runs_root")
+_RUN_CONTROL_KEYS = ("name", "run_dir", "resume", "runs_root", "resume_mismatch")
+"""Keys that say where and how a run runs, not what it computes: left out of the fingerprint and of the
+comparison of a resumed checkpoint's config with the current one."""
+
+# Lightning's precision inputs (``lightning.fabric.connector._PRECISION_INPUT``), without importing it.
+PRECISIONS = ("transformer-engine", "transformer-engine-float16", "16-true", "16-mixed", "bf16-true", "bf16-mixed",
+              "32-true", "64-true", "64", "32", "16", "bf16")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu", "hpu")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _raise(problems: List[str]) -> None:
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _devices_ok(devices: Any) -> bool:
+    """Lightning's ``devices``: ``auto``, -1 (all), a count >= 1, a list of ids, or a string of them (``"0,1"``)."""
+    if devices == "auto":
+        return True
+    if _is_int(devices):
+        return devices == -1 or devices >= 1
+    if isinstance(devices, (list, tuple)):
+        return bool(devices) and all(_is_int(d) and d >= 0 for d in devices)
+    if isinstance(devices, str):
+        parts = [p.strip() for p in devices.split(",") if p.strip()]
+        return bool(parts) and (parts == ["-1"] or all(p.isdigit() for p in parts))
+    return False
+
+
+def _trainer_problems(t: "TrainerConfig") -> List[str]:
+    problems = []
+
+    def need(ok: bool, name: str, valid: str) -> None:
+        if not ok:
+            problems.append(f"trainer.{name}={getattr(t, name)!r}: {valid}")
+
+    need(t.accelerator in ACCELERATORS, "accelerator", f"expected one of {', '.join(ACCELERATORS)}")
+    need(_devices_ok(t.devices), "devices", "expected auto, -1 (all), a count >= 1, or a list of device ids")
+    need(_is_int(t.num_nodes) and t.num_nodes >= 1, "num_nodes", "must be an integer >= 1")
+    need(isinstance(t.strategy, str) and bool(t.strategy.strip()), "strategy", "name a Lightning strategy (auto, ddp, ...)")
+    need(str(t.precision) in PRECISIONS, "precision", f"expected one of {', '.join(PRECISIONS[:8])}")
+    need(t.max_epochs is None or (_is_int(t.max_epochs) and t.max_epochs >= -1), "max_epochs",
+         "must be an integer >= -1 (-1: no limit) or null")
+    need(_is_int(t.max_steps) and t.max_steps >= -1, "max_steps", "must be an integer >= -1 (-1: no limit)")
+    need(t.min_steps is None or (_is_int(t.min_steps) and t.min_steps >= 0), "min_steps", "must be an integer >= 0 or null")
+    v = t.val_check_interval
+    need(v is None or (_is_int(v) and v >= 1) or (isinstance(v, float) and 0.0 < v <= 1.0), "val_check_interval",
+         "must be an integer >= 1 (batches), a fraction of an epoch in (0, 1], or null")
+    need(t.check_val_every_n_epoch is None or (_is_int(t.check_val_every_n_epoch) and t.check_val_every_n_epoch >= 1),
+         "check_val_every_n_epoch", "must be an integer >= 1 or null")
+    for name in ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches"):
+        v = getattr(t, name)
+        need(v is None or (_is_int(v) and v >= 0) or (isinstance(v, float) and 0.0 <= v <= 1.0), name,
+             "must be an integer >= 0 (batches), a fraction in [0, 1] (float), or null")
+    need(_is_int(t.num_sanity_val_steps) and t.num_sanity_val_steps >= -1, "num_sanity_val_steps",
+         "must be an integer >= -1 (-1: all)")
+    need(_is_int(t.log_every_n_steps) and t.log_every_n_steps >= 1, "log_every_n_steps", "must be an integer >= 1")
+    need(t.gradient_clip_val is None or (_is_number(t.gradient_clip_val) and t.gradient_clip_val >= 0),
+         "gradient_clip_val", "must be a number >= 0 or null")
+    need(_is_int(t.accumulate_grad_batches) and t.accumulate_grad_batches >= 1, "accumulate_grad_batches",
+         "must be an integer >= 1")
+    need(isinstance(t.fast_dev_run, bool) or (_is_int(t.fast_dev_run) and t.fast_dev_run >= 0), "fast_dev_run",
+         "must be true, false or an integer >= 0")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------- schema
@@ -99,6 +182,9 @@ class TrainerConfig:
     extra: Dict[str, Any] = field(default_factory=dict)
     """Any other ``Trainer`` keyword, passed through unchanged (the audited escape hatch)."""
 
+    def __post_init__(self) -> None:
+        _raise(_trainer_problems(self))
+
 
 @dataclass
 class CheckpointConfig:
@@ -112,6 +198,20 @@ class CheckpointConfig:
     every_n_epochs: Optional[int] = 1
     save_last: bool = True
 
+    def __post_init__(self) -> None:
+        problems = []
+        if self.mode not in ("min", "max"):
+            problems.append(f"checkpoint.mode={self.mode!r}: expected 'min' or 'max'")
+        if not _is_int(self.save_top_k) or self.save_top_k < -1:
+            problems.append(f"checkpoint.save_top_k={self.save_top_k!r}: must be an integer >= -1 (-1: keep all)")
+        for name in ("every_n_train_steps", "every_n_epochs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                problems.append(f"checkpoint.{name}={value!r}: must be an integer >= 1 or null")
+        if self.monitor is not None and not str(self.monitor).strip():
+            problems.append("checkpoint.monitor='': name a logged metric (e.g. val/loss) or null")
+        _raise(problems)
+
 
 @dataclass
 class LoggingConfig:
@@ -123,6 +223,14 @@ class LoggingConfig:
     """Interval of the progress log lines when the bar is off."""
     tensorboard: Optional[bool] = None
     """null: use TensorBoard when it is importable; true: require it; false: never."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.progress not in ("auto", "bar", "log", "none"):
+            problems.append(f"logging.progress={self.progress!r}: expected auto, bar, log or none")
+        if not _is_int(self.every_n_steps) or self.every_n_steps < 1:
+            problems.append(f"logging.every_n_steps={self.every_n_steps!r}: must be an integer >= 1")
+        _raise(problems)
 
 
 @dataclass
@@ -170,6 +278,10 @@ class RunConfig:
     """Require the ``init_from`` state dict to match the model exactly."""
     resume: Optional[str] = None
     """``auto`` (continue the latest interrupted run of this config, or start fresh) or a checkpoint/run dir."""
+    resume_mismatch: str = "error"
+    """What resuming does when the checkpoint's saved config differs from this one (another recipe, another
+    profile, a changed value; run-control keys such as ``name`` never count): ``error`` refuses and lists the
+    differing keys; ``allow`` continues under this config (e.g. to train a finished run for more epochs)."""
     stages: List[str] = field(default_factory=lambda: ["fit", "test"])
     """What ``recipes.fit`` runs, in order: ``fit``, ``validate``, ``test``."""
     test_ckpt: str = "best"
@@ -184,10 +296,8 @@ class RunConfig:
         bad = [s for s in self.stages if s not in ("fit", "validate", "test")]
         if bad:
             problems.append(f"stages={self.stages}: unknown stage(s) {bad}; valid: fit, validate, test")
-        if self.logging.progress not in ("auto", "bar", "log", "none"):
-            problems.append(f"logging.progress={self.logging.progress!r}: expected auto, bar, log or none")
-        if self.checkpoint.mode not in ("min", "max"):
-            problems.append(f"checkpoint.mode={self.checkpoint.mode!r}: expected 'min' or 'max'")
+        if self.resume_mismatch not in ("error", "allow"):
+            problems.append(f"resume_mismatch={self.resume_mismatch!r}: expected 'error' or 'allow'")
         if self.then.init_from not in ("best", "last", "none"):
             problems.append(f"then.init_from={self.then.init_from!r}: expected 'best', 'last' or 'none'")
         if self.resume not in (None, "auto") and self.init_from is not None:
@@ -284,6 +394,11 @@ def _merge_mapping(tree: DictConfig, values: Mapping, label: str) -> DictConfig:
         return OmegaConf.merge(tree, OmegaConf.create(dict(values)))
     except OmegaConfBaseException as err:
         raise friendly_error(err, label, RunConfig) from None
+    except TypeError:  # "Cannot merge incompatible container types" (a mapping for a list, ...): find the key
+        found = find_container_mismatch(tree, dict(values))
+        if found is None:
+            raise
+        raise container_type_error(found[0], found[1], label, RunConfig) from None
 
 
 def _apply_cli_item(tree: DictConfig, item: str) -> DictConfig:
@@ -312,7 +427,14 @@ def _apply_cli_item(tree: DictConfig, item: str) -> DictConfig:
     try:
         return OmegaConf.merge(tree, parsed)
     except OmegaConfBaseException as err:
+        if not getattr(err, "full_key", None):  # e.g. "Merge error: int is not a subclass of TrainerConfig"
+            raise container_type_error(key, OmegaConf.to_container(parsed).get(key, raw) if "." not in key
+                                       else OmegaConf.select(parsed, key), label, RunConfig) from None
         raise friendly_error(err, label, RunConfig) from None
+    except TypeError:  # "Cannot merge incompatible container types": OmegaConf names no key
+        found = find_container_mismatch(tree, OmegaConf.to_container(parsed))
+        key, value = found if found is not None else (key, OmegaConf.select(parsed, key))
+        raise container_type_error(key, value, label, RunConfig) from None
 
 
 def _is_free_form(path: str) -> bool:
@@ -396,15 +518,28 @@ def load_config(
     if missing:
         raise ConfigError(f"missing value(s) for {', '.join(missing)}: set them in the recipe or on the command line")
     try:
+        check_list_elements(OmegaConf.to_container(tree, resolve=True), RunConfig)
+    except ConfigError as err:
+        raise ConfigError(_with_source(str(err), provenance)) from None
+    try:
         run: RunConfig = OmegaConf.to_object(tree)
     except OmegaConfBaseException as err:
         raise friendly_error(err, "", RunConfig) from None
     except ValueError as err:  # a schema's own __post_init__ check
-        raise ConfigError(str(err)) from None
+        raise ConfigError(_with_source(str(err), provenance)) from None
     if validate_components:
         _record_component_defaults(run, tree, provenance, registry.validate_run_components(run))
     return LoadedConfig(run=run, tree=tree, provenance=provenance, layers=[layer.label for layer in layers],
                         overrides=list(overrides), sweep=sweep)
+
+
+def _with_source(message: str, provenance: Mapping[str, str]) -> str:
+    """``message`` (``key=value: what is valid``) plus the layer that set the key, when one did."""
+    key = message.split("=", 1)[0].split(":", 1)[0].strip()
+    source = provenance.get(key)
+    if not source or source == "schema" or "(from " in message:
+        return message
+    return f"{message} (from {source.split(' (')[0]})"
 
 
 DEFAULT = "default"
@@ -462,6 +597,27 @@ def to_yaml(run: Union[RunConfig, Mapping[str, Any]], provenance: Optional[Mappi
         else:
             out.append(line)
     return "\n".join(out) + "\n"
+
+
+def config_differences(saved: Mapping[str, Any], run: RunConfig) -> List[Tuple[str, Any, Any]]:
+    """``(dotted key, saved value, current value)`` for every leaf where a saved config (a checkpoint's
+    ``litctx.config``, a ``config.yaml``) differs from ``run``; run-control keys (``name``, ``run_dir``,
+    ``resume``, ``runs_root``, ``resume_mismatch``) never count. A key missing on one side shows as
+    :data:`ABSENT`. The same payload as the fingerprint, so ``resume=auto`` (which finds runs by fingerprint) and
+    ``resume=<path>`` agree on what "the same config" means."""
+    import json
+
+    def plain(data: Mapping[str, Any]) -> Dict[str, Any]:
+        data = {k: v for k, v in dict(data).items() if k not in _RUN_CONTROL_KEYS}
+        return _leaves(json.loads(json.dumps(data, default=str)))  # schema order
+
+    before, now = plain(saved), plain(fingerprint_payload(run))
+    keys = list(now) + [k for k in before if k not in now]
+    return [(k, before.get(k, ABSENT), now.get(k, ABSENT)) for k in keys if before.get(k, ABSENT) != now.get(k, ABSENT)]
+
+
+ABSENT = "<absent>"
+"""What :func:`config_differences` shows for a key one of the two configs lacks."""
 
 
 def fingerprint_payload(run: RunConfig) -> Dict[str, Any]:

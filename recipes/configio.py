@@ -13,6 +13,7 @@ import enum
 import functools
 import importlib.metadata
 import os
+import re
 import typing
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
@@ -25,9 +26,14 @@ __all__ = [
     "ConfigError",
     "DISTRIBUTION",
     "WHEEL_CONFIGS",
+    "check_list_elements",
     "complete_component_args",
     "config_dir",
+    "container_type_error",
+    "describe_type",
+    "find_container_mismatch",
     "friendly_error",
+    "prefixed",
     "is_plain",
     "plain_value",
     "read_yaml",
@@ -59,22 +65,49 @@ def _dotted_fields(schema: type, prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def _describe_type(tp: Any) -> str:
+_WORDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), str: ("a string", "strings"),
+          bool: ("true or false", "true/false values")}
+
+
+def _describe(tp: Any, plural: bool = False) -> str:
+    """What a value of annotation ``tp`` must be, in words; ``plural`` for the elements of a list
+    (``strings``, ``lists of numbers``)."""
     origin = typing.get_origin(tp)
     if origin is Union:
         parts = [a for a in typing.get_args(tp) if a is not type(None)]
-        text = " or ".join(_describe_type(a) for a in parts)
-        return text + (" or null" if len(parts) < len(typing.get_args(tp)) else "")
+        text = " or ".join(_describe(a, plural) for a in parts)
+        return text + ((" or nulls" if plural else " or null") if len(parts) < len(typing.get_args(tp)) else "")
     if origin in (list, List):
         (inner,) = typing.get_args(tp) or (Any,)
-        return f"a list of {_describe_type(inner)}"
+        return f"{'lists' if plural else 'a list'} of {_describe(inner, plural=True)}"
     if origin in (dict, Dict):
-        return "a mapping"
+        return "mappings" if plural else "a mapping"
     if tp is Any:
-        return "any value"
+        return "values" if plural else "any value"
     if dataclasses.is_dataclass(tp):
-        return f"a mapping ({tp.__name__})"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+        return f"{'mappings' if plural else 'a mapping'} ({tp.__name__})"
+    return _WORDS[tp][plural] if tp in _WORDS else str(tp)
+
+
+def describe_type(tp: Any) -> str:
+    """What a value of annotation ``tp`` must be, in words (``a list of strings``, ``an integer or null``)."""
+    return _describe(tp)
+
+
+def _list_annotation(tp: Any) -> Optional[Any]:
+    """``tp`` itself when it is a list annotation (``Optional[List[int]]`` included), else None."""
+    if typing.get_origin(tp) in (list, List):
+        return tp
+    if typing.get_origin(tp) is Union:
+        lists = [a for a in typing.get_args(tp) if typing.get_origin(a) in (list, List)]
+        return lists[0] if lists else None
+    return None
+
+
+def _shown_value(value: Any) -> str:
+    if isinstance(value, (DictConfig,)) or OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    return repr(value)
 
 
 def _nearest(key: str, candidates: Iterable[str], n: int = 2) -> List[str]:
@@ -105,18 +138,84 @@ def friendly_error(err: OmegaConfBaseException, layer: str, schema: type, args_o
         siblings = [p for p in fields if (p.rsplit(".", 1)[0] if "." in p else "") == parent]
         near = _nearest(full_key, siblings) or _nearest(full_key, fields)
         near_shown = [f"{args_of}.{k}" if args_of else k for k in near]
-        hint = f"; did you mean {' or '.join(repr(k) for k in near_shown)}?" if near_shown else ""
+        hint = f"; did you mean {' or '.join(repr(k) for k in near_shown)}?" if near_shown else ";"
         valid = ", ".join(s.rsplit(".", 1)[-1] for s in siblings)
         where = f" under '{args_of + '.' + parent if args_of and parent else (args_of or parent)}'" if (parent or args_of) else ""
         return ConfigError(f"unknown key '{shown}'{source}{hint} Valid keys{where}: {valid}")
     if isinstance(err, ValidationError) and full_key:
-        expected = _describe_type(fields[full_key]) if full_key in fields else "a different type"
         first = str(err).splitlines()[0]
-        value = first.split("'")[1] if first.startswith("Value '") else None
-        got = f", got {value!r}" if value is not None else f": {first}"
+        value = getattr(err, "value", None)
+        base, index = full_key, None
+        match = re.fullmatch(r"(.*?)((?:\[\d+\])+)", full_key)
+        if match:  # an element of a list: name the list and what its elements must be
+            base, index = match.group(1), match.group(2)
+        annotation = fields.get(base)
+        shown_base = f"{args_of}.{base}" if args_of else base
+        if index is not None and annotation is not None and _list_annotation(annotation) is not None:
+            return ConfigError(f"{shown_base}: expected {describe_type(_list_annotation(annotation))}, got "
+                               f"{_shown_value(value)} as item {index}{source}")
+        if annotation is not None and _list_annotation(annotation) is not None and "is not a ListConfig" in first:
+            return ConfigError(f"{shown}: expected {describe_type(annotation)}, got {_shown_value(value)}{source}")
+        expected = describe_type(annotation) if annotation is not None else "a different type"
+        if value is None and first.startswith("Value '"):
+            value = first.split("'")[1]
+        got = f", got {_shown_value(value)}" if value is not None else f": {first}"
         return ConfigError(f"{shown}: expected {expected}{got}{source}")
     first = str(err).splitlines()[0]
     return ConfigError(f"{shown + ': ' if shown else ''}{first}{source}")
+
+
+def check_list_elements(obj: Any, schema: type, prefix: str = "") -> None:
+    """Raise a :class:`ConfigError` naming the key when a list field of scalars (``List[str]``, ``List[int]``,
+    ...) of ``schema`` holds an element of another kind (OmegaConf lets ``[[a]]`` through). ``obj``: an instance
+    of ``schema`` or the plain mapping of one (checked before the schema's ``__post_init__`` sees the value)."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        tp = hints[f.name]
+        value = obj.get(f.name) if isinstance(obj, Mapping) else getattr(obj, f.name, None)
+        if dataclasses.is_dataclass(tp) and (dataclasses.is_dataclass(value) or isinstance(value, Mapping)):
+            check_list_elements(value, tp, f"{prefix}{f.name}.")
+            continue
+        annotation = _list_annotation(tp)
+        if annotation is None or not isinstance(value, (list, tuple)):
+            continue
+        (inner,) = typing.get_args(annotation) or (Any,)
+        if inner not in (str, int, float, bool):
+            continue
+        for i, item in enumerate(value):
+            ok = isinstance(item, inner) and not (inner is int and isinstance(item, bool))
+            ok = ok or (inner is float and isinstance(item, int) and not isinstance(item, bool))
+            if not ok:
+                raise ConfigError(f"{prefix}{f.name}: expected {describe_type(annotation)}, got "
+                                  f"{_shown_value(item)} as item [{i}]")
+
+
+def container_type_error(key: str, value: Any, layer: str, schema: type, args_of: Optional[str] = None) -> ConfigError:
+    """The one-line error for a value whose container type does not fit ``key`` (a mapping given for a list,
+    a list for a mapping: OmegaConf raises a bare ``TypeError`` without the key)."""
+    annotation = _dotted_fields(schema).get(key)
+    shown = f"{args_of}.{key}" if args_of else key
+    expected = describe_type(annotation) if annotation is not None else "a value of another kind"
+    source = f" (from {layer})" if layer else ""
+    return ConfigError(f"{shown}: expected {expected}, got {_shown_value(value)}{source}")
+
+
+def find_container_mismatch(tree: Any, values: Mapping[str, Any], prefix: str = "") -> Optional[Tuple[str, Any]]:
+    """The dotted key (and value) in ``values`` whose merge into ``tree`` raises OmegaConf's ``TypeError``
+    ("Cannot merge incompatible container types"), or None."""
+    for key, value in values.items():
+        try:
+            OmegaConf.merge(tree, OmegaConf.create({key: value}))
+        except TypeError:
+            child = tree.get(key) if isinstance(tree, DictConfig) else None
+            if isinstance(value, Mapping) and isinstance(child, DictConfig):
+                found = find_container_mismatch(child, value, f"{prefix}{key}.")
+                if found is not None:
+                    return found
+            return f"{prefix}{key}", value
+        except OmegaConfBaseException:
+            continue
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -190,14 +289,36 @@ def read_yaml(path: Path) -> Dict[str, Any]:
 def _merged_component(schema: type, args: Mapping[str, Any], where: str) -> Tuple[DictConfig, Any]:
     """``args`` merged over the schema's defaults, and the config object built from them (its ``__post_init__``
     checks run)."""
+    base = OmegaConf.structured(schema)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(dict(args)))
+        merged = OmegaConf.merge(base, OmegaConf.create(dict(args)))
+    except OmegaConfBaseException as err:
+        raise friendly_error(err, "", schema, args_of=where) from None
+    except TypeError:  # "Cannot merge incompatible container types": OmegaConf names no key
+        found = find_container_mismatch(base, dict(args))
+        if found is None:
+            raise
+        raise container_type_error(found[0], found[1], "", schema, args_of=where) from None
+    try:
+        plain = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as err:
+        raise friendly_error(err, "", schema, args_of=where) from None
+    check_list_elements(plain, schema, f"{where}.")
+    try:
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise friendly_error(err, "", schema, args_of=where) from None
     except (TypeError, ValueError) as err:  # raised by the schema's own __post_init__
-        raise ConfigError(f"{where}: {err}") from None
+        raise ConfigError(prefixed(where, str(err))) from None
     return merged, obj
+
+
+def prefixed(where: str, message: str) -> str:
+    """``message`` prefixed with ``where: `` unless it already names a key under ``where`` (e.g. the
+    ``unknown key 'method.args.neuron_options.taux'`` of :func:`litctx_common.options.check_options`)."""
+    if message.startswith(where) or f"'{where}." in message.split(";")[0]:
+        return message
+    return f"{where}: {message}"
 
 
 def validate_component_args(schema: type, args: Mapping[str, Any], where: str) -> Any:

@@ -2,8 +2,10 @@
 
 Builds the DataModule, the method, callbacks, loggers and the Trainer from the config, runs the configured
 ``stages`` (``fit`` then ``test`` by default, the stages after ``fit`` on the best checkpoint), and writes
-``DONE`` or ``FAILED`` (with the traceback) in the run directory. ``resume=auto`` continues an interrupted run
-of the same config from its last checkpoint. A recipe with ``then.recipe`` (e.g. pre-training, then
+``DONE`` or ``FAILED`` (with the traceback) in the run directory; a failed run prints what went wrong and what
+can fix it (bad data or config: the message and "fix ... and run again"; otherwise ``resume=auto`` when a
+checkpoint exists) and exits with status 1. ``resume=auto`` continues an interrupted run of the same config from
+its last checkpoint (a checkpoint of another config is refused unless ``resume_mismatch=allow``). A recipe with ``then.recipe`` (e.g. pre-training, then
 fine-tuning) runs that recipe next, from this run's checkpoint, in ``<run dir>/then-<recipe>``.
 """
 
@@ -14,16 +16,60 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from recipes.cli import config_parser, guarded, split_overrides
 from recipes.config import DEFAULT, ConfigError, load_config, to_yaml
 
-__all__ = ["main", "run_stages", "follow_up_overrides"]
+__all__ = ["main", "run_stages", "failure_summary", "follow_up_overrides"]
+
+
+def _in_chain(err: BaseException, kinds: Tuple[type, ...]) -> Optional[BaseException]:
+    """The first exception of type ``kinds`` in ``err``'s ``__cause__`` / ``__context__`` chain (Lightning and
+    DataLoader workers re-raise inside wrappers), ``err`` itself included."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, kinds):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def failure_summary(err: BaseException, run_dir: Path) -> List[str]:
+    """The terminal lines of a failed run (the traceback goes to ``FAILED``): what went wrong and what can fix it.
+    Bad data or config: the message and "fix ... and run again" (``resume=auto`` cannot repair either); any
+    other error: its type and first line, and ``resume=auto`` only when a checkpoint exists to resume from."""
+    from lightning_modules.io import CheckpointError
+    from litctx_common.errors import DataError
+    from recipes.rundir import _has_checkpoint
+
+    failed = run_dir / "FAILED"
+    data = _in_chain(err, (DataError,))
+    if data is not None:
+        return [f"[litctx] run failed on bad input data: {data}",
+                f"[litctx] fix the data and run again (traceback in {failed})"]
+    config = _in_chain(err, (ConfigError, CheckpointError))
+    if config is not None:
+        return [f"[litctx] run failed: {config}",
+                f"[litctx] fix the config and run again (traceback in {failed})"]
+    if isinstance(err, KeyboardInterrupt):
+        head = "[litctx] run interrupted"
+    else:
+        first = (str(err).strip().splitlines() or [""])[0]
+        head = f"[litctx] run failed: {type(err).__name__}{': ' + first if first else ''}"
+    if _has_checkpoint(run_dir):
+        return [head, f"[litctx] traceback in {failed}; continue from the last checkpoint with resume=auto "
+                      "(same command)"]
+    return [head, f"[litctx] traceback in {failed} (no checkpoint was written, so there is nothing to resume)"]
 
 
 def run_stages(run) -> dict:
-    """Run ``run.cfg.stages`` with outcome markers; returns the metrics of the last evaluation stage."""
+    """Run ``run.cfg.stages`` with outcome markers; returns the metrics of the last evaluation stage.
+
+    On an exception (re-raised): rank zero writes ``FAILED`` with the full traceback and prints
+    :func:`failure_summary` (what went wrong and what can fix it) on stderr; other ranks print nothing.
+    """
     from recipes.api import _is_rank_zero
     from recipes.rundir import mark
 
@@ -42,7 +88,7 @@ def run_stages(run) -> dict:
     except BaseException as err:
         if rank_zero:
             mark(run.run_dir, "FAILED", "".join(traceback.format_exception(err)))
-            print(f"[litctx] run failed; see {run.run_dir / 'FAILED'} (resume with resume=auto)", file=sys.stderr)
+            print("\n".join(failure_summary(err, run.run_dir)), file=sys.stderr, flush=True)
         raise
     if rank_zero:
         mark(run.run_dir, "DONE")
@@ -163,7 +209,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         export_run_dir(run)  # DDP ranks that re-execute this command and SLURM requeues land in the same directory
         if _is_rank_zero():
             print(run.plan(), flush=True)
-        metrics = run_stages(run)
+        try:
+            metrics = run_stages(run)
+        except Exception:  # recorded in FAILED (traceback) and summarised on rank zero's stderr
+            return 1
         if _is_rank_zero():
             _print_metrics(metrics)
             print(f"[litctx] done: config, logs and checkpoints in {run.run_dir}", flush=True)

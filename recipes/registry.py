@@ -9,7 +9,8 @@ The front door is timm-shaped::
     create_datamodule("lcube", {"length": 512})
     create_callback("lr_monitor", {})
 
-Adding a method is adding one :class:`MethodSpec` to ``METHODS`` (and a recipe YAML).
+Adding a method is adding one :class:`MethodSpec` to ``METHODS`` (and a recipe YAML); its ``logs`` lists the
+metric names it logs (``fnmatch`` patterns), which ``checkpoint.monitor`` is checked against at config time.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from litctx_common.options import unknown_key_message
 from recipes.configio import (
     ConfigError,
     complete_component_args,
@@ -54,6 +56,8 @@ __all__ = [
     "create_datamodule",
     "create_callback",
     "import_target",
+    "check_monitors",
+    "monitorable_metrics",
 ]
 
 ALL_STAGES: Tuple[str, ...] = ("fit", "validate", "test", "predict")
@@ -98,6 +102,15 @@ class MethodSpec:
     fsdp_wrap: Tuple[str, ...] = ()
     manual_optimization: bool = False
     tags: Tuple[str, ...] = ()
+    logs: Optional[Tuple[str, ...]] = None
+    """The metric names the method logs (``fnmatch`` patterns: ``val/loss``, ``val/rmse/*``), from its
+    ``self.log`` / ``log_dict`` calls; ``checkpoint.monitor`` and an ``early_stopping`` callback's ``monitor``
+    must match one (checked at config time). None: not declared (no check)."""
+
+
+def _stages(*names: str, stages: Tuple[str, ...] = ("val", "test")) -> Tuple[str, ...]:
+    """``val/<name>`` and ``test/<name>`` for each name (the metrics a method logs in both evaluation stages)."""
+    return tuple(f"{stage}/{name}" for name in names for stage in stages)
 
 
 @dataclass(frozen=True)
@@ -129,6 +142,9 @@ class CallbackSpec:
     requires: Tuple[str, ...] = ()
     extra: Optional[str] = None
     paper: Optional[Paper] = None
+    logs: Optional[Tuple[str, ...]] = ()
+    """Metric names the callback logs through the module (``fnmatch`` patterns); they count as monitorable next
+    to the method's :attr:`MethodSpec.logs`. ``()``: logs nothing; None: not declared (disables the check)."""
 
 
 @dataclass(frozen=True)
@@ -230,7 +246,7 @@ EMFORMER_PAPER = Paper(
 )
 
 EMFORMER_TINY = {"model_args": {"embed_dim": 16, "num_heads": 2, "mid_depth": 2, "levels": [[1, 1]]},
-                 "in_chans": 3, "img_size": [8, 16], "report_channels": ["geopotential@500"]}
+                 "report_channels": ["geopotential@500"]}  # in_chans, img_size, latitudes: from the data
 ERA5_TINY = {"variables": ["geopotential", "2m_temperature"], "levels": [500, 850], "batch_size": 4,
              "train_batches": 2, "eval_rollout": 2,
              "train_period": ["2000-01-01", "2000-01-20"], "val_period": ["2000-01-21", "2000-01-25"],
@@ -253,6 +269,7 @@ METHODS: Dict[str, MethodSpec] = {
             tiny={"d_model": 16, "n_layers": 1, "n_heads": 2, "rnn_hidden": 16},
             fsdp_wrap=("lightning_modules.layers.transformer:TransformerBlock",),
             tags=("benchmark", "synthetic", "long-context"),
+            logs=("train/loss",) + _stages("loss", "kl", "kl_by_pos/*", "bmi", "bmi_true", "utilization"),
         ),
         MethodSpec(
             name="pcfg",
@@ -264,6 +281,7 @@ METHODS: Dict[str, MethodSpec] = {
             tiny={"d_model": 16, "n_layers": 1, "n_heads": 2},
             fsdp_wrap=("lightning_modules.layers.transformer:TransformerBlock",),
             tags=("synthetic", "hierarchy"),
+            logs=("train/loss",) + _stages("loss", "kl", "excess_ce"),
         ),
         MethodSpec(
             name="meg_xl",
@@ -277,6 +295,7 @@ METHODS: Dict[str, MethodSpec] = {
             extra="meg",
             fsdp_wrap=("lightning_modules.meg.model:CrissCrossBlock",),
             tags=("neuro", "long-context", "pretrain"),
+            logs=("train/loss", "train/acc") + _stages("loss", "acc", "acc_l0"),
         ),
         MethodSpec(
             name="meg_xl_words",
@@ -292,6 +311,7 @@ METHODS: Dict[str, MethodSpec] = {
             extra="meg",
             fsdp_wrap=("lightning_modules.meg.model:CrissCrossBlock",),
             tags=("neuro", "long-context", "finetune"),
+            logs=("train/loss",) + _stages("loss", "top*_acc", "top*_balanced", "top*_chance"),
         ),
         MethodSpec(
             name="lm",
@@ -306,6 +326,7 @@ METHODS: Dict[str, MethodSpec] = {
             requires=("transformers",),
             extra="llm",
             tags=("llm", "language-model"),
+            logs=("train/loss",) + _stages("loss", "ppl", "ppl_pos*of*"),
         ),
         MethodSpec(
             name="longctx_eval",
@@ -320,6 +341,7 @@ METHODS: Dict[str, MethodSpec] = {
             requires=("transformers",),
             extra="llm",
             tags=("llm", "long-context", "evaluation"),
+            logs=_stages("acc_running", "acc", "acc_*"),
         ),
         MethodSpec(
             name="emformer",
@@ -333,6 +355,7 @@ METHODS: Dict[str, MethodSpec] = {
             requires=("timm", "xarray", "zarr"),
             extra="weather",
             tags=("weather", "multi-scale", "pretrain"),
+            logs=("train/loss", "train/loss_mix", "train/loss_rmse") + _stages("rmse_norm", "rmse/*", "acc/*"),
         ),
         MethodSpec(
             name="emformer_rollout",
@@ -349,6 +372,7 @@ METHODS: Dict[str, MethodSpec] = {
             extra="weather",
             manual_optimization=True,
             tags=("weather", "multi-scale", "finetune"),
+            logs=("train/loss", "train/loss_mix", "train/loss_rmse") + _stages("rmse_norm", "rmse/*", "acc/*"),
         ),
         MethodSpec(
             name="spiking",
@@ -359,6 +383,7 @@ METHODS: Dict[str, MethodSpec] = {
             default_data="event_frames",
             tiny={"conv_channels": 4, "hidden": 16},
             tags=("spiking", "synthetic", "timesteps"),
+            logs=("train/loss", "train/acc") + _stages("loss", "acc"),
         ),
     ]
 }
@@ -459,10 +484,12 @@ DATAMODULES: Dict[str, DataSpec] = {
     ]
 }
 
-def _llm_method_callbacks(entries, target: str, config_module: str, kind: str) -> List[CallbackSpec]:
+def _llm_method_callbacks(entries, target: str, config_module: str, kind: str,
+                          logs: Tuple[str, ...] = ()) -> List[CallbackSpec]:
     """One evaluation-stage callback per (name, config class, description, paper) entry, sharing a target."""
     return [CallbackSpec(name=name, target=target, config=f"{config_module}:{config}", description=f"{kind}: {text}",
-                         stages=("validate", "test", "predict"), requires=("transformers",), extra="llm", paper=paper)
+                         stages=("validate", "test", "predict"), requires=("transformers",), extra="llm", paper=paper,
+                         logs=logs)
             for name, config, text, paper in entries]
 
 
@@ -474,6 +501,7 @@ CALLBACKS: Dict[str, CallbackSpec] = {
             target="lightning.pytorch.callbacks:LearningRateMonitor",
             description="log the learning rate of every optimizer",
             stages=("fit",),
+            logs=("lr-*",),
         ),
         CallbackSpec(
             name="early_stopping",
@@ -486,6 +514,7 @@ CALLBACKS: Dict[str, CallbackSpec] = {
             target="lightning_modules.callbacks.eval_timer:EvalTimer",
             description="seconds per evaluation batch, logged as <stage>/seconds_per_batch",
             stages=("validate", "test", "predict"),
+            logs=_stages("seconds_per_batch"),
         ),
         CallbackSpec(
             name="meg_word_report",
@@ -514,7 +543,9 @@ CALLBACKS: Dict[str, CallbackSpec] = {
         *_llm_method_callbacks(_EVICTION_CALLBACKS, "lightning_modules.kv_eviction.callbacks:EvictionCallback",
                                "lightning_modules.kv_eviction.methods", "KV eviction"),
         *_llm_method_callbacks(_PREFILL_CALLBACKS, "lightning_modules.sparse_prefill.callbacks:SparsePrefillCallback",
-                               "lightning_modules.sparse_prefill.methods", "sparse prefill"),
+                               "lightning_modules.sparse_prefill.methods", "sparse prefill",
+                               logs=_stages("prefill_density", "prefill_estimate_s", "prefill_attention_s",
+                                            "prefill_density_layer*")),
         CallbackSpec(
             name="sale_calibration",
             target="lightning_modules.sparse_prefill.callbacks:SALECalibrationCallback",
@@ -618,9 +649,7 @@ def _validate_args(config_target: Optional[str], target: str, args: Mapping[str,
     valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     for key in args:
         if key not in params and not accepts_any:
-            near = difflib.get_close_matches(key, valid, n=3)
-            hint = f"; did you mean {' or '.join(repr(f'{where}.{n}') for n in near)}?" if near else ""
-            raise ConfigError(f"unknown key '{where}.{key}'{hint} Valid keys: {', '.join(valid)}")
+            raise ConfigError(unknown_key_message(key, valid, where))
     try:
         inspect.signature(cls).bind_partial(**dict(args))
     except TypeError as err:
@@ -661,7 +690,45 @@ def validate_run_components(run: Any) -> Dict[str, Dict[str, Any]]:
         check_requirements(cspec.name, cspec.requires, cspec.extra)
         where = f"callbacks.{label}.args"
         out[where] = complete_args(cspec.config, cspec.target, comp.args, where)
+    check_monitors(run)
     return out
+
+
+def monitorable_metrics(run: Any) -> Optional[List[str]]:
+    """The metric patterns a run logs: its method's :attr:`MethodSpec.logs` plus its callbacks' ``logs``;
+    None when the method or a configured callback does not declare them."""
+    patterns = method_spec(run.method.name).logs
+    if patterns is None:
+        return None
+    out = list(patterns)
+    for comp in run.callbacks.values():
+        extra = callback_spec(comp.name).logs
+        if extra is None:
+            return None
+        out += list(extra)
+    return out
+
+
+def check_monitors(run: Any) -> None:
+    """``checkpoint.monitor`` and every ``early_stopping`` callback's ``monitor`` must name a metric the run
+    logs (see :func:`monitorable_metrics`), so a typo fails now rather than after the first validation.
+
+    Raises:
+        ConfigError: naming the key, the monitor, the method and the metrics it logs.
+    """
+    patterns = monitorable_metrics(run)
+    if patterns is None:
+        return
+    monitors = [("checkpoint.monitor", run.checkpoint.monitor)]
+    monitors += [(f"callbacks.{label}.args.monitor", comp.args.get("monitor"))
+                 for label, comp in run.callbacks.items() if comp.name == "early_stopping"]
+    for key, monitor in monitors:
+        if monitor is None or any(fnmatch.fnmatchcase(str(monitor), p) for p in patterns):
+            continue
+        near = difflib.get_close_matches(str(monitor), [p for p in patterns if "*" not in p], n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else "."
+        raise ConfigError(f"{key}={monitor!r}: method '{run.method.name}' never logs it{hint} "
+                          f"It logs: {', '.join(patterns)}")
 
 
 def tiny_overrides(tree: Any) -> Dict[str, Any]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from litctx_common.io import atomic_write_text
-from recipes.config import ConfigError, RunConfig, fingerprint_payload
+from recipes.config import ConfigError, RunConfig, config_differences, fingerprint_payload
 
 __all__ = [
     "ENV_RUN_DIR",
@@ -32,6 +32,7 @@ __all__ = [
     "fingerprint",
     "resolve_run_dir",
     "resolve_resume",
+    "check_resume_checkpoint",
     "mark",
     "read_meta",
 ]
@@ -105,14 +106,59 @@ def resolve_run_dir(run: RunConfig, now: Optional[_dt.datetime] = None) -> Path:
     return candidate
 
 
-def _checkpoint_step(path: Path) -> int:
-    """Global step stored in a Lightning checkpoint (loaded weights-only, on CPU)."""
-    import torch
+def _load_for_resume(path: Path) -> Any:
+    """``(checkpoint, global step)`` of a resume candidate; ``(the load error, -1)`` for an unreadable file (it
+    is never preferred, and :func:`check_resume_checkpoint` explains it if nothing better exists)."""
+    from lightning_modules.io import CheckpointError, load_checkpoint
 
     try:
-        return int(torch.load(path, map_location="cpu", weights_only=True).get("global_step", -1))
-    except Exception:  # an unreadable checkpoint is never preferred
-        return -1
+        ckpt = load_checkpoint(path)
+    except (CheckpointError, FileNotFoundError) as err:
+        return err, -1
+    try:
+        return ckpt, int(ckpt.get("global_step", -1))
+    except (TypeError, ValueError):
+        return ckpt, -1
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_resume_checkpoint(run: RunConfig, path: Path, how: str, loaded: Any = None) -> None:
+    """Load the checkpoint a run will resume from (weights only) and compare the config it carries (the
+    ``litctx`` metadata of :class:`~lightning_modules.callbacks.metadata.CheckpointMetadata`) with ``run``.
+    ``loaded``: the checkpoint (or the exception its load raised) when the caller has loaded it already.
+
+    Raises:
+        ConfigError: the file does not load (truncated, corrupt, not a checkpoint: the message says which and
+            what to do), or its config differs and ``run.resume_mismatch`` is ``error`` (the differing dotted
+            keys, saved vs now, the first ten).
+    """
+    from lightning_modules.io import CheckpointError, load_checkpoint
+
+    try:
+        if isinstance(loaded, BaseException):
+            raise loaded
+        ckpt = loaded if loaded is not None else load_checkpoint(path)
+    except CheckpointError as err:
+        raise ConfigError(f"{how}: {err}") from None
+    meta = ckpt.get("litctx")
+    saved = meta.get("config") if isinstance(meta, dict) else None
+    if not isinstance(saved, dict) or run.resume_mismatch == "allow":
+        return  # a checkpoint litctx did not write carries no config to compare
+    diffs = config_differences(saved, run)
+    if not diffs:
+        return
+    shown = "; ".join(f"{key}: {_shown(old)} (saved) vs {_shown(new)} (now)" for key, old, new in diffs[:10])
+    more = f"; and {len(diffs) - 10} more" if len(diffs) > 10 else ""
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    saved_cfg = run_dir / "config.yaml"
+    same = (f"rerun with its own config (--config {saved_cfg}) to continue it as it was, or " if saved_cfg.is_file()
+            else "")
+    raise ConfigError(f"{how}: checkpoint {path} was written by a different config ({len(diffs)} key(s) differ: "
+                      f"{shown}{more}); {same}pass resume_mismatch=allow to continue it under this config")
 
 
 def resolve_resume(run: RunConfig, run_dir: Path) -> Optional[Path]:
@@ -121,7 +167,9 @@ def resolve_resume(run: RunConfig, run_dir: Path) -> Optional[Path]:
     ``resume=None``: fresh; refuses to start over a run directory that already holds checkpoints (nothing
     written is lost). ``resume=auto``: the newest of ``hpc_ckpt_*.ckpt`` (a SLURM requeue) and
     ``checkpoints/last.ckpt``, by stored global step; fresh when there is none. ``resume=<path>``: that
-    checkpoint file, or ``<path>/checkpoints/last.ckpt`` for a run directory.
+    checkpoint file, or ``<path>/checkpoints/last.ckpt`` for a run directory. The chosen checkpoint is loaded
+    and checked before anything is built (:func:`check_resume_checkpoint`): a corrupt file, or one written by
+    another config (unless ``resume_mismatch=allow``), is a :class:`ConfigError`.
     """
     if run.resume is None:
         if run_dir.is_dir() and _has_checkpoint(run_dir) and not os.environ.get(ENV_RUN_DIR):
@@ -137,12 +185,20 @@ def resolve_resume(run: RunConfig, run_dir: Path) -> Optional[Path]:
             candidates.append(last)
         if not candidates:
             return None
-        return max(candidates, key=lambda p: (_checkpoint_step(p), p.stat().st_mtime))
+        best = None  # ((step, mtime), path, checkpoint or its load error): each file is read once
+        for path in candidates:
+            loaded, step = _load_for_resume(path)
+            key = (step, path.stat().st_mtime)
+            if best is None or key > best[0]:
+                best = (key, path, loaded)
+        check_resume_checkpoint(run, best[1], f"resume=auto (run directory {run_dir})", loaded=best[2])
+        return best[1]
     path = Path(run.resume)
     if path.is_dir():
         path = path / "checkpoints" / "last.ckpt"
     if not path.is_file():
         raise ConfigError(f"resume={run.resume}: no checkpoint at {path} (expected a .ckpt file or a run directory)")
+    check_resume_checkpoint(run, path, f"resume={run.resume}")
     return path
 
 

@@ -208,3 +208,32 @@ def test_atomic_path_puts_the_old_folder_back_when_the_second_rename_fails(tmp_p
     monkeypatch.undo()
     assert _listing(target) == ["old.bin"] and (target / "old.bin").read_text() == "old"
     assert _listing(tmp_path) == ["model"]
+
+
+def test_check_options_names_the_key_the_nearest_and_every_valid_key():
+    from dataclasses import dataclass
+
+    from litctx_common.options import accepted_keywords, check_options
+
+    def neuron(features, tau=2.0, v_threshold=1.0, *args, **kwargs):
+        return None
+
+    valid = accepted_keywords(neuron, skip=("features",))
+    assert valid == ["tau", "v_threshold"]
+    check_options({"tau": 3.0}, valid, "method.args.neuron_options")
+    check_options(None, valid, "method.args.neuron_options")
+    with pytest.raises(ValueError) as err:
+        check_options({"taux": 3.0}, valid, "method.args.neuron_options")
+    assert str(err.value) == ("unknown key 'method.args.neuron_options.taux'; did you mean "
+                              "'method.args.neuron_options.tau'? Valid keys: tau, v_threshold")
+    with pytest.raises(ValueError, match=r"data.args.synthetic: expected a mapping of options, got list"):
+        check_options([1], valid, "data.args.synthetic")
+
+    @dataclass
+    class Gen:
+        subjects: int = 2
+        duration_s: float = 1.0
+
+    assert accepted_keywords(Gen) == ["subjects", "duration_s"]
+    with pytest.raises(ValueError, match=r"'data.args.synthetic.subjectz'; did you mean 'data.args.synthetic.subjects'"):
+        check_options({"subjectz": 3}, accepted_keywords(Gen), "data.args.synthetic")

@@ -288,3 +288,70 @@ def test_pretraining_chains_into_rollout_finetuning(capsys):
     assert main(["--recipe", "emformer", "--profile", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "then-emformer_rollout" in out and "test/rmse_norm" in out
+
+
+# ------------------------------------------------------------------------------------------ config errors
+def test_a_misspelt_model_arg_is_a_config_error_before_any_run_directory(isolated_runs):
+    from recipes.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"method\.args\.model_args\.embed_dimm.*embed_dim"):
+        load_config("emformer", ["method.args.model_args.embed_dimm=8"])
+    for key in ("in_chans", "img_size"):  # the module passes these itself
+        with pytest.raises(ConfigError, match=f"method.args.model_args.{key}"):
+            load_config("emformer", [f"method.args.model_args.{key}=3"])
+    assert not isolated_runs.exists() or not any(isolated_runs.iterdir())
+    load_config("emformer", ["method.args.model_args.embed_dim=8"])  # a valid key passes
+
+
+def test_the_model_has_no_silent_keyword_sink():
+    import timm
+
+    import lightning_modules.emformer.model  # noqa: F401
+
+    with pytest.raises(TypeError, match="embed_dimm"):
+        timm.create_model("emformer_tiny", in_chans=3, img_size=(8, 16), embed_dimm=8)
+
+
+# ------------------------------------------------------------------------------------------ RMSE conventions
+@pytest.mark.parametrize("sqrt_before_mean", [False, True])
+@pytest.mark.parametrize("grid", [(8, 16), (13, 24)])  # 13 x 24 is padded to 16 x 32 inside the module
+def test_the_module_rmse_follows_the_chosen_wb2_convention(sqrt_before_mean, grid):
+    """``rmse_sqrt_before_mean=False``: sqrt of the time-mean of the weighted MSE (WB2 ``RMSE``);
+    True: time-mean of per-sample RMSEs (WB2 ``RMSESqrtBeforeTimeAvg``); both against a float64 brute force on
+    the data grid with the real latitudes' weights."""
+    from lightning_modules.emformer.geo import area_weights
+    from lightning_modules.emformer.module import EMFormerConfig, EMFormerModule
+
+    torch.manual_seed(0)
+    h, w_ = grid
+    lat = torch.linspace(-80, 80, h) if h == 8 else torch.linspace(90, -90, h)  # the latter with the poles
+    lat = lat.double()
+    tiny = {"embed_dim": 16, "num_heads": 2, "mid_depth": 2, "levels": [[1, 1]]}
+    m = EMFormerModule(EMFormerConfig(in_chans=2, img_size=[h, w_], latitudes=lat.tolist(),
+                                      rmse_sqrt_before_mean=sqrt_before_mean, model_args=tiny))
+    with torch.no_grad():
+        m.model.head.weight.normal_(0, 0.05)
+        m.std.copy_(torch.tensor([2.0, 5.0]))
+        m.mean.copy_(torch.tensor([1.0, -3.0]))
+    batches = [{"x": torch.randn(b, 2, h, w_), "y": torch.randn(b, 3, 2, h, w_), "clim": torch.randn(b, 3, 2, h, w_)}
+               for b in (3, 2)]
+    preds, truths = [], []
+    for batch in batches:
+        m.eval_step("test", batch)
+        preds.append(m.rollout(batch["x"], 3).double())
+        truths.append(batch["y"].double())
+    m.log = lambda *a, **k: None
+    m.eval_epoch_end("test")
+    got = m.last_scores["test"]["rmse"]
+    w = area_weights(lat).view(-1, 1)
+    std = torch.tensor([2.0, 5.0], dtype=torch.float64)
+    per_sample = []  # [N, L, C] weighted MSE on physical fields
+    for p, t in zip(preds, truths):
+        for i in range(p.shape[0]):
+            e = (p[i] - t[i]) * std.view(1, -1, 1, 1)  # the mean cancels
+            per_sample.append((e ** 2 * w).mean(dim=(-2, -1)))
+    mse = torch.stack(per_sample)
+    want = mse.sqrt().mean(0) if sqrt_before_mean else mse.mean(0).sqrt()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    other = mse.mean(0).sqrt() if sqrt_before_mean else mse.sqrt().mean(0)
+    assert not torch.allclose(got, other, rtol=1e-3)

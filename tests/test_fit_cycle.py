@@ -134,3 +134,135 @@ def test_evaluate_predict_and_validate_write_their_outputs(isolated_runs):
     assert saved and saved[0]["mean"].shape[-1] == run.cfg.data.args["dim"]
     assert evaluate_main(["--run", str(run.run_dir), "--stage", "validate"]) == 0
     assert "val/kl" in json.loads((run.run_dir / "eval" / "validate-best.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------- failures (issue 22)
+class RaiseAt(pl.Callback):
+    """Raise ``error`` at training batch ``at`` (wrapped in a RuntimeError when ``wrap``, as Lightning and
+    DataLoader workers do)."""
+
+    def __init__(self, error: BaseException, at: int = 0, wrap: bool = False) -> None:
+        self.error, self.at, self.wrap = error, at, wrap
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            if self.wrap:
+                try:
+                    raise self.error
+                except BaseException as inner:
+                    raise RuntimeError("DataLoader worker raised an exception") from inner
+            raise self.error
+
+
+def _main_with(monkeypatch, argv, callbacks):
+    """``recipes.fit.main(argv)`` with extra callbacks injected into its ``build``."""
+    import recipes.api
+    from recipes.fit import main
+
+    monkeypatch.setenv("LITCTX_RUN_DIR", "")  # main exports the run directory: undone after the test
+    monkeypatch.setattr(recipes.api, "build", lambda *a, **k: build(*a, **k, extra_callbacks=callbacks))
+    return main(argv)
+
+
+def _only_run_dir(isolated_runs):
+    (run_dir,) = list((isolated_runs / "lcube").iterdir())
+    return run_dir
+
+
+def test_a_data_error_says_fix_the_data_and_keeps_the_traceback_in_failed(isolated_runs, monkeypatch, capsys):
+    from litctx_common.errors import DataError
+
+    bad = DataError("/data/sub-01.fif: channel MEG0113 is all NaN; drop the channel or re-export the recording")
+    code = _main_with(monkeypatch, ["--recipe", "lcube", "--profile", "tiny", *TINY],
+                      [RaiseAt(bad, at=1, wrap=True)])
+    assert code == 1
+    err = capsys.readouterr().err
+    run_dir = _only_run_dir(isolated_runs)
+    assert "sub-01.fif: channel MEG0113 is all NaN" in err and "fix the data and run again" in err
+    assert "resume=auto" not in err and "Traceback" not in err, err
+    assert str(run_dir / "FAILED") in err
+    failed = (run_dir / "FAILED").read_text()
+    assert "Traceback" in failed and "DataError" in failed and "RuntimeError" in failed
+
+
+def test_a_config_error_during_the_run_says_fix_the_config(isolated_runs, monkeypatch, capsys):
+    from recipes.config import ConfigError
+
+    code = _main_with(monkeypatch, ["--recipe", "lcube", "--profile", "tiny", *TINY],
+                      [RaiseAt(ConfigError("method.args.x=3: must be 2 for this data"), at=0)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "method.args.x=3: must be 2 for this data" in err and "fix the config" in err
+    assert "resume=auto" not in err and "Traceback" not in err
+
+
+def test_other_failures_suggest_resume_auto_only_with_a_checkpoint(isolated_runs, monkeypatch, capsys):
+    code = _main_with(monkeypatch, ["--recipe", "lcube", "--profile", "tiny", *TINY, "name=early"],
+                      [RaiseAt(RuntimeError("boom"), at=0)])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError: boom" in err and "resume=auto" not in err and "Traceback" not in err, err
+    assert "Traceback" in (isolated_runs / "lcube" / "early" / "FAILED").read_text()
+    code = _main_with(monkeypatch, ["--recipe", "lcube", "--profile", "tiny", *TINY, "name=late"],
+                      [RaiseAt(RuntimeError("boom"), at=3)])  # after the periodic checkpoint of step 2
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError: boom" in err and "resume=auto" in err and "Traceback" not in err, err
+
+
+class _BuildsInSetup(pl.LightningModule):
+    """A module whose head needs the data: built in ``setup`` (as MEG-XL's word head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(4, 4)
+        self.head = None
+
+    def setup(self, stage):
+        if self.head is None:
+            self.head = torch.nn.Linear(4, 100)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.body(batch[0])).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_parameter_count_is_reported_after_setup_builds_the_rest(tmp_path):
+    from lightning_modules.base import count_parameters
+    from lightning_modules.callbacks.param_count import ParameterCount
+
+    model = _BuildsInSetup()
+    header = count_parameters(model)
+    lines = []
+    callback = ParameterCount(header, printer=lines.append)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4)), batch_size=2)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                         default_root_dir=str(tmp_path))
+    trainer.fit(model, data)
+    assert header == 20 and callback.after_setup == 20 + 500
+    assert len(lines) == 1 and "520" in lines[0] and "20" in lines[0]
+
+
+def test_build_reports_the_parameter_count_only_when_it_changes(isolated_runs, capsys):
+    from lightning_modules.callbacks.param_count import ParameterCount
+
+    run = build("lcube", TINY + ["trainer.max_epochs=1"], ["tiny"])
+    assert any(isinstance(c, ParameterCount) for c in run.trainer.callbacks)
+    run.fit()
+    assert "parameters after setup" not in capsys.readouterr().out  # L-CUBE builds everything in __init__
+
+
+def test_logged_metrics_match_the_methods_declaration(isolated_runs):
+    import fnmatch
+
+    from recipes import registry
+
+    run = build("lcube", TINY + ["trainer.max_epochs=1"], ["tiny"])
+    run_stages(run)
+    columns = set(_rows(run.run_dir)[0].keys())
+    logged = [c for c in columns if c.split("/")[0] in ("train", "val", "test")]
+    patterns = registry.method_spec("lcube").logs
+    assert logged and all(any(fnmatch.fnmatchcase(c, p) for p in patterns) for c in logged), logged

@@ -205,8 +205,10 @@ def test_bad_inputs_name_the_problem(study, tmp_path):
         read_raw(tmp_path / "x.txt")
     with pytest.raises(ValueError, match="the train split is empty.*context_s=100"):
         MEGDataModule(MEGDataConfig(path=str(root), cache_dir=str(tmp_path), context_s=100.0)).setup()
-    with pytest.raises(ValueError, match="data.args.synthetic.*valid keys"):
-        MEGDataModule(MEGDataConfig(cache_dir=str(tmp_path), synthetic={"subjectz": 2})).setup()
+    with pytest.raises(ValueError, match=r"data\.args\.synthetic\.subjectz.*Valid keys"):
+        MEGDataConfig(cache_dir=str(tmp_path), synthetic={"subjectz": 2})  # at config time, before any data
+    with pytest.raises(ValueError, match=r"data\.args\.subjects: '77' not in the data; found: 01, 02"):
+        MEGDataModule(MEGDataConfig(path=str(root), cache_dir=str(tmp_path), subjects=["01", "77"])).setup()
     with pytest.raises(ValueError, match="task='word'"):
         MEGDataConfig(task="word")
     bad = tmp_path / "sub-05" / "meg"

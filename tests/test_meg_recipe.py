@@ -67,3 +67,45 @@ def test_follow_up_chain_errors_before_anything_runs(tmp_path, capsys):
         follow_up_overrides(load_config(str(a)), tmp_path, None)
     with pytest.raises(ConfigError, match="then.init_from"):
         load_config(str(a), ["then.init_from=first"])
+
+
+def _data_cfg(recipe, overrides=()):
+    from datamodules.meg import MEGDataConfig
+
+    return MEGDataConfig(**load_config(recipe, list(overrides)).run.data.args)
+
+
+def test_synthetic_default_selects_what_it_always_did():
+    """``make run`` (meg_xl, then meg_xl_finetune, on the synthetic study): subjects 01-04 pre-train with 04 held out
+    for validation; 05-06 fine-tune, cut in time."""
+    from datamodules.meg import subject_splits
+
+    study = [f"{i:02d}" for i in range(1, 7)]
+    pre = subject_splits(study, _data_cfg("meg_xl"), synthetic=True)
+    assert (pre["train"], pre["val"], pre["test"], pre["time"]) == (["01", "02", "03"], ["04"], [], [])
+    fine = subject_splits(study, _data_cfg("meg_xl_finetune"), synthetic=True)
+    assert (fine["train"], fine["val"], fine["test"], fine["time"]) == (["05", "06"], [], [], ["val", "test"])
+
+
+def test_real_data_splits_come_from_the_data():
+    """With data.args.path the synthetic selection does not apply: every subject found, held out by the rule."""
+    from datamodules.meg import subject_splits
+
+    found = ["01", "02", "03", "99"]
+    pre = subject_splits(found, _data_cfg("meg_xl", ["data.args.path=/data/bids"]), synthetic=False)
+    assert (pre["train"], pre["val"], pre["test"]) == (["01", "02", "03"], ["99"], [])
+    fine = subject_splits(found, _data_cfg("meg_xl_finetune", ["data.args.path=/data/bids"]), synthetic=False)
+    assert fine["train"] == found and fine["time"] == ["val", "test"]
+    explicit = _data_cfg("meg_xl", ["data.args.path=/data/bids", "data.args.subjects=[\"01\",\"02\"]"])
+    assert subject_splits(found, explicit, synthetic=False)["val"] == ["02"]
+
+
+def test_synthetic_config_errors_before_anything_runs(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"data\.args\.synthetic\.subjectz.*subjects.*Valid keys"):
+        load_config("meg_xl", ["data.args.synthetic.subjectz=3"])
+    with pytest.raises(ConfigError, match=r"data\.args\.synthetic.*subjects=0: must be >= 1"):
+        load_config("meg_xl", ["data.args.synthetic.subjects=0"])
+    run_dir = tmp_path / "r"
+    assert main(["--recipe", "meg_xl", "data.args.synthetic.subjectz=3", f"run_dir={run_dir}"]) == 2
+    assert "data.args.synthetic.subjectz" in capsys.readouterr().err
+    assert not run_dir.exists()

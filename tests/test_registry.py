@@ -48,9 +48,13 @@ def test_tiny_method_runs_one_forward_on_its_tiny_data(name):
     data_args = {**dspec.tiny, **spec.default_data_args}
     if "dim" in registry.import_target(dspec.config).__dataclass_fields__:
         args.setdefault("dim", registry.import_target(dspec.config)(**data_args).dim)
-    model = registry.create_method(name, args)
     dm = registry.create_datamodule(spec.default_data, data_args)
     dm.setup("fit")
+    # as recipes.api.build: method args left null that the data determines come from its method_hints()
+    from recipes.api import method_args_from_data
+
+    complete = registry.complete_args(spec.config, spec.target, args, "method.args")
+    model = registry.create_method(name, method_args_from_data(complete, dm))
     if hasattr(model, "prepare_from_datamodule"):  # data-dependent state (e.g. MEG-XL's fitted tokenizer)
         model.prepare_from_datamodule(dm)
     if spec.kind == "inference":  # pretrained, evaluation only: one predict step on its evaluation data

@@ -134,7 +134,8 @@ def test_requeue_signal_saves_hpc_checkpoint_and_next_start_resumes(tmp_path, is
     step = torch.load(hpc[-1], weights_only=True)["global_step"]
     assert step > 0
 
-    again = run_cli(args + [f"trainer.max_steps={step + 3}"], env_extra=slurm_env)
+    # a shorter max_steps is a different config: resuming under it needs resume_mismatch=allow
+    again = run_cli(args + [f"trainer.max_steps={step + 3}", "resume_mismatch=allow"], env_extra=slurm_env)
     assert again.returncode == 0, again.stderr[-3000:]
     out = again.stdout + again.stderr
     assert f"Restoring states from the checkpoint path at {hpc[-1]}" in out, "did not resume from the HPC checkpoint"

@@ -182,3 +182,31 @@ def test_fused_ts_equals_the_loop(memory, kw):
     for name, a, b in zip(("spikes", "v", "m", "dI", "dgain"), results["fused"][:5], results["loop"][:5]):
         assert_close(a, b, ratio=1e-12, name=name)
     assert results["fused"][5:] == results["loop"][5:]
+
+
+def test_lif_default_is_the_documented_soft_reset_and_v_reset_zero_is_spikingjellys_hard_reset():
+    """The docstring says: the default resets softly (subtract the threshold); ``v_reset=0.0`` is spikingjelly's
+    default hard reset. Hand-computed with tau=2, threshold 1, decay_input (H = V/2 + I/2 [+ v_reset/2]) for a
+    constant input I = 1.5:
+
+    soft: H1 = 0.75 -> 0, V1 = 0.75; H2 = 1.125 -> 1, V2 = 0.125; H3 = 0.8125 -> 0; H4 = 1.15625 -> 1, V4 = 0.15625
+    hard: H1 = 0.75 -> 0, V1 = 0.75; H2 = 1.125 -> 1, V2 = 0;     H3 = 0.75 -> 0;   H4 = 1.125 -> 1,   V4 = 0
+    """
+    import inspect
+
+    from lightning_modules.spiking import neurons
+
+    assert LIFConfig().v_reset is None and "soft" in inspect.getdoc(neurons).split("Default differs")[1][:200]
+    x = torch.full((4, 1), 1.5, dtype=torch.float64)
+    for implementation in ("loop", "fused"):
+        s, v = LIF(implementation=implementation).forward_with_state(x)
+        assert s.flatten().tolist() == [0.0, 1.0, 0.0, 1.0]
+        assert v.item() == pytest.approx(0.15625, abs=1e-12)
+        s, v = LIF(v_reset=0.0, implementation=implementation).forward_with_state(x)
+        assert s.flatten().tolist() == [0.0, 1.0, 0.0, 1.0]
+        assert v.item() == pytest.approx(0.0, abs=1e-12)
+    # the two resets part ways on a stronger drive: the soft reset keeps the excess and fires more often
+    x = torch.full((6, 1), 1.9, dtype=torch.float64)
+    soft = LIF().forward_with_state(x)[0].flatten().tolist()
+    hard = LIF(v_reset=0.0).forward_with_state(x)[0].flatten().tolist()
+    assert soft != hard

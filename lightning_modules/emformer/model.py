@@ -35,7 +35,8 @@ from torch import nn
 import kernels
 from lightning_modules.emformer.conv import MultiScaleConv2d
 
-__all__ = ["EMFormer", "MultiConvAttention", "HourglassLevel", "emformer_tiny", "emformer_small", "emformer_base"]
+__all__ = ["EMFormer", "MultiConvAttention", "HourglassLevel", "VARIANTS", "architecture_args", "grid_problem",
+           "used_windows", "emformer_tiny", "emformer_small", "emformer_base"]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -229,6 +230,11 @@ class EMFormer(nn.Module):
         conv_groups: ``depthwise`` (default here) or ``dense`` (the released code) multi-scale convolution.
         merged_conv: one merged convolution (True) or three separate ones summed (False, same numbers).
         residual: predict the increment over the input state.
+        num_classes: accepted for timm's interface; unused (the head predicts the state).
+
+    An unknown keyword is a ``TypeError`` (no ``**kwargs`` sink); the keywords timm hands every entrypoint
+    (``pretrained_cfg``, ``pretrained_cfg_overlay``, ``cache_dir``) are dropped by name in the entrypoints. The
+    grid must satisfy :func:`grid_problem` (``EMFormerModule``'s ``grid_fit`` pads or crops data grids to one).
     """
 
     def __init__(self, img_size: Sequence[int] = (32, 64), in_chans: int = 12, patch_size: int = 2,
@@ -236,15 +242,16 @@ class EMFormer(nn.Module):
                  levels: Sequence[Sequence[int]] = ((1, 1), (1, 1)), mid_depth: int = 4,
                  windows: Sequence[Sequence[int]] = ((4, 4), (8, 2), (2, 8)), alternate_min_depth: int = 0,
                  conv_groups: str = "depthwise", merged_conv: bool = True, residual: bool = True,
-                 num_classes: int = 0, **_: object) -> None:
+                 num_classes: int = 0) -> None:
         super().__init__()
         from timm.layers import PatchEmbed, trunc_normal_
 
         if conv_groups not in ("depthwise", "dense"):
             raise ValueError(f"conv_groups must be 'depthwise' or 'dense', got {conv_groups!r}")
         h, w = int(img_size[0]), int(img_size[1])
-        if h % patch_size or w % patch_size:
-            raise ValueError(f"img_size {h}x{w} is not a multiple of patch_size={patch_size}")
+        problem = grid_problem((h, w), patch_size, levels, windows, mid_depth, alternate_min_depth)
+        if problem:
+            raise ValueError(problem)
         self.img_size, self.in_chans, self.patch_size, self.residual = (h, w), in_chans, patch_size, residual
         self.patch_embed = PatchEmbed(img_size=(h, w), patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
         grid = (h // patch_size, w // patch_size)
@@ -285,35 +292,84 @@ class EMFormer(nn.Module):
         return x + out if self.residual else out
 
 
-def _create(variant: str, defaults: dict, pretrained: bool = False, **kwargs):
+def used_windows(windows: Sequence[Sequence[int]], mid_depth: int,
+                 alternate_min_depth: int) -> List[Tuple[int, int]]:
+    """The window sizes the middle stack's window layers actually use (none without alternation)."""
+    if mid_depth <= alternate_min_depth:
+        return []
+    return [tuple(int(v) for v in windows[(i // 2) % len(windows)]) for i in range(0, mid_depth, 2)]
+
+
+def grid_problem(img_size: Sequence[int], patch_size: int, levels: Sequence[Sequence[int]],
+                 windows: Sequence[Sequence[int]], mid_depth: int, alternate_min_depth: int) -> Optional[str]:
+    """Why an ``(H, W)`` grid does not fit the architecture (None when it does): ``H`` and ``W`` must be
+    multiples of ``patch_size``, each hourglass level halves the token grid along its longer axis (that length
+    must be even), and every window the middle stack uses must tile the innermost token grid."""
+    h, w = int(img_size[0]), int(img_size[1])
+    if h < patch_size or w < patch_size or h % patch_size or w % patch_size:
+        return f"img_size {h}x{w} is not a multiple of patch_size={patch_size}"
+    grid = (h // patch_size, w // patch_size)
+    for _ in levels:
+        g0, g1 = grid
+        if (g1 if g1 >= g0 else g0) % 2 or min(grid) < 1:
+            return (f"img_size {h}x{w}: token grid {g0}x{g1} cannot be halved along its longer axis (odd length) "
+                    f"for {len(levels)} hourglass level(s)")
+        grid = _halve(grid)[0]
+    for window in used_windows(windows, mid_depth, alternate_min_depth):
+        if grid[0] % window[0] or grid[1] % window[1]:
+            return f"img_size {h}x{w}: window {window} does not tile the {grid[0]}x{grid[1]} middle token grid"
+    return None
+
+
+# the timm variants' settings over EMFormer's defaults
+VARIANTS = {
+    "emformer_tiny": dict(embed_dim=64, num_heads=4, levels=((1, 1), (1, 1)), mid_depth=4, alternate_min_depth=0),
+    "emformer_small": dict(embed_dim=256, num_heads=8, levels=((2, 2), (2, 2), (2, 2)), mid_depth=8,
+                           alternate_min_depth=0),
+    "emformer_base": dict(img_size=(128, 256), in_chans=70, embed_dim=768, num_heads=8,
+                          levels=((2, 2), (2, 2), (2, 2), (2, 2)), mid_depth=24, windows=((8, 8), (16, 4), (4, 16)),
+                          alternate_min_depth=10, conv_groups="dense", residual=False),
+}
+
+# what timm.create_model hands every entrypoint besides the user's arguments (no use offline; dropped by name)
+_TIMM_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
+
+
+def architecture_args(variant: str, **overrides: object) -> dict:
+    """EMFormer's constructor arguments for a registered ``variant`` with ``overrides``: every argument, the
+    constructor's defaults under the variant's settings under the overrides."""
+    import inspect
+
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown EMFormer variant {variant!r}; registered: {', '.join(VARIANTS)}")
+    sig = inspect.signature(EMFormer.__init__).parameters
+    defaults = {k: p.default for k, p in sig.items() if k != "self"}
+    return {**defaults, **VARIANTS[variant], **overrides}
+
+
+def _create(variant: str, pretrained: bool = False, **kwargs):
     if pretrained:
         raise ValueError(f"{variant}: no pretrained weights are published offline; pass pretrained=False")
-    kwargs.pop("pretrained_cfg", None)
-    kwargs.pop("pretrained_cfg_overlay", None)
-    kwargs.pop("cache_dir", None)
-    return EMFormer(**{**defaults, **kwargs})
+    for key in _TIMM_KWARGS:
+        kwargs.pop(key, None)
+    return EMFormer(**{**VARIANTS[variant], **kwargs})
 
 
 @register_model
 def emformer_tiny(pretrained: bool = False, **kwargs) -> EMFormer:
     """CPU-scale: 32x64 grid, patch 2, embed 64, 4 heads, two levels (512 -> 256 -> 128 tokens), 4 middle
     layers alternating window/global multi-conv attention, depthwise multi-scale convolution."""
-    return _create("emformer_tiny", dict(embed_dim=64, num_heads=4, levels=((1, 1), (1, 1)), mid_depth=4,
-                                         alternate_min_depth=0), pretrained, **kwargs)
+    return _create("emformer_tiny", pretrained, **kwargs)
 
 
 @register_model
 def emformer_small(pretrained: bool = False, **kwargs) -> EMFormer:
     """embed 256, 8 heads, three levels, 8 middle layers."""
-    return _create("emformer_small", dict(embed_dim=256, num_heads=8, levels=((2, 2), (2, 2), (2, 2)),
-                                          mid_depth=8, alternate_min_depth=0), pretrained, **kwargs)
+    return _create("emformer_small", pretrained, **kwargs)
 
 
 @register_model
 def emformer_base(pretrained: bool = False, **kwargs) -> EMFormer:
     """The released configuration: 128x256 input, 70 channels, embed 768, 8 heads, depth spec
     (2, (2, (2, (2, 24, 2), 2), 2), 2), dense multi-scale convolution, windows (8,8), (16,4), (4,16)."""
-    return _create("emformer_base", dict(img_size=(128, 256), in_chans=70, embed_dim=768, num_heads=8,
-                                         levels=((2, 2), (2, 2), (2, 2), (2, 2)), mid_depth=24,
-                                         windows=((8, 8), (16, 4), (4, 16)), alternate_min_depth=10,
-                                         conv_groups="dense", residual=False), pretrained, **kwargs)
+    return _create("emformer_base", pretrained, **kwargs)

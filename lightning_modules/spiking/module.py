@@ -15,6 +15,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_modules.base import LongContextModule
 from lightning_modules.spiking.models import SpikingConvNet, SpikingMLP, detach_state
+from lightning_modules.spiking.neurons import LIFConfig, TSConfig
+from litctx_common.options import accepted_keywords, check_options
 
 __all__ = ["SpikingConfig", "SpikingClassifier"]
 
@@ -26,7 +28,10 @@ class SpikingConfig:
     neuron: str = "lif"
     """``lif`` or ``ts``."""
     neuron_options: Dict[str, Any] = field(default_factory=lambda: {"tau": 2.0})
-    """Fields of LIFConfig / TSConfig (tau, surrogate, forget_period, forget_fraction, memory, ...)."""
+    """Fields of :class:`~lightning_modules.spiking.neurons.LIFConfig` (``neuron=lif``) or ``TSConfig``
+    (``neuron=ts``; ``channels`` is set by the network): tau, v_threshold, v_reset, decay_input, surrogate,
+    forget_period, forget_fraction, memory, ... Checked here, key by key and value by value. The LIF default is
+    a *soft* reset (``v_reset: null``); ``v_reset: 0.0`` gives spikingjelly's ``LIFNode`` default, a hard reset."""
     in_channels: int = 2
     size: int = 16
     classes: int = 2
@@ -53,8 +58,24 @@ class SpikingConfig:
                 problems.append(f"{name}={getattr(self, name)}: must be >= 1")
         if self.tbptt_steps is not None and self.tbptt_steps < 1:
             problems.append(f"tbptt_steps={self.tbptt_steps}: must be >= 1 or null")
+        if self.neuron in ("lif", "ts"):
+            problems += self._neuron_option_problems()
         if problems:
             raise ValueError("; ".join(problems))
+
+    def _neuron_option_problems(self) -> list:
+        """``neuron_options`` against the chosen neuron's config class: unknown keys (one-line error naming the
+        nearest valid key, raised at once) and the neuron config's own value checks."""
+        where = "method.args.neuron_options"
+        cls = LIFConfig if self.neuron == "lif" else TSConfig
+        skip = ("channels",) if self.neuron == "ts" else ()
+        check_options(self.neuron_options, accepted_keywords(cls, skip=skip), where)  # raises on an unknown key
+        options = dict(self.neuron_options or {})
+        try:
+            cls(**options, **({"channels": 1} if self.neuron == "ts" else {}))
+        except (TypeError, ValueError) as err:
+            return [f"{where}.{part}" for part in str(err).split("; ")]
+        return []
 
 
 class SpikingClassifier(LongContextModule):

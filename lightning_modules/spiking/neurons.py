@@ -1,6 +1,6 @@
 """Multi-step spiking neurons: inputs and outputs ``[T, B, ...]`` (time first, as spikingjelly's ``step_mode='m'``).
 
-LIF (discrete leaky integrate-and-fire, spikingjelly's ``LIFNode``):
+LIF (discrete leaky integrate-and-fire, the dynamics of spikingjelly's ``LIFNode``):
 
 * charge ``H_t = a V_{t-1} + b I_t + c`` with ``a = 1 - 1/tau``; ``decay_input=True`` (spikingjelly's default)
   gives ``b = 1/tau``, otherwise ``b = 1`` (snntorch's ``Leaky`` with ``beta = a``); ``c = v_reset / tau`` for a
@@ -8,6 +8,14 @@ LIF (discrete leaky integrate-and-fire, spikingjelly's ``LIFNode``):
 * fire ``S_t = Theta(H_t - v_threshold)`` with a surrogate gradient (:mod:`.surrogate`);
 * reset: soft (``v_reset=None``) ``V_t = H_t - v_threshold S_t``; hard ``V_t = H_t (1 - S_t) + v_reset S_t``;
   ``detach_reset`` stops the gradient through the reset term.
+
+**Default differs from spikingjelly's.** :class:`LIFConfig` defaults to the *soft* reset (``v_reset=None``: the
+membrane keeps what exceeded the threshold), spikingjelly's ``LIFNode`` to a *hard* reset to 0
+(``v_reset=0.0``); with the same input about 3% of the spikes differ. ``LIFConfig(v_reset=0.0)`` (in a recipe:
+``method.args.neuron_options.v_reset: 0.0``) is spikingjelly's default exactly (``tau=2``, ``v_threshold=1``,
+``decay_input=True``, sigmoid surrogate with alpha 4, ``detach_reset=False`` agree already). The soft default is
+kept because the shipped recipes' results were trained with it (``tests/test_spiking_neurons.py`` checks both
+resets against hand-computed sequences).
 
 ``implementation="fused"`` runs the whole sequence as one autograd node (forward scan, hand-written reverse
 scan); ``"loop"`` builds the graph step by step; ``"triton"`` runs the same two scans as Triton kernels
@@ -47,7 +55,8 @@ class LIFConfig:
     """Membrane time constant in steps (``a = 1 - 1/tau``); must be > 1."""
     v_threshold: float = 1.0
     v_reset: Optional[float] = None
-    """None: soft reset (subtract the threshold); a number: hard reset to it."""
+    """None (the default): soft reset (subtract the threshold); a number: hard reset to it. spikingjelly's
+    ``LIFNode`` defaults to a hard reset (``v_reset=0.0``); set it to match that."""
     decay_input: bool = True
     """spikingjelly's default: the input is also scaled by ``1/tau``."""
     surrogate: str = "sigmoid"

@@ -234,3 +234,29 @@ def test_bad_key_masks_are_named():
         kernels.attention(q, k, v, key_mask=torch.ones(2, 2, 8, dtype=torch.bool))
     with pytest.raises(TypeError, match="key_mask must be boolean"):
         kernels.attention(q, k, v, key_mask=torch.ones(2, 2, 9))
+
+
+@pytest.mark.parametrize("heads", ["none", "one", "kv", "q"])
+@pytest.mark.parametrize("kw", [{}, {"causal": False}])
+def test_dense_gqa_never_repeats_kv(heads, kw, monkeypatch, no_reference):
+    """docs/kernels.md: no op repeats K/V in memory. The dense CPU path hands the flash kernel K/V with the kv
+    heads only (causal: one call per group member; non-causal: the group folded into the query axis), with any
+    key mask, and still matches the float64 reference."""
+    q, k, v = _qkv(2, 6, 2, 96, 96, 16)
+    seen = []
+    real = dispatch._flash_cpu
+
+    def spy(q_, k_, v_, **kwargs):
+        seen.append((k_.shape[1], v_.shape[1], k_.data_ptr() == k.data_ptr()))
+        return real(q_, k_, v_, **kwargs)
+
+    monkeypatch.setattr(dispatch, "_flash_cpu", spy)
+    h = {"none": None, "one": 1, "kv": 2, "q": 6}[heads]
+    keep = None if h is None else torch.rand(2, h, 96, generator=torch.Generator().manual_seed(5)) > 0.3
+    if keep is None:
+        o, lse = kernels.attention(q, k, v, **kw)
+        o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), **kw)
+        torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+    else:
+        _check(q, k, v, keep, **kw)
+    assert seen and all(hk == 2 and hv == 2 and same for hk, hv, same in seen), seen
