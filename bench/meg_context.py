@@ -1,7 +1,7 @@
 """MEG-XL's claim at CPU scale: does long-context pre-training help word decoding with scarce labels?
 
-For the synthetic study with its slow context process **on** and **off** (``synthetic.context``), and for each
-seed:
+For the synthetic study with its slow context **on** and **off** (``synthetic.context`` and
+``synthetic.slow_states`` together: the topic process and the per-source slow states), and for each seed:
 
 1. pre-train two backbones for the same number of optimizer steps and about the same number of tokens:
    **long** (150-s contexts, batch 1, 3-s masked blocks) and **short** (5-s contexts, batch 30, 2-s blocks, so
@@ -20,6 +20,15 @@ Runs are cached in ``bench/results/meg_context.json`` (a rerun skips finished ru
 
     python -m bench.meg_context                      # 3 seeds, context on and off (about 30 min on 2 cores)
     python -m bench.meg_context --seeds 0 --report-only
+
+**Oracle** (``--oracle``; no pre-training): how much a masked 3-s block's level-0 code can be predicted from the
+same channel's +-1 s (short), from a histogram of its codes over the 150-s window (long) and from both, by
+:func:`lightning_modules.meg.oracle.code_oracle` (multinomial logistic regression, fitted on the training subjects
+01-03 and scored on the held-out subject 04), for each tokenizer setting of ``--oracle-settings`` (levels x codes,
+fitted as ``MEGXLPretrainModule.fit_tokenizer`` does) and the synthetic study's slow states on and off; the table
+(nats below the marginal) goes into ``docs/results.md``, the numbers into ``bench/results/meg_oracle.json``.
+
+    python -m bench.meg_context --oracle             # 4 settings x slow states on/off (a few minutes on 2 cores)
 """
 
 from __future__ import annotations
@@ -59,11 +68,21 @@ def parse_args(argv=None):
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
     p.add_argument("--figure", type=Path, default=REPO / "docs" / "figures" / "meg_context.png")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--oracle", action="store_true",
+                   help="run only the code oracle (no pre-training) and write its section of docs/results.md")
+    p.add_argument("--oracle-settings", nargs="+", default=["1x16", "2x16", "2x32", "4x64"],
+                   help="tokenizer settings LEVELSxCODES for the oracle")
+    p.add_argument("--oracle-states", nargs="+", default=["on", "off"], choices=["on", "off"],
+                   help="the synthetic study's slow states (synthetic.slow_states) for the oracle")
+    p.add_argument("--oracle-cache", type=Path, default=REPO / "bench" / "results" / "meg_oracle.json")
+    p.add_argument("--cache-dir", default=None,
+                   help="data cache (the synthetic study and its preprocessed arrays); default $LITCTX_CACHE_DIR")
     return p.parse_args(argv)
 
 
 def _common(args, context: str, seed: int) -> List[str]:
-    synth = json.dumps({"subjects": 6, "duration_s": 600.0, "context": context == "on"})
+    on = context == "on"  # the slow context: the topic process and the per-source slow states together
+    synth = json.dumps({"subjects": 6, "duration_s": 600.0, "context": on, "slow_states": on})
     return [f"seed={seed}", f"data.args.seed={seed}", f"data.args.synthetic={synth}", "logging.progress=none",
             "logging.tensorboard=false", "trainer.extra.enable_model_summary=false", "then.recipe=null", "resume=auto"]
 
@@ -77,13 +96,16 @@ def pretrain(args, context: str, kind: str, seed: int) -> Dict[str, object]:
     overrides = _common(args, context, seed) + [
         f"data.args.context_s={p['context_s']}", f"data.args.stride_s={p['stride_s']}",
         f"data.args.batch_size={p['batch_size']}", f"method.args.mask_s={p['mask_s']}",
-        f"trainer.max_epochs={args.pretrain_epochs}", "stages=[fit]", f"run_dir={run_dir}"]
+        f"trainer.max_epochs={args.pretrain_epochs}", "stages=[fit]", f"run_dir={run_dir}",
+        "method.args.eval_short_context_s=null"]
     start = time.time()
     run = build("meg_xl", overrides)
     run_stages(run)
     best = run._ckpt("best")
-    score = run.trainer.checkpoint_callback.best_model_score
-    return {"ckpt": best, "val_acc": float(score) if score is not None else None, "seconds": time.time() - start,
+    score = run.trainer.checkpoint_callback.best_model_score  # the recipe's monitor: val/loss
+    last = {k: float(v) for k, v in run.trainer.callback_metrics.items() if k in ("val/loss", "val/loss_gap")}
+    return {"ckpt": best, "val_loss": float(score) if score is not None else None,
+            "val_loss_gap": last.get("val/loss_gap"), "seconds": time.time() - start,
             "steps": int(run.trainer.global_step)}
 
 
@@ -179,7 +201,7 @@ def linear_probe(args, context: str, init: str, seed: int, ckpt) -> Dict[str, fl
 
 
 def _key(args, *parts) -> str:
-    key = "|".join(str(p) for p in parts) + f"|pe{args.pretrain_epochs}"
+    key = "|".join(str(p) for p in parts) + f"|pe{args.pretrain_epochs}|v2"  # v2: slow states, 2 x 32 codes
     if parts[0] == "ft":
         key += f"|f{args.label_fraction}|{args.protocol}"
         key += (f"|C{args.probe_c}|k{args.probe_chunks}" if args.protocol == "linear"
@@ -258,14 +280,46 @@ def report(args, cache) -> str:
             runs = [cache["runs"].get(_key(args, "pre", context, kind, s)) for s in args.seeds]
             runs = [r for r in runs if r]
             if runs:
-                accs = [r["val_acc"] for r in runs if r.get("val_acc") is not None]
+                losses = [r["val_loss"] for r in runs if r.get("val_loss") is not None]
+                gaps = [r["val_loss_gap"] for r in runs if r.get("val_loss_gap") is not None]
                 secs = statistics.mean(r["seconds"] for r in runs)
-                pre_rows.append(f"| {context} | {kind} | {_fmt(accs)} | {runs[0]['steps']} | {secs:.0f} s |")
+                pre_rows.append(f"| {context} | {kind} | {_fmt(losses)} | {_fmt(gaps)} | {runs[0]['steps']} | "
+                                f"{secs:.0f} s |")
     if pre_rows:
-        lines += ["Pre-training (masked-code accuracy on the held-out subject 04, 4 levels x 64 codes; chance ~0.016):",
-                  "", "| slow context process | context | val masked acc | steps | time per run |",
-                  "|---|---|---|---|---|", *pre_rows, ""]
+        lines += ["Pre-training (the recipe's 2 levels x 32 codes; held-out subject 04): best validation masked-code "
+                  "cross-entropy, and the last validation's nats below the training code marginals:",
+                  "", "| slow context | context | best val CE (nats) | nats below the marginals | steps | "
+                  "time per run |", "|---|---|---|---|---|---|", *pre_rows, ""]
+    lines += _paired(args, cache)
     return "\n".join(lines)
+
+
+def _paired(args, cache) -> List[str]:
+    """Long minus short backbone, paired by seed, per label fraction and context setting: mean, sd and a 95%
+    t-interval (the acceptance test of the issue: long > short at 25% labels with the context on, and the gap
+    closing with it off)."""
+    from scipy import stats
+
+    rows = []
+    for fraction in args.label_fractions:
+        args.label_fraction = fraction
+        for context in args.contexts:
+            long_, short = {}, {}
+            for s in args.seeds:
+                a = cache["runs"].get(_key(args, "ft", context, "long", s))
+                b = cache["runs"].get(_key(args, "ft", context, "short", s))
+                if a and b:
+                    long_[s], short[s] = a["top10"], b["top10"]
+            diffs = [long_[s] - short[s] for s in long_]
+            if len(diffs) >= 2:
+                m, sd = statistics.mean(diffs), statistics.stdev(diffs)
+                half = float(stats.t.ppf(0.975, len(diffs) - 1)) * sd / len(diffs) ** 0.5
+                rows.append(f"| {fraction:.0%} | {context} | {m:+.3f} | {sd:.3f} | [{m - half:+.3f}, {m + half:+.3f}] | "
+                            f"{', '.join(f'{d:+.3f}' for d in diffs)} |")
+    if not rows:
+        return []
+    return ["Long minus short backbone (top-10, paired by seed; 95% t-interval over seeds):", "",
+            "| labels | slow context | mean | sd | 95% interval | per seed |", "|---|---|---|---|---|---|", *rows, ""]
 
 
 def plot(args, cache) -> None:
@@ -294,8 +348,111 @@ def plot(args, cache) -> None:
     save_figure(fig, args.figure)
 
 
+# ---------------------------------------------------------------------------------------------- the oracle
+ORACLE_SYNTH = {"subjects": 6, "duration_s": 600.0}
+"""The main job's synthetic study (``configs/recipes/meg_xl.yaml``); ``slow_states`` is set per arm."""
+
+
+def _settings(args) -> List[tuple]:
+    out = []
+    for text in args.oracle_settings:
+        try:
+            levels, codes = (int(v) for v in text.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--oracle-settings {text!r}: expected LEVELSxCODES, e.g. 2x16") from None
+        out.append((levels, codes))
+    return out
+
+
+def oracle_datamodule(states: str, cache_dir=None):
+    """The main job's pre-training data (50 Hz, 150-s windows; subjects 01-03 train, 04 held out), with
+    non-overlapping training windows, for the synthetic study with slow states ``on`` or ``off``."""
+    from datamodules.meg import MEGDataConfig, MEGDataModule
+
+    dm = MEGDataModule(MEGDataConfig(task="pretrain", sfreq=50.0, context_s=150.0, holdout="last", test_fraction=0.0,
+                                     synthetic_subjects=["01", "02", "03", "04"], cache_dir=cache_dir,
+                                     synthetic={**ORACLE_SYNTH, "slow_states": states == "on"}))
+    dm.setup("fit")
+    return dm
+
+
+def oracle_run(dm, levels: int, codes: int) -> Dict[str, object]:
+    """Fit the tokenizer as the pre-training module does and run :func:`code_oracle` (train -> val)."""
+    from lightning_modules.meg.module import MEGXLPretrainModule
+    from lightning_modules.meg.oracle import OracleConfig, code_oracle
+
+    start = time.time()
+    model = MEGXLPretrainModule({"sfreq": dm.cfg.sfreq, "levels": levels, "codes": codes})
+    model.fit_tokenizer(dm)
+    fitted = time.time() - start
+    result = code_oracle(dm.split("train"), dm.split("val"), model.tokenizer, OracleConfig(sfreq=dm.cfg.sfreq))
+    return {**result.as_dict(), "tokenizer_seconds": fitted, "seconds": time.time() - start}
+
+
+def _oracle_key(states: str, levels: int, codes: int) -> str:
+    """The cache key: the synthetic study's fingerprint (so a change of its physics reruns), the oracle's
+    settings, the slow states and the tokenizer setting."""
+    import hashlib
+
+    from datamodules.synth.meg import SyntheticMEGConfig
+    from lightning_modules.meg.oracle import OracleConfig
+
+    study = SyntheticMEGConfig(**ORACLE_SYNTH, slow_states=states == "on").fingerprint()
+    oracle = hashlib.sha1(repr(OracleConfig()).encode()).hexdigest()[:8]
+    return f"oracle|{study}|{oracle}|states-{states}|{levels}x{codes}"
+
+
+def oracle_all(args) -> dict:
+    cache = load_cache(args.oracle_cache)
+    for states in args.oracle_states:
+        dm = None
+        for levels, codes in _settings(args):
+            key = _oracle_key(states, levels, codes)
+            if key not in cache["runs"]:
+                dm = dm or oracle_datamodule(states, args.cache_dir)
+                cache["runs"][key] = oracle_run(dm, levels, codes)
+                save_json(args.oracle_cache, cache)
+            r = cache["runs"][key]
+            print(f"[meg_context] oracle slow states {states} {levels}x{codes}: marginal {r['marginal']:.3f}, gains "
+                  + ", ".join(f"{k} {v:+.3f}" for k, v in r["gain"].items()) + f" ({r['seconds']:.0f} s)", flush=True)
+    return cache
+
+
+def oracle_report(args, cache) -> str:
+    cmd = "python -m bench.meg_context --oracle" + (
+        f" --oracle-settings {' '.join(args.oracle_settings)}" if args.oracle_settings != parse_args([]).oracle_settings
+        else "")
+    lines = [f"`{cmd}`: a masked 3-s block's level-0 code (the 12 tokens of one 3-s sub-segment of a 150-s window, "
+             "one channel) predicted from that channel's codes in +-1 s around the block (**short**, 4 tokens each "
+             "side, one-hot per position), from the histogram of its codes over the rest of the 150-s window "
+             "(**long**, as log frequencies), and from **both**; multinomial logistic regression (`lightning_modules/meg/oracle.py`: "
+             "standardised features, L2 1e-3, L-BFGS to convergence) fitted on subjects 01-03 and scored on the "
+             "held-out subject 04 of the main job's synthetic study (6 subjects x 600 s, 50 Hz). Gains are nats per "
+             "masked token below the marginal (the training codes' frequencies); the tokenizer is fitted as "
+             "`MEGXLPretrainModule.fit_tokenizer` does. Acceptance (issue 23, default study): short >= 0.15 and "
+             "long >= short + 0.05.", "",
+             "| slow states | tokenizer (levels x codes) | marginal CE | short gain | long gain | both gain | "
+             "long - short | time |", "|---|---|---|---|---|---|---|---|"]
+    for states in args.oracle_states:
+        for levels, codes in _settings(args):
+            r = cache["runs"].get(_oracle_key(states, levels, codes))
+            if not r:
+                continue
+            g = r["gain"]
+            lines.append(f"| {states} | {levels} x {codes} | {r['marginal']:.3f} | {g['short']:+.3f} | "
+                         f"{g['long']:+.3f} | {g['both']:+.3f} | {g['long'] - g['short']:+.3f} | "
+                         f"{r['seconds']:.0f} s |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.oracle:
+        cache = oracle_all(args)
+        body = oracle_report(args, cache)
+        print(body)
+        write_section("meg_oracle", body, "MEG-XL: how predictable are the masked codes? (code oracle)", args.results)
+        return 0
     cache = load_cache(args.cache)
     if not args.report_only:
         run_all(args, cache)

@@ -228,6 +228,39 @@ def _check_method_constraints(run: RunConfig, spec: registry.MethodSpec) -> None
                           "trainer.accumulate_grad_batches=1 (clip and accumulate in the method's config)")
 
 
+_LAST_CHECKPOINT: Optional[type] = None
+
+
+def _last_checkpoint_class() -> type:
+    """``LastCheckpoint``: a ModelCheckpoint that writes ``last.ckpt`` (and nothing else) at every
+    ``every_n_epochs``-th training epoch end, whatever the validation cadence, and when training ends if the final
+    step is not saved yet.
+
+    Lightning (2.6) writes ``save_last`` only at a step where the same callback wrote a top-k checkpoint, so with
+    a monitor ``last.ckpt`` held the step of the last improvement, not the final one (issue 23: step 186 of a
+    372-step run). This callback has no monitor, so it saves whenever it is due. Built on first use (Lightning is
+    imported lazily) and reachable as ``recipes.api.LastCheckpoint``, so it pickles (``ddp_spawn``)."""
+    global _LAST_CHECKPOINT
+    if _LAST_CHECKPOINT is None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        class LastCheckpoint(ModelCheckpoint):
+            def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+                super().on_train_end(trainer, pl_module)
+                if not self._should_skip_saving_checkpoint(trainer):  # the final step is not saved yet
+                    self._save_topk_checkpoint(trainer, self._monitor_candidates(trainer))
+
+        LastCheckpoint.__module__, LastCheckpoint.__qualname__ = __name__, "LastCheckpoint"
+        _LAST_CHECKPOINT = LastCheckpoint
+    return _LAST_CHECKPOINT
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LastCheckpoint":
+        return _last_checkpoint_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _callbacks(run: RunConfig, run_dir: Path) -> List[Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
@@ -235,18 +268,23 @@ def _callbacks(run: RunConfig, run_dir: Path) -> List[Any]:
     from lightning_modules.callbacks.progress import LogLines
 
     ck = run.checkpoint
-    checkpoint = ModelCheckpoint(  # best-k by the monitored metric, and last.ckpt, at epoch/validation ends
+    checkpoint = ModelCheckpoint(  # best-k by the monitored metric (the latest without one), at epoch/validation ends
         dirpath=run_dir / "checkpoints",
         filename="step{step:08d}",
         auto_insert_metric_name=False,
         monitor=ck.monitor,
         mode=ck.mode,
         save_top_k=ck.save_top_k,
-        save_last=ck.save_last,
+        save_last=False,  # last.ckpt comes from LastCheckpoint, which does not wait for an improvement
         every_n_epochs=ck.every_n_epochs,
         enable_version_counter=False,
     )
-    callbacks: List[Any] = [checkpoint]
+    callbacks: List[Any] = [checkpoint]  # first: the trainer's checkpoint_callback, whose best_model_path is "best"
+    if ck.save_last:
+        callbacks.append(_last_checkpoint_class()(
+            dirpath=run_dir / "checkpoints", filename=ModelCheckpoint.CHECKPOINT_NAME_LAST, monitor=None,
+            save_top_k=1, save_last=False, every_n_epochs=ck.every_n_epochs or 1, save_on_train_epoch_end=True,
+            enable_version_counter=False))
     if ck.every_n_train_steps:  # plus a periodic last.ckpt, so a crash loses at most N steps
         callbacks.append(ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="periodic", save_top_k=0,
                                          save_last=True, every_n_train_steps=ck.every_n_train_steps,

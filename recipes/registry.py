@@ -295,7 +295,9 @@ METHODS: Dict[str, MethodSpec] = {
             extra="meg",
             fsdp_wrap=("lightning_modules.meg.model:CrissCrossBlock",),
             tags=("neuro", "long-context", "pretrain"),
-            logs=("train/loss", "train/acc") + _stages("loss", "acc", "acc_l0"),
+            logs=("train/loss", "train/acc", "train/loss_l*", "train/loss_gap")
+                 + _stages("loss", "acc", "acc_l0", "loss_l*", "marginal_ce", "marginal_ce_l*", "loss_gap",
+                           "loss_short", "context_gain"),
         ),
         MethodSpec(
             name="meg_xl_words",

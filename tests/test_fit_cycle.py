@@ -266,3 +266,49 @@ def test_logged_metrics_match_the_methods_declaration(isolated_runs):
     logged = [c for c in columns if c.split("/")[0] in ("train", "val", "test")]
     patterns = registry.method_spec("lcube").logs
     assert logged and all(any(fnmatch.fnmatchcase(c, p) for p in patterns) for c in logged), logged
+
+
+# ---------------------------------------------------------------------------------------------- last.ckpt (issue 23)
+class WorseningMonitor(pl.Callback):
+    """Replace the monitored ``val/kl`` by the epoch index before the checkpoint callbacks read it (Lightning runs
+    ModelCheckpoint last), so with ``mode=min`` the first epoch stays the best and later ones never improve."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        trainer.callback_metrics["val/kl"] = torch.tensor(float(trainer.current_epoch))
+
+    on_validation_end = on_train_epoch_end
+
+
+@pytest.mark.parametrize("extra", [[], ["checkpoint.every_n_train_steps=null"], ["trainer.max_steps=12"],
+                                   ["trainer.max_steps=13", "checkpoint.every_n_train_steps=null"],
+                                   ["trainer.check_val_every_n_epoch=2"]])
+def test_last_ckpt_holds_the_final_step_when_the_monitor_stops_improving(isolated_runs, extra):
+    """Lightning 2.6 writes ``save_last`` only at a step where a top-k checkpoint was written, so with a monitor
+    ``last.ckpt`` used to hold the step of the last improvement (issue 23: step 186 of a 372-step run)."""
+    run = build("lcube", TINY + ["checkpoint.monitor=val/kl", "checkpoint.mode=min", "stages=[fit, validate]"]
+                + extra, ["tiny"], extra_callbacks=[WorseningMonitor()])
+    run_stages(run)
+    final = run.trainer.global_step
+    steps = [int(e.split("=")[1]) for e in extra if e.startswith("trainer.max_steps=")]
+    assert final == (steps[0] if steps else 15)
+    last = torch.load(run.run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == final
+    best = run._ckpt("best")  # the best by the monitor is still the first epoch's
+    assert best != str(run.run_dir / "checkpoints" / "last.ckpt")
+    first_validated = 10 if "trainer.check_val_every_n_epoch=2" in extra else 5
+    assert torch.load(best, weights_only=True)["global_step"] == first_validated
+    assert run._ckpt("last") == str(run.run_dir / "checkpoints" / "last.ckpt")
+    # a run rebuilt from its directory finds the same best checkpoint through last.ckpt's record
+    assert load_run(run.run_dir)._ckpt("best") == best
+
+
+def test_last_checkpoint_callback_is_importable_and_pickles(isolated_runs):
+    import pickle
+
+    import recipes.api
+
+    run = build("lcube", TINY + ["checkpoint.every_n_epochs=2"], ["tiny"])
+    (last_cb,) = [c for c in run.trainer.callbacks if type(c).__name__ == "LastCheckpoint"]
+    assert type(pickle.loads(pickle.dumps(last_cb))) is recipes.api.LastCheckpoint
+    run.fit()  # 3 epochs, saved every 2: the final step still lands in last.ckpt when training ends
+    assert torch.load(run.run_dir / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 15

@@ -286,3 +286,67 @@ def test_find_recordings_skips_hidden_and_ctf_internals_only_below_the_study_roo
     hidden.parent.mkdir()
     hidden.write_bytes(b"")  # a write in progress (litctx_common.io.atomic_path)
     assert find_recordings(root) == [fif]
+
+
+def _segments(path, suffix):
+    rows = path.with_name(path.name.replace("_meg.fif", suffix)).read_text().splitlines()
+    return rows[0].split("\t"), [r.split("\t") for r in rows[1:]]
+
+
+def test_slow_states_timeline_is_written_and_seeded(tmp_path):
+    """Each source's states last 60-180 s (the last one cut by the recording's end), switch to another state,
+    cover the recording and burst at their state's frequency; the same seed writes the same timeline."""
+    cfg = SyntheticMEGConfig(subjects=1, duration_s=400.0, locations=2, vocab=4, seed=2)
+    path = generate_meg_dataset(tmp_path / "a", cfg)[0]
+    header, rows = _segments(path, "_states.tsv")
+    assert header == ["onset", "offset", "source", "state", "frequency"]
+    freqs = {0: 4.0, 1: 7.0, 2: 10.0, 3: 13.0}
+    for j in range(cfg.n_sources):
+        segs = [(float(a), float(b), int(k), float(f)) for a, b, src, k, f in rows if int(src) == j]
+        assert segs[0][0] == 0.0 and segs[-1][1] == pytest.approx(400.0)
+        for (a, b, k, f), nxt in zip(segs, segs[1:] + [None]):
+            assert f == freqs[k]
+            if nxt is not None:
+                assert 60.0 - 1e-3 <= b - a <= 180.0 + 1e-3 and nxt[0] == b and nxt[2] != k
+    again = generate_meg_dataset(tmp_path / "b", cfg)[0]
+    assert _segments(again, "_states.tsv") == (header, rows)
+    np.testing.assert_array_equal(read_raw(path).get_data(), read_raw(again).get_data())
+
+
+def test_slow_states_off_keeps_the_words_and_the_burst_power(tmp_path):
+    """Off: no timeline, the same word events (the states have their own random stream), about the same power
+    (the same bursts, each with a random state); on: the word responses depend on the states, nothing else does."""
+    kw = dict(subjects=1, duration_s=300.0, locations=3, vocab=6, seed=4)
+    on = generate_meg_dataset(tmp_path / "on", SyntheticMEGConfig(**kw))[0]
+    off = generate_meg_dataset(tmp_path / "off", SyntheticMEGConfig(**kw, slow_states=False))[0]
+    none = generate_meg_dataset(tmp_path / "none", SyntheticMEGConfig(**kw, burst_amplitude=0.0))[0]
+    assert _segments(off, "_states.tsv")[1] == []
+    assert _events(on) == _events(off) == _events(none)
+    x_on, x_off, x_none = (read_raw(p).get_data() for p in (on, off, none))
+    x_on, x_off, x_none = (x - x.mean(1, keepdims=True) for x in (x_on, x_off, x_none))
+    power_on, power_off, power_none = (float((x ** 2).mean()) for x in (x_on, x_off, x_none))
+    assert power_on > 3 * power_none  # the bursts are several times the background
+    assert 0.7 < power_off / power_on < 1.4
+
+
+def test_slow_state_fields_are_checked_and_fingerprinted():
+    import dataclasses
+
+    base = SyntheticMEGConfig()
+    assert base.slow_states and base.states == 4 and list(base.frequencies()) == [4.0, 7.0, 10.0, 13.0]
+    changed = dict(slow_states=False, states=3, state_min_s=50.0, state_max_s=100.0, state_frequencies=[3, 5, 8, 12],
+                   burst_min_s=0.4, burst_max_s=4.0, burst_gap_s=1.0, burst_amplitude=2.0, state_word_gains=False,
+                   state_word_gain=0.2)
+    for key, value in changed.items():
+        assert dataclasses.replace(base, **{key: value}).fingerprint() != base.fingerprint(), key
+    for f in dataclasses.fields(SyntheticMEGConfig):  # every field counts
+        assert f.name in dataclasses.asdict(base)
+    assert SyntheticMEGConfig(states=2, state_frequencies=(5, 9)).state_frequencies == [5.0, 9.0]
+    with pytest.raises(ValueError, match=r"state_frequencies=\[5\.0\]: expected 4 \(states\) frequencies"):
+        SyntheticMEGConfig(state_frequencies=[5])
+    with pytest.raises(ValueError, match=r"state_min_s=200\.0 must be in \(0, state_max_s=180\.0\]"):
+        SyntheticMEGConfig(state_min_s=200.0)
+    with pytest.raises(ValueError, match=r"burst_min_s=2\.0 must be in \(0, burst_max_s=1\.0\]"):
+        SyntheticMEGConfig(burst_min_s=2.0, burst_max_s=1.0)
+    with pytest.raises(ValueError, match=r"data\.args\.synthetic: states=0: must be >= 1"):
+        MEGDataConfig(synthetic={"states": 0})

@@ -256,3 +256,167 @@ def test_init_from_carries_tokenizer_and_backbone_only(tmp_path):
             torch.testing.assert_close(dec.state_dict()[k], v)
     assert bool(dec.tokenizer.fitted)
     torch.testing.assert_close(dec.word_head[0].weight, head_before)  # the head stays fresh
+
+
+# ------------------------------------------------------------------------------------------ per-level report (issue 23)
+from lightning_modules.meg.module import code_counts, context_chunks, marginal_log_probs  # noqa: E402
+from lightning_modules.meg.report import masked_code_summary  # noqa: E402
+
+
+def _batch(B=2, C=5, S=600, seed=0, padded=1):
+    g = torch.Generator().manual_seed(seed)
+    sensor_mask = torch.ones(B, C, dtype=torch.bool)
+    if padded:
+        sensor_mask[:, C - padded:] = False
+    return {"meg": torch.randn(B, C, S, generator=g), "sensor_xyzdir": torch.randn(B, C, 6, generator=g),
+            "sensor_types": torch.randint(0, 2, (B, C), generator=g), "sensor_mask": sensor_mask}
+
+
+def test_marginal_ce_equals_the_hand_computed_add_one_marginals():
+    m = MEGXLPretrainModule({**TINY, "levels": 2, "codes": 3})
+    m.code_counts.copy_(torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 2.0]]))
+    target = torch.tensor([[0, 1], [2, 2]])  # two masked tokens, codes per level
+    # level 0: p = (3+1, 1+1, 0+1) / (4+3) = 4/7, 2/7, 1/7; level 1: 1/7, 3/7, 3/7
+    expected = torch.tensor([-(math.log(4 / 7) + math.log(1 / 7)) / 2, -(math.log(3 / 7) + math.log(3 / 7)) / 2])
+    torch.testing.assert_close(m.marginal_ce(target), expected.float())
+    torch.testing.assert_close(marginal_log_probs(m.code_counts).exp().sum(-1), torch.ones(2))
+
+
+class _FakeMEGData:
+    """``split("train")`` only: the marginals must never look at validation data."""
+
+    def __init__(self, n=3, C=4, S=600):
+        self.items = [{"meg": _signals(n=C, t=S, seed=10 + i), "sensor_mask": torch.tensor([True] * (C - 1) + [False])}
+                      for i in range(n)]
+
+    def split(self, name):
+        if name != "train":
+            raise AssertionError(f"the marginals read the {name} split")
+        return self.items
+
+
+def test_code_counts_are_the_training_codes_counted_at_tokenizer_fit_and_saved():
+    m = MEGXLPretrainModule({**TINY, "tokenizer_fit_samples": 3})
+    dm = _FakeMEGData()
+    m.prepare_from_datamodule(dm)
+    assert bool(m.tokenizer.fitted) and m.counted
+    brute = torch.zeros(2, 8)
+    for item in dm.items:  # every real channel's every token, level by level
+        codes = m.tokenizer.encode(item["meg"][item["sensor_mask"]])  # [C', Q, T']
+        for c in range(codes.shape[0]):
+            for q in range(2):
+                for t in range(codes.shape[2]):
+                    brute[q, codes[c, q, t]] += 1
+    torch.testing.assert_close(m.code_counts.float(), brute)
+    assert float(m.code_counts.sum()) == 2 * 3 * 3 * (600 // 12)
+    torch.testing.assert_close(code_counts(torch.tensor([[[0, 2, 2]], [[1, 2, 0]]]), 3).float(),
+                               torch.tensor([[2.0, 1.0, 3.0]]))
+    # the counts are a buffer: they travel in the state dict, and a checkpoint from before them still loads
+    fresh = MEGXLPretrainModule({**TINY, "tokenizer_fit_samples": 3})
+    fresh.load_state_dict(m.state_dict())
+    torch.testing.assert_close(fresh.code_counts, m.code_counts)
+    old = {"state_dict": {k: v for k, v in m.state_dict().items() if k != "code_counts"}}
+    fresh.on_load_checkpoint(old)
+    fresh.load_state_dict(old["state_dict"])
+    assert not fresh.counted
+
+
+def test_per_level_losses_are_the_masked_cross_entropy_of_each_level():
+    torch.manual_seed(0)
+    m = MEGXLPretrainModule(TINY).eval()
+    m.tokenizer.fit(_signals(n=30, t=600))
+    batch = _batch()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        codes, mask, logits, target = m.masked_forward(batch, generator=torch.Generator().manual_seed(3))
+        level = m.level_ce(logits, target)
+        full = m.code_head(m.features(batch, mask, codes)).view(*codes.shape[:3], 2, 8)
+    for q in range(2):
+        expected = F.cross_entropy(full[..., q, :][mask], codes[..., q][mask])
+        assert float(level[q]) == pytest.approx(float(expected), rel=1e-5)
+    loss, _, _ = m.masked_loss(batch, generator=g)
+    assert float(loss.detach()) == pytest.approx(float(level.mean()), rel=1e-6)
+
+
+def test_masked_code_summary_prints_both_numbers_and_the_levels():
+    metrics = {"val/loss": 4.05, "val/marginal_ce": 4.10, "val/loss_l0": 3.9, "val/loss_l1": 4.2,
+               "val/marginal_ce_l0": 4.0, "val/marginal_ce_l1": 4.2, "val/loss_short": 4.08}
+    line = masked_code_summary(metrics, "val", 2, "pre-training", short_s=5.76)
+    assert "masked-code CE 4.0500 nats vs 4.1000 for the training code marginals (0.0500 below)" in line
+    assert "l0 3.9000 vs 4.0000 (+0.1000)" in line and "l1 4.2000 vs 4.2000 (+0.0000)" in line
+    assert "4.0800 on 5.76-s chunks" in line and "0.0300 nats better" in line
+    assert "(0.0500 above)" in masked_code_summary({**metrics, "val/loss": 4.15}, "val", 2)
+    assert masked_code_summary({}, "val", 2) is None
+
+
+# ------------------------------------------------------------------------------------------ context ablation (issue 23)
+@pytest.mark.parametrize("n_tokens,n_sub,k", [(625, 50, 2), (625, 50, 1), (625, 50, 3), (125, 10, 4), (20, 1, 2),
+                                              (63, 5, 50)])
+def test_context_chunks_cover_each_maskable_token_once_and_never_cut_a_block(n_tokens, n_sub, k):
+    chunks = context_chunks(n_tokens, n_sub, k, mask_tokens=12, mask_ratio=0.4)
+    n_sub_, sub_len, _, _ = masking_plan(n_tokens, n_sub, 12, 0.4)
+    covered = torch.zeros(n_tokens, dtype=torch.long)
+    for s, e in chunks:
+        covered[s:e] += 1
+        assert s % sub_len == 0 and (e % sub_len == 0) and e - s <= k * sub_len  # on sub-segment boundaries
+    assert covered[: n_sub_ * sub_len].eq(1).all() and covered[n_sub_ * sub_len:].eq(0).all()
+    # masked blocks lie inside sub-segments (test_block_mask_covers_exactly_the_configured_blocks), and each
+    # sub-segment lies inside one chunk: no block is cut
+    for j in range(n_sub_):
+        assert sum(s <= j * sub_len and (j + 1) * sub_len <= e for s, e in chunks) == 1
+    mask = block_time_mask(32, n_tokens, n_sub, 12, 0.4, generator=torch.Generator().manual_seed(0))
+    assert not mask[:, n_sub_ * sub_len:].any()  # what the chunks leave out is never masked
+
+
+def test_short_context_chunk_size_rule_and_errors():
+    assert MEGXLConfig(eval_short_context_s=5.0).short_context_subsegments == 2  # 6 s of 3-s sub-segments
+    assert MEGXLConfig(eval_short_context_s=4.4).short_context_subsegments == 1
+    assert MEGXLConfig(eval_short_context_s=4.5).short_context_subsegments == 2
+    assert MEGXLConfig(eval_short_context_s=0.5).short_context_subsegments == 1
+    assert MEGXLConfig().short_context_subsegments is None  # the method default: off
+    with pytest.raises(ValueError, match="eval_short_context_s=0.0: must be > 0"):
+        MEGXLConfig(eval_short_context_s=0.0)
+    m = MEGXLPretrainModule({**TINY, "eval_short_context_s": 5.0})
+    assert m.short_context_seconds(7500) == pytest.approx(2 * 12 * 12 / 50)  # 5.76 s at 50 Hz, stride 12
+
+
+class _LocalBackbone(torch.nn.Module):
+    """Each token's features from its own content (the mask token where masked) and its sensor only."""
+
+    def __init__(self, bb):
+        super().__init__()
+        self.bb = bb
+
+    def forward(self, code_vectors, xyzdir, types, sensor_mask, token_mask=None):
+        content = self.bb.content(code_vectors.flatten(-2))
+        if token_mask is not None:
+            content = torch.where(token_mask.unsqueeze(-1), self.bb.mask_token, content)
+        return self.bb.norm(torch.tanh(content + self.bb.sensors(xyzdir, types).unsqueeze(2)))
+
+
+def test_short_context_loss_equals_the_full_one_for_a_local_model_and_restricts_the_real_one():
+    torch.manual_seed(0)
+    m = MEGXLPretrainModule({**TINY, "eval_short_context_s": 5.0}).eval()
+    m.tokenizer.fit(_signals(n=30, t=3000))
+    batch = _batch(S=3000)  # 60 s: 250 tokens, 20 sub-segments of 12, chunks of 24 (the tail of 10 never masked)
+    chunks = m.short_context_chunks(3000, 250)
+    assert chunks[0] == (0, 24) and chunks[-1] == (216, 240) and len(chunks) == 10
+    with torch.no_grad():
+        codes, mask, logits, target = m.masked_forward(batch, generator=torch.Generator().manual_seed(1))
+        short = m.short_context_logits(batch, codes, mask, chunks)
+        assert short.shape == logits.shape
+        # the real backbone: the same as running it on each chunk by hand, and not the same as the full window
+        vectors = m.tokenizer.embed(codes)
+        h = torch.zeros(*codes.shape[:3], 16)
+        for s, e in chunks:
+            h[:, :, s:e] = m.backbone(vectors[:, :, s:e], batch["sensor_xyzdir"], batch["sensor_types"],
+                                      batch["sensor_mask"], mask[:, :, s:e])
+        torch.testing.assert_close(short, m.code_head(h[mask]).view(-1, 2, 8), atol=1e-5, rtol=1e-5)
+        assert float((short - logits).abs().max()) > 1e-3
+        # a model that only looks at each token itself: both losses agree exactly
+        m.backbone = _LocalBackbone(m.backbone)
+        _, _, logits_local, _ = m.masked_forward(batch, generator=torch.Generator().manual_seed(1))
+        short_local = m.short_context_logits(batch, codes, mask, chunks)
+        torch.testing.assert_close(short_local, logits_local, atol=1e-6, rtol=1e-6)
+        assert float(m.level_ce(short_local, target).mean()) == pytest.approx(
+            float(m.level_ce(logits_local, target).mean()), abs=1e-6)

@@ -3,11 +3,16 @@
 
 from __future__ import annotations
 
+import csv
+import fnmatch
+
 import pytest
+import torch
 import yaml
 
 pytest.importorskip("mne", reason="MEG needs mne>=1.12 (litctx[meg]); CI installs it through the dev extra")
 
+from recipes import registry  # noqa: E402
 from recipes.config import ConfigError, load_config  # noqa: E402
 from recipes.fit import follow_up_overrides, main  # noqa: E402
 
@@ -29,6 +34,27 @@ def test_meg_xl_tiny_pretrains_then_finetunes_from_its_checkpoint(tmp_path, monk
     assert "test/top10_acc" in out and "MEG tokenizer fitted" in out
     # the tokenizer came with the checkpoint: it is fitted once, in the pre-training run only
     assert out.count("MEG tokenizer fitted") == 1
+    # issue 23: the per-level report, printed when pre-training ends and after its validate stage
+    lines = [ln for ln in out.splitlines() if "for the training code marginals" in ln]
+    assert len(lines) == 2 and lines[0].startswith("[litctx] pre-training, last validation at step")
+    assert lines[1].startswith("[litctx] pre-training, validate stage on the checkpoint of step")
+    assert "validation masked-code CE" in lines[0] and "per level" in lines[0] and "context ablation" in lines[0]
+    with open(run_dir / "logs" / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    columns = {c for c in rows[0] if c.split("/")[0] in ("train", "val", "test")}
+    assert {"val/loss_l0", "val/loss_l1", "val/marginal_ce", "val/marginal_ce_l0", "val/loss_gap", "val/loss_short",
+            "val/context_gain", "train/loss_l0", "train/loss_gap"} <= columns
+    patterns = registry.method_spec("meg_xl").logs
+    assert all(any(fnmatch.fnmatchcase(c, p) for p in patterns) for c in columns), columns
+    val = [r for r in rows if r.get("val/loss")][-1]
+    assert float(val["val/loss_gap"]) == pytest.approx(float(val["val/marginal_ce"]) - float(val["val/loss"]), abs=1e-4)
+    # issue 23: last.ckpt holds the final step; fine-tuning starts from the best by val/loss
+    final = max(int(r["step"]) for r in rows if r.get("train/loss")) + 1  # the tiny profile logs every step
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == final
+    (state,) = [v for k, v in last["callbacks"].items() if k.startswith("ModelCheckpoint") and v.get("monitor")]
+    assert state["monitor"] == "val/loss" and state["best_model_path"] == cfg["init_from"]
+    assert last["state_dict"]["code_counts"].sum() > 0
 
 
 def _write(path, data):
@@ -109,3 +135,14 @@ def test_synthetic_config_errors_before_anything_runs(tmp_path, capsys):
     assert main(["--recipe", "meg_xl", "data.args.synthetic.subjectz=3", f"run_dir={run_dir}"]) == 2
     assert "data.args.synthetic.subjectz" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+def test_meg_xl_selects_by_val_loss_and_runs_the_context_ablation():
+    run = load_config("meg_xl").run
+    assert (run.checkpoint.monitor, run.checkpoint.mode, run.then.init_from) == ("val/loss", "min", "best")
+    assert run.method.args["eval_short_context_s"] == 5.0
+    from lightning_modules.meg.module import MEGXLConfig, MEGXLWordConfig
+
+    assert MEGXLConfig(**run.method.args).short_context_subsegments == 2
+    assert MEGXLConfig().eval_short_context_s is None  # the method default: off
+    MEGXLWordConfig(**run.method.args)  # the fine-tuning run inherits method.args: the field is accepted

@@ -9,8 +9,9 @@ The signal model, per recording (``x(t) = G s(t) + n(t)`` in SI units):
   random point of it; magnetometers read the field, planar gradiometers its derivative along their gradient
   direction (``loc[3:6]``), which gives them realistic T/m magnitudes. Each subject has its own per-channel
   gains (``subject_gain_spread``) and source widths.
-* **Background** ``s_bg``: ``1/f^background_exponent`` source activity plus intermittent 10-Hz alpha bursts, then white sensor
-  noise, plus a constant offset per channel (removed by the loader's filtering/baselines).
+* **Background** ``s_bg``: ``1/f^background_exponent`` source activity plus intermittent 10-Hz alpha bursts (and
+  the slow-state bursts below), then white sensor noise, plus a constant offset per channel (removed by the
+  loader's filtering/baselines).
 * **Words**: onsets with exponential gaps (``word_gap_s`` mean, ``min_word_gap_s`` minimum) from a vocabulary
   of ``vocab`` words. Word ``w`` adds a fixed evoked template ``E_w [n_src, evoked_s]`` (damped oscillations
   with word-specific latencies, frequencies and source amplitudes) at its onset; templates are shared by all
@@ -23,6 +24,24 @@ The signal model, per recording (``x(t) = G s(t) + n(t)`` in SI units):
   visible in one word's window or one short stretch (bursts are intermittent): inferring the topic needs long
   context. ``context=False`` removes all three (one topic: uniform words, gain 1, and the topics' average
   alpha topography, so the total alpha power is the same).
+* **Slow source states** (``slow_states=True``, independent of the topic process): every source has its own
+  state, one of ``states``, that lasts ``U(state_min_s, state_max_s)`` seconds (60-180 s) and then switches to
+  another. Under state ``k`` the source emits strong intermittent bursts (Hann-shaped envelopes of
+  ``U(burst_min_s, burst_max_s)`` seconds, starting ``burst_gap_s * U(0.5, 1.5)`` seconds after the previous one
+  ends, peak ``burst_amplitude`` times the background's RMS) at the state's frequency ``state_frequencies[k]``
+  (default 4, 7, 10, 13 Hz), seen through the lead field, so the sources' states set both the spectrum and the
+  topography of the sensors. With ``state_word_gains`` the state also scales the source's word responses by
+  ``1 + state_word_gain * u[k, source]`` (``u`` in (-1, 1), shared by all subjects).
+  **Why long context is more informative than short context, by construction**: a state is constant for 60-180 s,
+  so a 150-s window lies in one or two of a source's state segments and holds dozens of its bursts, each of which
+  shows the state's frequency; the +-1 s around a masked 3-s block often lies in a gap between bursts (or shows a
+  burst's faint edge), and a burst that starts inside the block is invisible from there. A frame inside a burst
+  reveals the state, so the codes of a masked block depend on the state, which the long context pins down and the
+  short one only sometimes (measured by :mod:`lightning_modules.meg.oracle`; ``python -m bench.meg_context
+  --oracle``).
+  ``slow_states=False`` keeps the bursts (same count, lengths and amplitudes, so the same power and spectrum on
+  average) but draws each burst's state independently, so nothing slow is left for long context to find; the
+  word gains are then 1.
 
 Layout written under ``root`` (a BIDS-like tree that :mod:`datamodules.meg` reads, as it reads real data)::
 
@@ -31,6 +50,8 @@ Layout written under ``root`` (a BIDS-like tree that :mod:`datamodules.meg` read
     sub-01/meg/sub-01_ses-01_task-listen_meg.fif   Raw FIF, annotations "word/<token>"
     sub-01/meg/sub-01_ses-01_task-listen_events.tsv  onset, duration, type=word_onset, value=<token>
     sub-01/meg/sub-01_ses-01_task-listen_topics.tsv  the latent topic segments (ground truth)
+    sub-01/meg/sub-01_ses-01_task-listen_states.tsv  onset, offset, source, state, frequency of every slow
+                                                     source-state segment (header only with slow_states off)
 
 Every file is written atomically (temporary name, then rename), so an interrupted generation never leaves a
 truncated FIF behind; :func:`generate_meg_dataset` skips recordings that already exist.
@@ -43,11 +64,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from litctx_common.io import atomic_path, atomic_write_text
+from litctx_common.seeding import stable_seed
 
 __all__ = ["SyntheticMEGConfig", "generate_meg_dataset", "word_list", "select_locations", "canonical_info"]
 
@@ -94,6 +116,33 @@ class SyntheticMEGConfig:
     topic_gain: float = 0.8
     """Size of the topic's low-rank gain on evoked sources."""
     subject_gain_spread: float = 0.3
+    slow_states: bool = True
+    """Slow per-source states (see the module docstring): each source switches every ``U(state_min_s,
+    state_max_s)`` s among ``states`` states, each making it burst at its own frequency. False keeps the bursts
+    but draws each one's state independently (same power, no slow structure)."""
+    states: int = 4
+    """Number of states per source."""
+    state_min_s: float = 60.0
+    state_max_s: float = 180.0
+    """A state lasts ``U(state_min_s, state_max_s)`` seconds, then switches to another one."""
+    state_frequencies: Optional[Sequence[float]] = None
+    """Burst frequency (Hz) of each state, ``states`` values; null: evenly spaced from 4 to 13 Hz (4, 7, 10, 13
+    for 4 states)."""
+    burst_min_s: float = 1.5
+    burst_max_s: float = 3.0
+    """Burst lengths are ``U(burst_min_s, burst_max_s)`` seconds (Hann-shaped envelope). Chosen with the code
+    oracle (``python -m bench.meg_context --oracle``; docs/meg.md): bursts of up to a whole 3-s block, ``burst_gap_s``
+    apart, make a burst fill much of a masked block while the +-1 s around it often lies in a gap, so the block's
+    codes depend on the state and only the long context reliably shows it. Shorter (0.5-1.5 s) or denser bursts let
+    the neighbours reveal the state (short context wins); sparser ones leave most blocks without a burst."""
+    burst_gap_s: float = 2.0
+    """Mean gap between one burst's end and the next one's start (``burst_gap_s * U(0.5, 1.5)``)."""
+    burst_amplitude: float = 6.0
+    """Peak source amplitude of a burst, relative to the background's RMS (1.0)."""
+    state_word_gains: bool = True
+    """Tie the word responses to the slow states: state ``k`` scales the source's evoked response by
+    ``1 + state_word_gain * u[k, source]`` (``u`` fixed per study, in (-1, 1)); off with ``slow_states=False``."""
+    state_word_gain: float = 0.5
     field_tesla: float = 2e-13
     """Field magnitude of one unit source at a magnetometer (T); gradiometers follow from the geometry."""
     seed: int = 0
@@ -115,14 +164,44 @@ class SyntheticMEGConfig:
             problems.append(f"min_word_gap_s={self.min_word_gap_s} must be in (0, word_gap_s={self.word_gap_s}]")
         if not 0 < self.topic_min_s <= self.topic_max_s:
             problems.append(f"topic_min_s={self.topic_min_s} must be in (0, topic_max_s={self.topic_max_s}]")
+        if self.states < 1:
+            problems.append(f"states={self.states}: must be >= 1")
+        if not 0 < self.state_min_s <= self.state_max_s:
+            problems.append(f"state_min_s={self.state_min_s} must be in (0, state_max_s={self.state_max_s}]")
+        if not 0 < self.burst_min_s <= self.burst_max_s:
+            problems.append(f"burst_min_s={self.burst_min_s} must be in (0, burst_max_s={self.burst_max_s}]")
+        if self.burst_gap_s < 0:
+            problems.append(f"burst_gap_s={self.burst_gap_s}: must be >= 0")
+        if self.burst_amplitude < 0:
+            problems.append(f"burst_amplitude={self.burst_amplitude}: must be >= 0")
+        if not 0 <= self.state_word_gain < 1:
+            problems.append(f"state_word_gain={self.state_word_gain}: must be in [0, 1)")
+        if self.state_frequencies is not None:
+            try:
+                self.state_frequencies = [float(f) for f in self.state_frequencies]
+            except (TypeError, ValueError):
+                problems.append(f"state_frequencies={self.state_frequencies!r}: expected a list of {self.states} "
+                                "frequencies in Hz or null")
+            else:
+                if len(self.state_frequencies) != self.states or not all(
+                        0 < f < self.sfreq / 2 for f in self.state_frequencies):
+                    problems.append(f"state_frequencies={self.state_frequencies}: expected {self.states} (states) "
+                                    f"frequencies in (0, {self.sfreq / 2:g}) Hz, or null")
         if problems:
             raise ValueError("SyntheticMEGConfig: " + "; ".join(problems))
 
     def fingerprint(self) -> str:
+        """A short hash of every field (the synthetic study's cache key)."""
         import hashlib
 
         text = json.dumps(dataclasses.asdict(self), sort_keys=True)
         return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+    def frequencies(self) -> np.ndarray:
+        """``[states]`` burst frequency (Hz) of each slow state."""
+        if self.state_frequencies is not None:
+            return np.asarray(self.state_frequencies, dtype=np.float64)
+        return np.linspace(4.0, 13.0, self.states) if self.states > 1 else np.array([10.0])
 
 
 def word_list(vocab: int) -> List[str]:
@@ -246,10 +325,53 @@ def _topic_sequence(rng: np.random.Generator, cfg: SyntheticMEGConfig) -> List[t
     return segs
 
 
+def _state_sequences(rng: np.random.Generator, cfg: SyntheticMEGConfig) -> List[List[tuple]]:
+    """Per source, ``[(start_s, end_s, state), ...]`` covering the recording (``[]`` with slow states off; drawn
+    either way, so that on and off share the burst times that follow in the same stream)."""
+    out = []
+    for _ in range(cfg.n_sources):
+        segs, t, prev = [], 0.0, -1
+        while t < cfg.duration_s:
+            length = rng.uniform(cfg.state_min_s, cfg.state_max_s)
+            k = int(rng.choice([k for k in range(cfg.states) if k != prev] or [0]))
+            segs.append((t, min(cfg.duration_s, t + length), k))
+            t, prev = t + length, k
+        out.append(segs if cfg.slow_states else [])
+    return out
+
+
+def _state_bursts(rng: np.random.Generator, cfg: SyntheticMEGConfig, state_segments: List[List[tuple]],
+                  n: int) -> np.ndarray:
+    """``[n_src, n]``: each source's bursts (peak 1) at the frequency of its state at the burst's start; with
+    slow states off each burst draws its state uniformly at random (the same bursts otherwise)."""
+    t = np.arange(n) / cfg.sfreq
+    freqs = cfg.frequencies()
+    out = np.zeros((cfg.n_sources, n))
+    for j in range(cfg.n_sources):
+        start = rng.uniform(0.0, cfg.burst_gap_s + cfg.burst_max_s)
+        while start < cfg.duration_s:
+            length = rng.uniform(cfg.burst_min_s, cfg.burst_max_s)
+            random_state = int(rng.integers(cfg.states))  # drawn either way: on and off share the burst times
+            phase = rng.uniform(0, 2 * np.pi)
+            if cfg.slow_states:
+                k = next(k for (a, b, k) in state_segments[j] if a <= start < b)
+            else:
+                k = random_state
+            i0, i1 = int(np.ceil(start * cfg.sfreq)), min(n, int(np.ceil((start + length) * cfg.sfreq)))
+            tt = t[i0:i1] - start
+            out[j, i0:i1] = np.sin(np.pi * tt / length) ** 2 * np.sin(2 * np.pi * freqs[k] * tt + phase)
+            start += length + cfg.burst_gap_s * rng.uniform(0.5, 1.5)
+    return out
+
+
+def _state_at(segments: List[tuple], t: float) -> int:
+    return next(k for (a, b, k) in segments if a <= t < b)
+
+
 def _write_recording(path: Path, cfg: SyntheticMEGConfig, info_src, keep: np.ndarray, templates: np.ndarray,
                      topic_words: np.ndarray, topic_gains: np.ndarray, topic_alpha: np.ndarray,
-                     rng: np.random.Generator,
-                     subject_rng: np.random.Generator) -> None:
+                     state_gains: np.ndarray, rng: np.random.Generator, subject_rng: np.random.Generator,
+                     state_rng: np.random.Generator) -> None:
     import mne
 
     names = [info_src.ch_names[i] for i in keep]
@@ -272,6 +394,10 @@ def _write_recording(path: Path, cfg: SyntheticMEGConfig, info_src, keep: np.nda
         topic_of_sample[int(round(a * cfg.sfreq)):int(round(b * cfg.sfreq))] = k
     alpha = _alpha_bursts(rng, n_src, n, cfg.sfreq) * topic_alpha[topic_of_sample].T  # [n_src, n]
     sources = _pink_noise(rng, n_src, n, cfg.background_exponent) + cfg.alpha_amplitude * alpha
+    state_segs = _state_sequences(state_rng, cfg)  # its own stream: the rest of the recording does not change
+    if cfg.burst_amplitude > 0:
+        sources += cfg.burst_amplitude * _state_bursts(state_rng, cfg, state_segs, n)
+    tie = cfg.slow_states and cfg.state_word_gains and cfg.state_word_gain > 0
     evoked = np.zeros((n_src, n))
     onsets, words = [], []
     t = rng.uniform(0.5, 2.0)
@@ -280,7 +406,10 @@ def _write_recording(path: Path, cfg: SyntheticMEGConfig, info_src, keep: np.nda
         topic = next(k for (a, b, k) in segs if a <= t < b)
         w = int(rng.choice(cfg.vocab, p=topic_words[topic]))
         i0 = int(round(t * cfg.sfreq))
-        evoked[:, i0:i0 + n_ev] += (topic_gains[topic][:, None] * templates[w])[:, :n - i0]
+        gain = topic_gains[topic]
+        if tie:
+            gain = gain * state_gains[[_state_at(state_segs[j], t) for j in range(n_src)], np.arange(n_src)]
+        evoked[:, i0:i0 + n_ev] += (gain[:, None] * templates[w])[:, :n - i0]
         onsets.append(i0 / cfg.sfreq)
         words.append(w)
         t += cfg.min_word_gap_s + rng.exponential(cfg.word_gap_s - cfg.min_word_gap_s)
@@ -298,6 +427,11 @@ def _write_recording(path: Path, cfg: SyntheticMEGConfig, info_src, keep: np.nda
     atomic_write_text(path.with_name(f"{stem}_events.tsv"), "onset\tduration\ttype\tvalue\n" + rows)
     topics = "".join(f"{a:.3f}\t{b:.3f}\t{k}\n" for a, b, k in segs)
     atomic_write_text(path.with_name(f"{stem}_topics.tsv"), "onset\toffset\ttopic\n" + topics)
+    freqs = cfg.frequencies()
+    state_rows = "".join(f"{a:.3f}\t{b:.3f}\t{j}\t{k}\t{freqs[k]:g}\n" for j, segs_j in enumerate(state_segs)
+                         for a, b, k in segs_j)
+    atomic_write_text(path.with_name(f"{stem}_states.tsv"),
+                      "onset\toffset\tsource\tstate\tfrequency\n" + state_rows)
     with atomic_path(path) as tmp:  # the FIF is renamed in last: its presence marks a complete recording
         raw.save(tmp, overwrite=True, verbose="error")
 
@@ -341,6 +475,10 @@ def generate_meg_dataset(root: str | os.PathLike, cfg: Optional[SyntheticMEGConf
         topic_words = np.full((1, cfg.vocab), 1.0 / cfg.vocab)
         topic_gains = np.ones((1, cfg.n_sources))
         topic_alpha = np.sqrt((alpha_maps ** 2).mean(0, keepdims=True))  # same alpha power, fixed topography
+    # the slow states' word gains: their own stream, so switching the states leaves the other draws alone
+    state_dirs = np.random.default_rng(stable_seed("meg-state-word-gains", cfg.seed)).standard_normal(
+        (cfg.states, cfg.n_sources))
+    state_gains = 1.0 + cfg.state_word_gain * np.tanh(state_dirs)
     paths = []
     participants = ["participant_id\tgain_seed"]
     iterator = [(s, e) for s in range(1, cfg.subjects + 1) for e in range(1, cfg.sessions + 1)]
@@ -351,8 +489,9 @@ def generate_meg_dataset(root: str | os.PathLike, cfg: Optional[SyntheticMEGConf
         if not path.is_file():
             if progress:
                 print(f"[litctx] synthetic MEG: writing {path.relative_to(root)}", flush=True)
-            _write_recording(path, cfg, info_src, keep, templates, topic_words, topic_gains, topic_alpha, rec_rng,
-                             np.random.default_rng([cfg.seed, s]))
+            _write_recording(path, cfg, info_src, keep, templates, topic_words, topic_gains, topic_alpha, state_gains,
+                             rec_rng, np.random.default_rng([cfg.seed, s]),
+                             np.random.default_rng(stable_seed("meg-slow-states", cfg.seed, s, e)))
         paths.append(path)
         if e == 1:
             participants.append(f"{sub}\t{s}")

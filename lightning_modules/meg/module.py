@@ -8,8 +8,19 @@ from a pre-training checkpoint into a word decoder (the heads start fresh).
 :class:`MEGXLPretrainModule` (batches of :class:`datamodules.meg.MEGDataModule`, ``task=pretrain``)
     Codes ``[B, C, T', Q]``; in each sample ``n_masked`` sub-segments get a block of ``mask_s`` seconds masked on
     every channel (:func:`~lightning_modules.meg.model.block_time_mask`; ~40% of tokens at 150 s); the loss is
-    the mean over levels of the cross-entropy of the masked codes of real (unpadded) channels. Logged:
-    ``loss``, ``acc`` (masked-code accuracy over levels), ``acc_l0`` (first level).
+    the mean over levels of the cross-entropy of the masked codes of real (unpadded) channels. Logged (``train``
+    per step, ``val``/``test`` per epoch): ``loss``, ``acc`` (masked-code accuracy over levels), ``acc_l0`` (first
+    level), ``loss_l{q}`` (the masked-code cross-entropy of level ``q``), ``marginal_ce_l{q}`` / ``marginal_ce``
+    (``val``/``test``: the cross-entropy of the same masked codes under the **training code marginals**, per
+    level / averaged over levels) and ``loss_gap = marginal_ce - loss`` (nats below the marginals: > 0 means the
+    model predicts more than the code frequencies; also on ``train``). The marginals are code counts per level over the tokenizer's fitting signals (the same
+    ``tokenizer_fit_samples`` training samples, counted when the tokenizer is fitted, or at the start of a run
+    whose tokenizer came without counts), kept in the ``code_counts`` buffer ``[Q, V]`` (so in checkpoints) and
+    add-one smoothed; they never see validation data. With ``eval_short_context_s`` set, validation and test also
+    score the same masked tokens when the backbone sees only a short chunk around them (:func:`context_chunks`):
+    ``loss_short`` and ``context_gain = loss_short - loss`` (> 0: the long context helps). When pre-training ends
+    (and after a ``validate``/``test`` stage) one line prints the masked-code cross-entropy and that of the
+    marginals, overall and per level (:func:`~lightning_modules.meg.report.masked_code_summary`).
 
 :class:`MEGXLWordDecoder` (``task=words``)
     The backbone without masking; each word's token span is mean-pooled over time, flattened over channels
@@ -27,7 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -38,11 +49,12 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_modules.base import LongContextModule
 from lightning_modules.meg.model import BackboneConfig, MEGBackbone, block_time_mask, masking_plan
+from lightning_modules.meg.report import masked_code_summary
 from lightning_modules.meg.tokenizer import RVQTokenizer
 from litctx_common.seeding import stable_seed
 
 __all__ = ["MEGXLConfig", "MEGXLWordConfig", "MEGXLPretrainModule", "MEGXLWordDecoder", "siglip_loss",
-           "RetrievalTopK", "word_targets", "pool_spans"]
+           "RetrievalTopK", "word_targets", "pool_spans", "context_chunks", "marginal_log_probs", "code_counts"]
 
 
 @dataclass
@@ -63,6 +75,12 @@ class MEGXLConfig(BackboneConfig):
     mask_s: float = 3.0
     mask_ratio: float = 0.4
     """Fraction of sub-segments that receive a masked block (MEG-XL: 20 of 50)."""
+    eval_short_context_s: Optional[float] = None
+    """Pre-training only (the word decoder ignores it). Seconds of context for the context ablation at validation
+    and test: the same masked tokens are scored again with the backbone run on consecutive chunks of the window
+    separately (``loss_short``, ``context_gain``). A chunk is the nearest whole number of sub-segments
+    (``subsegment_s``; at least 1), so no masked block is ever cut: 5.0 -> 2 sub-segments (6 s of 3-s
+    sub-segments; 5.76 s at 50 Hz and stride 12). null: off."""
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -78,6 +96,8 @@ class MEGXLConfig(BackboneConfig):
             problems.append(f"subsegment_s={self.subsegment_s}, mask_s={self.mask_s}: must be > 0")
         if self.tokenizer_fit_samples < 1:
             problems.append(f"tokenizer_fit_samples={self.tokenizer_fit_samples}: must be >= 1")
+        if self.eval_short_context_s is not None and not self.eval_short_context_s > 0:
+            problems.append(f"eval_short_context_s={self.eval_short_context_s}: must be > 0 seconds or null (off)")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -91,6 +111,14 @@ class MEGXLConfig(BackboneConfig):
     @property
     def mask_tokens(self) -> int:
         return max(1, int(round(self.mask_s * self.sfreq)) // self.stride)
+
+    @property
+    def short_context_subsegments(self) -> Optional[int]:
+        """Sub-segments per chunk of the context ablation (``eval_short_context_s`` / ``subsegment_s`` rounded
+        half up, at least 1); None when it is off."""
+        if self.eval_short_context_s is None:
+            return None
+        return max(1, int(math.floor(self.eval_short_context_s / self.subsegment_s + 0.5)))
 
 
 @dataclass
@@ -143,6 +171,30 @@ class MEGXLWordConfig(MEGXLConfig):
 
 
 # ---------------------------------------------------------------------------------------------- pieces
+def code_counts(codes: torch.Tensor, codes_per_level: int) -> torch.Tensor:
+    """Counts ``[Q, V]`` (float64) of the codes ``[N, Q, T']`` per level."""
+    flat = codes.transpose(0, 1).reshape(codes.shape[1], -1)
+    return torch.stack([torch.bincount(row, minlength=codes_per_level)[:codes_per_level] for row in flat]).double()
+
+
+def marginal_log_probs(counts: torch.Tensor) -> torch.Tensor:
+    """Log of the add-one smoothed code marginals ``(n_qv + 1) / (N_q + V)`` of counts ``[Q, V]``."""
+    counts = counts.double()
+    return (torch.log(counts + 1.0) - torch.log(counts.sum(-1, keepdim=True) + counts.shape[-1])).float()
+
+
+def context_chunks(n_tokens: int, n_subsegments: int, chunk_subsegments: int,
+                   mask_tokens: int = 1, mask_ratio: float = 1.0) -> List[Tuple[int, int]]:
+    """Token ranges ``[(start, end), ...]`` of the context ablation: consecutive groups of ``chunk_subsegments``
+    sub-segments of the masking plan (:func:`~lightning_modules.meg.model.masking_plan`; the last group may be
+    shorter). They cover every token that can be masked exactly once and never cut a masked block (blocks lie
+    inside sub-segments); the tail beyond the last sub-segment, never masked, is left out."""
+    n_sub, sub_len, _, _ = masking_plan(n_tokens, n_subsegments, mask_tokens, mask_ratio)
+    step = max(1, chunk_subsegments) * sub_len
+    end = n_sub * sub_len
+    return [(s, min(s + step, end)) for s in range(0, end, step)]
+
+
 def word_targets(words: Sequence[str], dim: int, seed: int = 0, path: Optional[str] = None) -> torch.Tensor:
     """Unit-norm target vectors ``[len(words), dim]``: seeded random per word string (independent of the
     vocabulary's order), or rows of ``path`` (``.npz`` with ``words`` and ``vectors``)."""
@@ -269,9 +321,18 @@ class _MEGXLBase(LongContextModule):
         if not bool(self.tokenizer.fitted):
             self.fit_tokenizer(dm)
 
-    def fit_tokenizer(self, dm: Any, verbose: bool = False) -> None:
+    def fit_tokenizer(self, dm: Any, verbose: bool = False) -> torch.Tensor:
         """Fit the tokenizer on the real channels of up to ``tokenizer_fit_samples`` evenly spaced training
-        samples of the DataModule ``dm``."""
+        samples of the DataModule ``dm``; returns those signals ``[N, S]``."""
+        x = self.fit_signals(dm)
+        self.tokenizer.fit(x, seed=stable_seed("meg-tokenizer", self.cfg.stride, self.cfg.codes) % (2 ** 31))
+        if verbose:
+            print(f"[litctx] MEG tokenizer fitted: {self.cfg.levels} levels x {self.cfg.codes} codes on "
+                  f"{x.shape[0]} channel signals of {x.shape[1]} samples", flush=True)
+        return x
+
+    def fit_signals(self, dm: Any) -> torch.Tensor:
+        """The real channels ``[N, S]`` of up to ``tokenizer_fit_samples`` evenly spaced training samples."""
         train = dm.split("train")
         n = min(len(train), self.cfg.tokenizer_fit_samples)
         picks = np.linspace(0, len(train) - 1, n).round().astype(int)
@@ -279,11 +340,7 @@ class _MEGXLBase(LongContextModule):
         for i in picks:
             item = train[int(i)]
             signals.append(item["meg"][item["sensor_mask"]])
-        x = torch.cat(signals, dim=0)
-        self.tokenizer.fit(x, seed=stable_seed("meg-tokenizer", self.cfg.stride, self.cfg.codes) % (2 ** 31))
-        if verbose:
-            print(f"[litctx] MEG tokenizer fitted: {self.cfg.levels} levels x {self.cfg.codes} codes on "
-                  f"{x.shape[0]} channel signals of {x.shape[1]} samples", flush=True)
+        return torch.cat(signals, dim=0)
 
     def codes(self, meg: torch.Tensor) -> torch.Tensor:
         """``meg [B, C, S]`` -> codes ``[B, C, T', Q]``."""
@@ -307,7 +364,57 @@ class MEGXLPretrainModule(_MEGXLBase):
         c = self.cfg
         self.code_head = nn.Linear(c.d_model, c.levels * c.codes)
         self.acc = self.stage_metrics(MeanMetric, "acc", stages=("fit", "val", "test"))
+        # training code counts per level [Q, V] (the marginals of marginal_ce); all zero: not counted yet
+        self.register_buffer("code_counts", torch.zeros(c.levels, c.codes, dtype=torch.float64))
 
+    # ------------------------------------------------------------------ training code marginals
+    @property
+    def counted(self) -> bool:
+        return bool(self.code_counts.sum() > 0)
+
+    def fit_tokenizer(self, dm: Any, verbose: bool = False) -> torch.Tensor:
+        x = super().fit_tokenizer(dm, verbose)
+        self.count_codes(x)
+        return x
+
+    def count_codes(self, signals: torch.Tensor) -> None:
+        """Set ``code_counts`` from the codes of training ``signals [N, S]`` (in chunks, to bound memory)."""
+        counts = torch.zeros_like(self.code_counts, device="cpu")
+        for part in signals.split(64):
+            counts += code_counts(self.tokenizer.encode(part.to(self.tokenizer.mean.device)).cpu(), self.cfg.codes)
+        self.code_counts.copy_(counts.to(self.code_counts.device))
+
+    def _ensure_code_counts(self) -> None:
+        """Count the training codes when the tokenizer came without them (init_from, an older checkpoint)."""
+        if self.counted or not bool(self.tokenizer.fitted):
+            return
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None and hasattr(dm, "split"):
+            self.count_codes(self.fit_signals(dm))
+
+    def prepare_from_datamodule(self, dm: Any) -> None:
+        super().prepare_from_datamodule(dm)
+        if not self.counted:
+            self.count_codes(self.fit_signals(dm))
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self._ensure_code_counts()
+
+    def on_validation_start(self) -> None:
+        self._ensure_code_counts()
+
+    def on_test_start(self) -> None:
+        self._ensure_code_counts()
+
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        state = checkpoint.get("state_dict")
+        if isinstance(state, dict) and "code_counts" not in state:  # a checkpoint from before the counts
+            state["code_counts"] = torch.zeros_like(self.code_counts)
+        self._checkpoint_step = checkpoint.get("global_step")  # validate/test load weights, not the step
+
+    # ------------------------------------------------------------------ masking and losses
     def token_mask(self, batch: Dict[str, torch.Tensor], n_tokens: int,
                    generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """``[B, C, T']`` bool: MEG-XL's block mask over time, on every real channel."""
@@ -316,37 +423,147 @@ class MEGXLPretrainModule(_MEGXLBase):
                                c.mask_ratio, generator=generator, device=batch["meg"].device)
         return time[:, None, :] & batch["sensor_mask"].bool()[:, :, None]
 
-    def masked_loss(self, batch: Dict[str, torch.Tensor], generator: Optional[torch.Generator] = None):
-        """``(loss, per-level accuracy [Q], token mask)`` of one batch."""
+    def masked_forward(self, batch: Dict[str, torch.Tensor], generator: Optional[torch.Generator] = None):
+        """``(codes [B, C, T', Q], token mask [B, C, T'], logits [M, Q, V], targets [M, Q])``: the masked
+        tokens in ``codes[mask]`` order."""
         c = self.cfg
-        codes = self.codes(batch["meg"])  # [B, C, T', Q]
+        codes = self.codes(batch["meg"])
         mask = self.token_mask(batch, codes.shape[2], generator)
         h = self.features(batch, mask, codes)
-        logits = self.code_head(h[mask]).view(-1, c.levels, c.codes)  # [M, Q, V]
-        target = codes[mask]  # [M, Q]
-        loss = F.cross_entropy(logits.reshape(-1, c.codes), target.reshape(-1))
-        acc = (logits.argmax(-1) == target).float().mean(0)
-        return loss, acc, mask
+        return codes, mask, self.code_head(h[mask]).view(-1, c.levels, c.codes), codes[mask]
+
+    @staticmethod
+    def level_ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy per level ``[Q]`` of ``logits [M, Q, V]`` against ``target [M, Q]``."""
+        M, Q, V = logits.shape
+        return F.cross_entropy(logits.reshape(-1, V), target.reshape(-1), reduction="none").view(M, Q).mean(0)
+
+    def marginal_ce(self, target: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy per level ``[Q]`` of the codes ``target [M, Q]`` under the training code marginals."""
+        logp = marginal_log_probs(self.code_counts).to(target.device)  # [Q, V]
+        return -logp.gather(1, target.T).mean(1)
+
+    def masked_loss(self, batch: Dict[str, torch.Tensor], generator: Optional[torch.Generator] = None):
+        """``(loss, per-level accuracy [Q], token mask)`` of one batch."""
+        _, mask, logits, target = self.masked_forward(batch, generator)
+        return self.level_ce(logits, target).mean(), (logits.argmax(-1) == target).float().mean(0), mask
+
+    def short_context_chunks(self, n_samples: int, n_tokens: int) -> List[Tuple[int, int]]:
+        """The token ranges of the context ablation for a window of ``n_samples`` samples (see
+        :func:`context_chunks`); empty when ``eval_short_context_s`` is off."""
+        c = self.cfg
+        if c.short_context_subsegments is None:
+            return []
+        return context_chunks(n_tokens, c.subsegments(n_samples), c.short_context_subsegments, c.mask_tokens,
+                              c.mask_ratio)
+
+    def short_context_logits(self, batch: Dict[str, torch.Tensor], codes: torch.Tensor, mask: torch.Tensor,
+                             chunks: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        """Logits ``[M, Q, V]`` of the masked tokens (``codes[mask]`` order) when the backbone runs on each token
+        range of ``chunks`` separately, with the same token mask restricted to it. Chunks of one length run as
+        one batch; chunks without a masked token are skipped."""
+        c = self.cfg
+        vectors = self.tokenizer.embed(codes)  # [B, C, T', Q, d_cb]
+        h = vectors.new_zeros(*codes.shape[:3], c.d_model)
+        has_masked = mask.any(1)  # [B, T']
+        by_length: Dict[int, List[Tuple[int, int]]] = {}
+        for start, end in chunks:
+            if bool(has_masked[:, start:end].any()):
+                by_length.setdefault(end - start, []).append((start, end))
+        B = codes.shape[0]
+        for group in by_length.values():
+            n = len(group)
+            out = self.backbone(torch.cat([vectors[:, :, s:e] for s, e in group]),
+                                batch["sensor_xyzdir"].repeat(n, 1, 1), batch["sensor_types"].repeat(n, 1),
+                                batch["sensor_mask"].repeat(n, 1), torch.cat([mask[:, :, s:e] for s, e in group]))
+            for i, (s, e) in enumerate(group):
+                h[:, :, s:e] = out[i * B:(i + 1) * B]
+        return self.code_head(h[mask]).view(-1, c.levels, c.codes)
+
+    # ------------------------------------------------------------------ steps
+    def _log_levels(self, stage: str, level_loss: torch.Tensor, target: torch.Tensor, **kw: Any) -> torch.Tensor:
+        """Log ``loss_l{q}``, and with counted marginals ``loss_gap`` (plus, outside training, ``marginal_ce`` and
+        ``marginal_ce_l{q}``: on training batches they only follow the batch's code mix, and every logged
+        ``train/`` value lands on the progress line); returns the loss (mean over levels)."""
+        loss = level_loss.mean()
+        for q in range(self.cfg.levels):
+            self.log(f"{stage}/loss_l{q}", level_loss[q], **kw)
+        if self.counted:
+            marginal = self.marginal_ce(target)
+            if stage != "train":
+                for q in range(self.cfg.levels):
+                    self.log(f"{stage}/marginal_ce_l{q}", marginal[q], **kw)
+                self.log(f"{stage}/marginal_ce", marginal.mean(), **kw)
+            self.log(f"{stage}/loss_gap", marginal.mean() - loss.detach(), **kw)
+        return loss
 
     def training_step(self, batch, batch_idx):
-        loss, acc, _ = self.masked_loss(batch)
+        _, _, logits, target = self.masked_forward(batch)
+        loss = self._log_levels("train", self.level_ce(logits, target), target, on_step=True, on_epoch=False)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
-        self.log("train/acc", acc.mean(), on_step=True, on_epoch=False)
+        self.log("train/acc", (logits.argmax(-1) == target).float().mean(), on_step=True, on_epoch=False)
         return loss
 
     def _eval(self, batch, batch_idx, stage):
         g = torch.Generator().manual_seed(stable_seed("meg-eval-mask", stage, batch_idx))
-        loss, acc, _ = self.masked_loss(batch, generator=g)
+        codes, mask, logits, target = self.masked_forward(batch, generator=g)
+        acc = (logits.argmax(-1) == target).float().mean(0)
+        kw = dict(on_step=False, on_epoch=True)
+        loss = self._log_levels(stage, self.level_ce(logits, target), target, **kw)
         self.acc[stage].update(acc.mean())
-        self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, prog_bar=True)
-        self.log(f"{stage}/acc", self.acc[stage], on_step=False, on_epoch=True, prog_bar=True)
-        self.log(f"{stage}/acc_l0", acc[0], on_step=False, on_epoch=True)
+        self.log(f"{stage}/loss", loss, prog_bar=True, **kw)
+        self.log(f"{stage}/acc", self.acc[stage], prog_bar=True, **kw)
+        self.log(f"{stage}/acc_l0", acc[0], **kw)
+        chunks = self.short_context_chunks(batch["meg"].shape[-1], codes.shape[2])
+        if chunks:
+            short = self.level_ce(self.short_context_logits(batch, codes, mask, chunks), target).mean()
+            self.log(f"{stage}/loss_short", short, **kw)
+            self.log(f"{stage}/context_gain", short - loss, **kw)
 
     def validation_step(self, batch, batch_idx):
         self._eval(batch, batch_idx, "val")
 
     def test_step(self, batch, batch_idx):
         self._eval(batch, batch_idx, "test")
+
+    # ------------------------------------------------------------------ the one-line report
+    def _print_summary(self, stage: str, when: str) -> None:
+        trainer = self.trainer
+        if not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(f"{stage}/")}
+        line = masked_code_summary(metrics, stage, self.cfg.levels, when, self.short_context_seconds())
+        if line:
+            print(line, flush=True)
+
+    def short_context_seconds(self, n_samples: Optional[int] = None) -> Optional[float]:
+        """Seconds of one chunk of the context ablation (None when off); ``n_samples``: the window (default: the
+        data's ``context_s``, else 150 s)."""
+        c = self.cfg
+        if c.short_context_subsegments is None:
+            return None
+        if n_samples is None:
+            dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            seconds = getattr(getattr(dm, "cfg", None), "context_s", None) or 150.0
+            n_samples = int(round(seconds * c.sfreq))
+        n_sub, sub_len, _, _ = masking_plan(n_samples // c.stride, c.subsegments(n_samples), c.mask_tokens,
+                                            c.mask_ratio)
+        return min(c.short_context_subsegments, n_sub) * sub_len * c.stride / c.sfreq
+
+    def on_train_end(self) -> None:
+        self._checkpoint_step = None  # the weights in memory are now those of the final step
+        self._print_summary("val", f"pre-training, last validation at step {self.trainer.global_step}")
+
+    def _evaluated_step(self) -> str:
+        step = getattr(self, "_checkpoint_step", None)
+        return f"the checkpoint of step {step}" if step is not None else f"step {self.trainer.global_step}"
+
+    def on_validation_end(self) -> None:
+        if self.trainer.state.fn == "validate":
+            self._print_summary("val", f"pre-training, validate stage on {self._evaluated_step()}")
+
+    def on_test_end(self) -> None:
+        self._print_summary("test", f"pre-training, test stage on {self._evaluated_step()}")
 
     def masking_summary(self, n_samples: int) -> str:
         """One line on how a context of ``n_samples`` samples is masked."""
