@@ -18,7 +18,7 @@ For the synthetic study with its slow context **on** and **off** (``synthetic.co
 Runs are cached in ``bench/results/meg_context.json`` (a rerun skips finished runs); the table goes into
 ``docs/results.md`` and the figure into ``docs/figures/meg_context.png``.
 
-    python -m bench.meg_context                      # 3 seeds, context on and off (about 30 min on 2 cores)
+    python -m bench.meg_context                      # 3 seeds, context on and off (about 60 min on 2 cores)
     python -m bench.meg_context --seeds 0 --report-only
 
 **Oracle** (``--oracle``; no pre-training): how much a masked 3-s block's level-0 code can be predicted from the
@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--contexts", nargs="+", default=["on", "off"], choices=["on", "off"])
-    p.add_argument("--pretrain-epochs", type=int, default=2)
+    p.add_argument("--pretrain-epochs", type=int, default=4)
     p.add_argument("--finetune-epochs", type=int, default=12)
     p.add_argument("--label-fractions", type=float, nargs="+", default=[0.25, 1.0],
                    help="fractions of the labelled training samples (each gets its own table)")
