@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("timm", reason="EMFormer needs timm (pip install -e '.[weather]')")
 xr = pytest.importorskip("xarray", reason="the ERA5 loader needs xarray (pip install -e '.[weather]')")
 pytest.importorskip("zarr", reason="the ERA5 loader needs zarr (pip install -e '.[weather]')")
-pd = pytest.importorskip("pandas")
+pd = pytest.importorskip("pandas", reason="xarray needs pandas (installed with xarray)")
 
 from datamodules.era5 import ERA5DataConfig, ERA5DataModule  # noqa: E402
 from litctx_common.errors import DataError  # noqa: E402

@@ -91,7 +91,8 @@ def test_marginal_cross_entropy_by_hand():
 
 
 def test_fit_softmax_matches_scikit_learn_on_expanded_rows():
-    sklearn = pytest.importorskip("sklearn.linear_model")
+    sklearn = pytest.importorskip("sklearn.linear_model",
+                                  reason="the oracle is checked against scikit-learn (pip install scikit-learn)")
     rng = np.random.default_rng(3)
     x = rng.standard_normal((40, 4))
     counts = rng.integers(0, 3, size=(40, 3)).astype(float)

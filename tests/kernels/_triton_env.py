@@ -15,7 +15,7 @@ def triton_device() -> str:
     if not interpret and not torch.cuda.is_available():
         pytest.skip("Triton kernel tests need TRITON_INTERPRET=1 (CPU interpreter) or a CUDA device",
                     allow_module_level=True)
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="Triton kernels need the triton package (installed with torch on Linux x86_64)")
     return "cpu" if interpret else "cuda"
 
 
@@ -26,7 +26,7 @@ def compiled_cuda_device() -> str:
         pytest.skip("needs a CUDA device", allow_module_level=True)
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("compiled-kernel tests: unset TRITON_INTERPRET", allow_module_level=True)
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="Triton kernels need the triton package (installed with torch on Linux x86_64)")
     return "cuda"
 
 
