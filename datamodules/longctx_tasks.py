@@ -2,9 +2,9 @@
 
 Tasks (after RULER, arXiv:2404.06654; wording and generators are our own):
 
-========================  ==========================================================================  ======
+========================  ==========================================================================  =======
 task                      what is planted / asked                                                     score
-========================  ==========================================================================  ======
+========================  ==========================================================================  =======
 ``niah_single``           one "special magic number" for a key at a chosen depth; ask for it          any
 ``niah_multikey``         four needles with different keys (one at the depth, three anywhere); ask    any
                           for one key
@@ -14,17 +14,30 @@ task                      what is planted / asked                               
 ``common_words``          a numbered word list in which ten words are frequent; ask for the ten        all
 ``qa_facts``              facts about invented people (one at the depth, three distractors); a        any
                           question about one of them
-========================  ==========================================================================  ======
+``pointer_chasing``       records ``key : v1 v2 v3 v4 > next-key`` forming a chain (the first at the   ordered
+                          depth, each later hop in its own region of the context) and disjoint
+                          distractor chains; recite 3 records from a start key by following the
+                          pointers (opt-in: not in the default task list)
+========================  ==========================================================================  =======
 
 The haystack is real prose: the standard library's ``pydoc_data`` topics by default, or the documents of
 ``haystack`` (a folder or file of ``.txt``/``.jsonl``). Each sample is a contiguous run of sentences from a
 seeded start, long enough that the whole chat-formatted prompt is about ``length`` tokens; the needles are
-inserted between sentences at their depth (0 = start of the context, 1 = end).
+inserted between sentences at their depth (0 = start of the context, 1 = end). ``pointer_chasing`` keeps the
+run, among a few seeded starts, whose length is nearest to its budget, so its prompts land within a few percent
+of ``length`` (the original tasks keep their first run, and so their samples, as they were).
 
 A sample holds the prompt split for kvpress's protocol: ``context_ids`` (chat template + instruction +
 context) and ``question_ids`` (question + the assistant's answer prefix), tokenised with the model's chat
-template. The query-aware protocol feeds both at once. ``metric`` names RULER's string match (``any`` or
-``all``; :func:`lightning_modules.llm.suite_metrics.score_prediction`).
+template. The query-aware protocol feeds both at once. ``metric`` names the string match (RULER's ``any`` or
+``all``, or ``ordered`` for recitations; :func:`lightning_modules.llm.suite_metrics.score_prediction`).
+
+``pointer_chasing`` is built for the "saliency shift" of sparse verification in speculative decoding: each
+hop of the recitation needs a different, distant region of the context, so a set of KV entries chosen once
+at prefill cannot serve the whole answer. Its parameters are a :class:`PointerChasingSpec` (default
+:data:`POINTER_CHASING`: 3 hops, 2 distractor chains, 4 values per record). :data:`DEFAULT_TASKS` (the
+suite's default selection) leaves it out so earlier runs and their result files stay as they were; select it
+with ``tasks: [pointer_chasing]``.
 """
 
 from __future__ import annotations
@@ -43,18 +56,23 @@ from datamodules.base import StreamDataModule
 from litctx_common.seeding import stable_seed
 from datamodules.text import load_tokenizer_folder, read_documents
 
-__all__ = ["TASKS", "SuiteConfig", "LongContextSuite", "LongContextSuiteDataModule", "Haystack", "collate_suite",
-           "build_sample"]
+__all__ = ["TASKS", "DEFAULT_TASKS", "DEPTH_TASKS", "SuiteConfig", "LongContextSuite", "LongContextSuiteDataModule",
+           "Haystack", "collate_suite", "build_sample", "PointerChasingSpec", "POINTER_CHASING", "format_record",
+           "parse_records"]
 
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words", "qa_facts")
-DEPTH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "qa_facts")
+#: the suite's default selection (unchanged since the first suite runs)
+DEFAULT_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words", "qa_facts")
+#: every valid task name
+TASKS = DEFAULT_TASKS + ("pointer_chasing",)
+#: tasks whose first needle sits at the sample's depth
+DEPTH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "qa_facts", "pointer_chasing")
 
 
 @dataclass
 class SuiteConfig:
     """Attributes:
         tokenizer: a registered model name or a local tokenizer folder (its chat template formats prompts).
-        tasks: which of :data:`TASKS`.
+        tasks: which of :data:`TASKS` (default :data:`DEFAULT_TASKS`, which leaves out ``pointer_chasing``).
         lengths: prompt lengths in tokens.
         samples_per_cell: samples per (task, length).
         depths: needle depths cycled through the samples of a cell.
@@ -66,7 +84,7 @@ class SuiteConfig:
     """
 
     tokenizer: str = "smollm2-135m"
-    tasks: List[str] = field(default_factory=lambda: list(TASKS))
+    tasks: List[str] = field(default_factory=lambda: list(DEFAULT_TASKS))
     lengths: List[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
     samples_per_cell: int = 50
     depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
@@ -80,7 +98,8 @@ class SuiteConfig:
         problems = []
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown or not self.tasks:
-            problems.append(f"tasks={list(self.tasks)}: each must be one of {', '.join(TASKS)}")
+            what = f"unknown {', '.join(map(repr, unknown))}; " if unknown else "empty; "
+            problems.append(f"tasks={list(self.tasks)}: {what}each must be one of {', '.join(TASKS)}")
         if not self.lengths or any(n < 256 for n in self.lengths):
             problems.append(f"lengths={list(self.lengths)}: need at least one length, each >= 256 tokens")
         if self.samples_per_cell < 1:
@@ -115,15 +134,35 @@ class Haystack:
         if len(words) < 200:
             raise ValueError(f"the haystack has only {len(words)} distinct words; need at least 200")
 
-    def run(self, rng: random.Random, n_tokens: int) -> Tuple[List[str], List[int]]:
+    def run(self, rng: random.Random, n_tokens: int, closest: bool = False, tries: int = 8
+            ) -> Tuple[List[str], List[int]]:
         """Consecutive sentences (wrapping around) from a random start with about ``n_tokens`` tokens, and
-        their token counts."""
+        their token counts.
+
+        By default the run stops at the first sentence that reaches ``n_tokens`` (the suite's original tasks;
+        a long last sentence can overshoot). ``closest`` draws ``tries`` starts and keeps the run, with or
+        without its last sentence, whose token count is nearest to ``n_tokens``.
+        """
+        if not closest:
+            return self._run_from(rng.randrange(len(self.sentences)), n_tokens)
+        best: Optional[Tuple[List[str], List[int]]] = None
+        for _ in range(max(1, tries)):
+            out, counts = self._run_from(rng.randrange(len(self.sentences)), n_tokens)
+            options = [(out, counts)] + ([(out[:-1], counts[:-1])] if len(out) > 1 else [])
+            for cand in options:
+                if best is None or abs(sum(cand[1]) - n_tokens) < abs(sum(best[1]) - n_tokens):
+                    best = cand
+        return best
+
+    def _run_from(self, i: int, n_tokens: int) -> Tuple[List[str], List[int]]:
+        """The sentences from index ``i`` on (wrapping around) up to the first that reaches ``n_tokens``."""
         out: List[str] = []
         counts: List[int] = []
-        i = rng.randrange(len(self.sentences))
-        while sum(counts) < n_tokens:
+        total = 0
+        while total < n_tokens:
             out.append(self.sentences[i])
             counts.append(self.tokens[i])
+            total += self.tokens[i]
             i = (i + 1) % len(self.sentences)
         return out, counts
 
@@ -248,6 +287,114 @@ def _qa_facts(rng: random.Random, depth: float) -> TaskText:
                     [values[0]], "any", 16)
 
 
+@dataclass(frozen=True)
+class PointerChasingSpec:
+    """Parameters of the ``pointer_chasing`` task.
+
+    Attributes:
+        hops: records of the asked chain, all recited in the answer (>= 1).
+        distractor_chains: further chains of ``hops`` records each; they share no key with the asked chain
+            (nor with each other), so only following the pointers tells the chains apart (>= 0).
+        values_per_record: values between a record's key and its pointer (>= 1).
+        value_syllables: consonant-vowel syllables per invented value word (2 -> 1-2 SmolLM2 tokens).
+        tokens_per_record: generation allowance per recited record; a SmolLM2 record of the defaults is
+            14-22 tokens with its separator.
+        answer_slack: extra generation allowance on top of ``hops * tokens_per_record``.
+    """
+
+    hops: int = 3
+    distractor_chains: int = 2
+    values_per_record: int = 4
+    value_syllables: int = 2
+    tokens_per_record: int = 28
+    answer_slack: int = 16
+
+    def __post_init__(self) -> None:
+        minimum = {"hops": 1, "distractor_chains": 0, "values_per_record": 1, "value_syllables": 1,
+                   "tokens_per_record": 1, "answer_slack": 0}
+        bad = [f"{k}={getattr(self, k)} (must be >= {m})" for k, m in minimum.items() if getattr(self, k) < m]
+        if bad:
+            raise ValueError("PointerChasingSpec: " + "; ".join(bad))
+
+    @property
+    def n_records(self) -> int:
+        """Records planted in a sample: the asked chain plus the distractor chains."""
+        return self.hops * (1 + self.distractor_chains)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The sample's generation limit: ``hops * tokens_per_record + answer_slack`` (100 by default)."""
+        return self.hops * self.tokens_per_record + self.answer_slack
+
+
+#: the defaults used by :func:`build_sample`
+POINTER_CHASING = PointerChasingSpec()
+
+_RECORD = re.compile(r"([a-z]+-[a-z]+) : ((?:[a-z]+ )+)> ([a-z]+-[a-z]+)")
+
+
+def format_record(key: str, values: Sequence[str], pointer: str) -> str:
+    """``"key : v1 v2 v3 v4 > pointer"``: one record as planted in the context and expected in the answer."""
+    return f"{key} : {' '.join(values)} > {pointer}"
+
+
+def parse_records(text: str) -> List[Tuple[str, Tuple[str, ...], str, int]]:
+    """Every record of ``text`` (keys ``word-word``, lower-case values) as ``(key, values, pointer, char
+    offset)``, in the order they occur."""
+    return [(m.group(1), tuple(m.group(2).split()), m.group(3), m.start()) for m in _RECORD.finditer(text)]
+
+
+def _hop_depths(rng: random.Random, depth: float, hops: int) -> List[float]:
+    """Depths of the asked chain's records: the first at ``depth``; the context is cut into ``hops`` equal
+    regions and every later hop lands in the middle half of a region of its own (random order), so any two
+    hops are at least a quarter region apart."""
+    first = min(int(depth * hops), hops - 1)
+    others = [r for r in range(hops) if r != first]
+    rng.shuffle(others)
+    return [depth] + [(r + 0.25 + 0.5 * rng.random()) / hops for r in others]
+
+
+def _pointer_chasing(rng: random.Random, depth: float, words: Sequence[str],
+                     spec: PointerChasingSpec = POINTER_CHASING) -> TaskText:
+    """Chains of records ``key : values > next key``; the answer recites the first chain from its start.
+
+    Every key (records' keys and the dangling pointers that end the chains) is a distinct ``word-word`` of the
+    haystack vocabulary, every value a distinct invented lower-case word, so each record occurs once.
+    """
+    n_chains = 1 + spec.distractor_chains
+    # one extra key per chain: the pointer of its last record, which names no record
+    keys = _distinct(lambda: _key(rng, words), n_chains * (spec.hops + 1))
+    n_values = spec.n_records * spec.values_per_record
+    if n_values > (len(_CONS) * len(_VOW)) ** spec.value_syllables // 2:
+        raise ValueError(f"PointerChasingSpec: {n_values} distinct values of value_syllables="
+                         f"{spec.value_syllables} are too many; use more syllables or fewer records")
+    values = _distinct(lambda: invented_name(rng, spec.value_syllables).lower(), n_values)
+    chains: List[List[str]] = []
+    for c in range(n_chains):
+        ks = keys[c * (spec.hops + 1): (c + 1) * (spec.hops + 1)]
+        chain = []
+        for h in range(spec.hops):
+            at = (c * spec.hops + h) * spec.values_per_record
+            chain.append(format_record(ks[h], values[at: at + spec.values_per_record], ks[h + 1]))
+        chains.append(chain)
+    asked = chains[0]
+    needles = list(zip(_hop_depths(rng, depth, spec.hops), asked))
+    needles += [(rng.random(), record) for chain in chains[1:] for record in chain]
+    start = keys[0]
+    n = spec.hops
+    plural = f"{n} record" + ("" if n == 1 else "s")
+    return TaskText(
+        "The following text hides records. A record is a key (two words joined by a hyphen), a colon, "
+        f"{spec.values_per_record} short values, the sign '>' and then the key of the record it points to. "
+        "Memorize the records: you will have to follow their pointers afterwards.",
+        needles,
+        f"Question: Starting from the record with key {start}, recite {plural} in order, following the "
+        "pointers: write each record exactly as it appears in the text (key : values > next key), then "
+        "continue with the record whose key it points to.",
+        f"Answer: Following the pointers from {start}, the {plural} in order {'is' if n == 1 else 'are'}:",
+        asked, "ordered", spec.max_new_tokens)
+
+
 def _insert(sentences: List[str], counts: Sequence[int], needles: Sequence[Tuple[float, str]]) -> str:
     """Insert each needle at the sentence boundary nearest to its depth, measured in haystack tokens."""
     total = max(1, sum(counts))
@@ -277,9 +424,17 @@ def _format(tokenizer: Any, instruction: str, context: str, question: str, answe
 
 
 def build_sample(task: str, length: int, index: int, haystack: Haystack, tokenizer: Any, seed: int = 0,
-                 depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), use_chat_template: bool = True
-                 ) -> Dict[str, Any]:
-    """One sample of ``task`` with a prompt of about ``length`` tokens (deterministic in its arguments)."""
+                 depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), use_chat_template: bool = True,
+                 pointer_spec: PointerChasingSpec = POINTER_CHASING) -> Dict[str, Any]:
+    """One sample of ``task`` with a prompt of about ``length`` tokens (deterministic in its arguments).
+
+    Returns a dict: ``task``, ``length``, ``index``, ``seed``, ``id`` (``"{task}-{length}-{index}"``),
+    ``depth`` (float; NaN for tasks without a depth), ``context_ids`` (LongTensor ``[n_context]``),
+    ``question_ids`` (LongTensor ``[n_question]``), ``answers`` (list of str; for ``pointer_chasing`` the
+    expected records in recitation order), ``metric`` (``any``/``all``/``ordered``), ``max_new_tokens`` (int),
+    ``n_tokens`` (``n_context + n_question``) and ``question`` (str). ``pointer_spec`` parameterises
+    ``pointer_chasing`` only.
+    """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; valid: {', '.join(TASKS)}")
     rng = random.Random(stable_seed("longctx", seed, task, length, index))
@@ -290,6 +445,8 @@ def build_sample(task: str, length: int, index: int, haystack: Haystack, tokeniz
         spec = _variable_tracking(rng, depth)
     elif task == "qa_facts":
         spec = _qa_facts(rng, depth)
+    elif task == "pointer_chasing":
+        spec = _pointer_chasing(rng, depth, haystack.words, pointer_spec)
     else:
         spec = None
 
@@ -309,7 +466,18 @@ def build_sample(task: str, length: int, index: int, haystack: Haystack, tokeniz
     else:
         head, tail = _format(tokenizer, spec.instruction, "", spec.question, spec.answer_prefix, use_chat_template)
         budget = length - count(head) - count(tail) - sum(count(t) + 1 for _, t in spec.needles)
-        context = _insert(*haystack.run(rng, max(0, budget)), spec.needles)
+        if task == "pointer_chasing":
+            # newer than the other tasks (whose samples stay as they were): pick the run nearest to the budget,
+            # then correct the budget once by the measured miss (per-sentence counts overestimate joined text)
+            state = rng.getstate()
+            context = _insert(*haystack.run(rng, max(0, budget), closest=True), spec.needles)
+            miss = length - sum(map(count, _format(tokenizer, spec.instruction, context, spec.question,
+                                                   spec.answer_prefix, use_chat_template)))
+            if abs(miss) > 0.01 * length:
+                rng.setstate(state)
+                context = _insert(*haystack.run(rng, max(0, budget + miss), closest=True), spec.needles)
+        else:
+            context = _insert(*haystack.run(rng, max(0, budget)), spec.needles)
     ctx_text, q_text = _format(tokenizer, spec.instruction, context, spec.question, spec.answer_prefix,
                                use_chat_template)
     ctx_ids = tokenizer(ctx_text, add_special_tokens=False)["input_ids"]

@@ -167,6 +167,9 @@ def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout,
         causal = False  # every query sees every key (e.g. one decode step): the causal mask is all ones
     if layout is None and window is None and (not causal or off == 0):
         return _cpu_dense(q, k, v, scale=scale, causal=causal, key_mask=key_mask)
+    if (layout is None and window is None and causal and off == n_k - n_q and n_q <= SHORT_APPEND_ROWS
+            and (key_mask is None or key_mask.shape[1] in (1, k.shape[1]))):
+        return _cpu_short_append(q, k, v, scale=scale, key_mask=key_mask)
     if layout is None:
         block = 128
         layout = (BlockLayout.causal(n_q, n_k, block, block, q_offset=off, window=window) if causal
@@ -177,6 +180,41 @@ def _cpu_softmax(q, k, v, *, scale, causal, q_offset, window, layout,
         key_mask = broadcast_key_mask(key_mask, q.shape[1])  # checked by attention()
     return block_sparse_attention_cpu(q, k, v, layout, scale=scale, causal=causal, q_offset=off, window=window,
                                       key_mask=key_mask)
+
+
+SHORT_APPEND_ROWS = 128
+"""Causal calls of at most this many queries appended after a cache (a speculative verification, a short chunk)
+run as one dense flash call with a small explicit ``[Nq, Nk]`` mask instead of the block-sparse path."""
+
+
+def _cpu_short_append(q, k, v, *, scale, key_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Causal (bottom-right) attention of a few queries ``q [B, Hq, Nq, d]`` that are the last ``Nq`` of
+    ``Nk`` keys: one flash call with an additive ``[B, 1|Hk, Nq(*g), Nk]`` mask (causal among the new keys, every
+    old key, ``key_mask [B, 1|Hk, Nk]``), the GQA group folded into the query axis (K/V not repeated). Rows with
+    no valid key give ``o = 0``, ``lse = -inf``."""
+    b, hq, n_q, d = q.shape
+    hk, n_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hk
+    allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(diagonal=n_k - n_q)[None, None]
+    if key_mask is not None:
+        allowed = allowed & key_mask.unsqueeze(2)  # [B, Hm, Nq, Nk]
+    additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
+    _log_once("attention", "torch", "cpu: short causal append as one dense flash call with an explicit mask")
+    if g > 1:
+        o, lse = _flash_cpu(q.reshape(b, hk, g * n_q, d), k, v, scale=scale, causal=False,
+                            attn_mask=additive.repeat(1, 1, g, 1))
+        o, lse = o.reshape(b, hq, n_q, dv), lse.reshape(b, hq, n_q)
+    else:
+        o, lse = _flash_cpu(q, k, v, scale=scale, causal=False, attn_mask=additive)
+    if key_mask is not None:
+        empty = ~allowed.any(-1)  # [B, Hm, Nq]
+        if bool(empty.any()):
+            if empty.shape[1] == hk and g > 1:
+                empty = empty.unsqueeze(2).expand(b, hk, g, n_q).reshape(b, hq, n_q)
+            empty = empty.expand(b, hq, n_q)
+            lse = lse.masked_fill(empty, float("-inf"))
+            o = o.masked_fill(empty.unsqueeze(-1), 0.0)
+    return o, lse
 
 
 def empty_rows(key_mask: torch.Tensor, n_q: int, q_offset: int, causal: bool,

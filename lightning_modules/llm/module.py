@@ -150,6 +150,7 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
         self.records: List[Dict[str, Any]] = []
         self.summary: Optional[Dict[str, Any]] = None
+        self.generation: Any = None  # a decoding strategy installed by a callback (speculative); None = greedy
         self._done: Dict[Tuple[str, Any], Dict[str, Any]] = {}  # (id, suite seed) -> record
 
     # ------------------------------------------------------------------ the evaluation of one batch
@@ -163,9 +164,14 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
         if self.cfg.protocol == "query_aware":
             ctx, ctx_mask = torch.cat([ctx, q], 1), torch.cat([ctx_mask, q_mask], 1)
             q = q_mask = None
-        result = greedy_generate(self.model, ctx, ctx_mask, limit, self.stop_ids, q, q_mask)
+        if self.generation is not None:
+            pad = self.tokenizer.pad_token_id if self.tokenizer is not None and self.tokenizer.pad_token_id is not None else 0
+            result = self.generation.generate(self.model, ctx, ctx_mask, limit, self.stop_ids, q, q_mask, pad_id=pad)
+        else:
+            result = greedy_generate(self.model, ctx, ctx_mask, limit, self.stop_ids, q, q_mask)
         records = []
         b = len(result.tokens)
+        extra = _decoding_fields(result.stats, b)
         for i, tokens in enumerate(result.tokens):
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             rec = {key: batch[key][i] for key in ("id", "task", "length", "depth", "n_tokens", "metric", "seed")}
@@ -174,11 +180,18 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
             rec.update(score=score_prediction(text, batch["answers"][i], batch["metric"][i]),
                        answers=list(batch["answers"][i]), new_tokens=len(tokens), protocol=self.cfg.protocol,
                        prefill_s=result.prefill_seconds / b, decode_s=result.decode_seconds / b,
-                       cache_bytes=result.cache_bytes // b)
+                       cache_bytes=result.cache_bytes // b, decoding=self.decoding_name(),
+                       decode_tok_s=len(tokens) / (result.decode_seconds / b) if result.decode_seconds > 0 else None)
+            rec.update({k: (v[i] if isinstance(v, list) else v) for k, v in extra.items()})
             if self.cfg.keep_predictions:
                 rec["prediction"] = text
             records.append(rec)
         return records
+
+    def decoding_name(self) -> str:
+        """``greedy``, or the installed decoding strategy's name (stored with each record: a results file resumes
+        only records of the same decoding)."""
+        return "greedy" if self.generation is None else self.generation.name
 
     def policy_name(self) -> str:
         """The installed KV policy's name (``full``: none), stored with each record so that a results file
@@ -204,7 +217,8 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
             return
         for rec in read_jsonl(path):  # a line cut by a kill is skipped: that sample runs again
             if (rec.get("protocol") == self.cfg.protocol and rec.get("model") == self.cfg.model
-                    and rec.get("policy", "full") == self.policy_name()):
+                    and rec.get("policy", "full") == self.policy_name()
+                    and rec.get("decoding", "greedy") == self.decoding_name()):
                 self._done[(rec["id"], rec.get("seed"))] = rec
 
     def _append(self, records: List[Dict[str, Any]]) -> None:
@@ -280,3 +294,21 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
         with atomic_open(path, "w", encoding="utf-8") as f:
             for rec in self.records:
                 f.write(json.dumps(rec) + "\n")
+
+
+def _decoding_fields(stats: Dict[str, Any], rows: int) -> Dict[str, Any]:
+    """Per-record fields of a speculative run's statistics (lists hold one value per row)."""
+    if not stats or stats.get("strategy") != "speculative":
+        return {}
+    acc, prop = stats.get("accepted_per_row", []), stats.get("proposed_per_row", [])
+    out: Dict[str, Any] = {
+        "acceptance_rate": [a / p if p else None for a, p in zip(acc, prop)] if len(acc) == rows else None,
+        "verify_steps": stats.get("verify_steps"), "mean_accepted_length": stats.get("mean_accepted_length"),
+        "gamma": stats.get("gamma"), "verifier": stats.get("verifier"),
+        "verify_s_per_step": (stats["verify_seconds"] / stats["target_calls"]) if stats.get("target_calls") else None}
+    read = stats.get("read") or {}
+    if read.get("calls"):
+        out.update(verify_bytes=read["bytes_read"], verify_kv_bytes=read["kv_bytes_read"],
+                   verify_scorer_bytes=read["scorer_bytes"], verify_dense_bytes=read["dense_bytes"],
+                   read_fraction=read["read_fraction"], arr=read["arr"])
+    return out

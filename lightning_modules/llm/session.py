@@ -41,11 +41,12 @@ import torch
 
 import kernels
 from kernels.reference.colstats import MOMENTS as COLSTATS_MOMENTS
-from lightning_modules.llm.attention import ATTN_NAME, RUNNER_ATTR, ensure_registered, mask_to_key_mask
+from lightning_modules.llm.attention import ATTN_NAME, RUNNER_ATTR, causal_attention, ensure_registered, mask_to_key_mask
 from lightning_modules.llm.policy import Action, KVObservation, KVPolicy, PolicyBatch, Schedule
 
 __all__ = ["LayerRunner", "PolicySession", "install_policy", "attach_runners", "active_session", "attention_modules",
-           "cache_bytes", "window_attention", "SESSION_ATTR"]
+           "cache_bytes", "window_attention", "SESSION_ATTR", "ROLES", "RunnerStack", "runner_stack", "call_phase",
+           "phase_of", "PHASE_ATTR"]
 
 SESSION_ATTR = "_litctx_kv_session"
 
@@ -140,9 +141,12 @@ class LayerRunner:
 
     # ------------------------------------------------------------------ the attention call
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: Optional[torch.Tensor], scale: float, window: Optional[int] = None) -> torch.Tensor:
+               attention_mask: Optional[torch.Tensor], scale: float, window: Optional[int] = None,
+               stack: Optional["RunnerStack"] = None, phase_hint: Optional[str] = None) -> torch.Tensor:
         """``query [B, Hq, Nq, d]`` over the cache view ``key, value [B, Hk, Nk, d]`` (this call's entries last);
-        ``window`` is the layer's sliding window (None: full causal attention). Returns ``[B, Hq, Nq, dv]``."""
+        ``window`` is the layer's sliding window (None: full causal attention). ``stack`` (the module's
+        :class:`RunnerStack`) computes the attention over the entries this policy lets the call read (a prefill
+        method, a read subset); ``phase_hint`` is the driver's mark (``verify``). Returns ``[B, Hq, Nq, dv]``."""
         b, hk, n_k = key.shape[0], key.shape[1], key.shape[2]
         n_q = query.shape[2]
         n_old = n_k - n_q
@@ -162,23 +166,29 @@ class LayerRunner:
             raise RuntimeError(f"layer {self.layer}: the cache holds {n_old} entries for batch {b} but the policy "
                                f"tracked {have}; a cache that was filled before the policy was installed, or edited "
                                f"outside it, cannot be served (start from an empty cache)")
-        phase = "prefill" if n_old == 0 else ("decode" if n_q == 1 else "append")
+        phase = phase_of(n_old, n_q, phase_hint)
         new_slots, new_valid = self._new_entries(attention_mask, b, hk, n_q, key.device, window)
         slots = new_slots if n_old == 0 else torch.cat([st.slots, new_slots], dim=-1)
         valid = new_valid if n_old == 0 else torch.cat([st.valid, new_valid], dim=-1)
         pol = self.policy
         read = valid
-        if pol.action is Action.SPARSE_READ and phase == "decode" and pol.acts_on(self.layer):
+        if pol.action is Action.SPARSE_READ and phase in ("decode", "verify") and pol.acts_on(self.layer):
             obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, window=window)
             read = self._combine([p.decide(ob, self.scorers[i]) if p.acts_on(self.layer) else ob.valid
                                   for i, p, ob in self._views(obs)])
+            # the call's own entries are always read (a verification's queries attend to each other causally)
+            read = torch.cat([read[..., :n_old], valid[..., n_old:]], -1)
             self.session.record(self.layer, phase, read, valid)
 
-        if window is None:
+        if stack is not None:
+            o, lse = stack.compute(module, query, key, value, read, scale, window, phase, attention_mask, slots,
+                                   first_slot=st.seen)
+        elif window is None:
             o, lse = kernels.attention(query, key, value, scale=scale, causal=True,
                                        key_mask=None if bool(read.all()) else read)
         else:
             o, lse = window_attention(query, key, value, slots, read, scale, window, first_slot=st.seen)
+        if window is not None:
             # entries the next query cannot see (slot <= next slot - window) are dead: never read again
             valid = valid & (slots > st.seen + n_q - window)
         comp = pol.compensator
@@ -203,7 +213,7 @@ class LayerRunner:
         st = self.state
         views = self._views(obs)
         st.seen += obs.q.shape[2]
-        if obs.phase == "decode":
+        if obs.phase in ("decode", "verify"):
             st.decode_steps += 1
         if st.capacity is None:
             st.capacity = [None] * len(self.policy.policies)
@@ -258,6 +268,20 @@ class LayerRunner:
         self.cache = cache
         self._start()
         self._after_attention(obs)
+
+    def rollback(self, removed: torch.Tensor) -> None:
+        """Stop reading the entries of the stream columns ``removed [B, S]`` (rejected drafts): every entry whose
+        slot is marked becomes invalid in every head (evicted ones are already gone)."""
+        st = self.state
+        if st.slots is None:
+            return
+        if self.state.slots.shape[0] != removed.shape[0]:
+            raise RuntimeError(f"layer {self.layer}: rollback of {removed.shape[0]} rows, the cache holds "
+                               f"{st.slots.shape[0]}")
+        width = removed.shape[1]
+        inside = st.slots < width
+        hit = torch.gather(removed.unsqueeze(1).expand(-1, st.slots.shape[1], -1), 2, st.slots.clamp_max(width - 1))
+        st.valid = st.valid & ~(hit & inside)
 
     def _due(self, phase: str, schedule: Schedule) -> bool:
         if phase == "prefill":
@@ -403,6 +427,12 @@ class PolicySession:
             self.decisions.append({"layer": layer, "phase": phase, "kept": int((keep & valid).sum()),
                                    "valid": total})
 
+    def rollback(self, removed: torch.Tensor) -> None:
+        """Per-row rollback (:meth:`~lightning_modules.llm.generation.CachedLM.rollback`): the stream columns
+        ``removed [B, S]`` are no longer read in any layer."""
+        for runner in self.runners.values():
+            runner.rollback(removed)
+
     def kept_fraction(self) -> float:
         """Kept / valid over every decision recorded (``keep_log=True``)."""
         valid = sum(d["valid"] for d in self.decisions)
@@ -419,39 +449,203 @@ def active_session(model: torch.nn.Module) -> Optional[PolicySession]:
     return getattr(model, SESSION_ATTR, None)
 
 
+ROLES = ("compute", "observe", "prefill", "policy", "read")
+"""What an attached runner does in a layer's attention call (:class:`RunnerStack`):
+
+* ``compute`` - owns the whole call (``attend``); exclusive: nothing else may be attached with it;
+* ``observe`` - sees every call before it runs (``observe(module, query, key, value, attention_mask, scale,
+  window)``); any number (calibration passes, a draft's lookahead recorder);
+* ``prefill`` - computes first prefills (a sparse prefill method: ``prefill_compute(...) -> (o, lse) | None``);
+* ``policy`` - a KV policy's :class:`LayerRunner` (bookkeeping, observation, eviction);
+* ``read`` - chooses the entries a decode or verification call reads (``read_set``; see
+  :class:`~lightning_modules.llm.sparse_read_session.SparseReadRunner`).
+"""
+
+PHASE_ATTR = "_litctx_call_phase"
+_ORIGINAL_IMPL_ATTR = "_litctx_original_attn_impl"
+
+
+@contextlib.contextmanager
+def call_phase(model: torch.nn.Module, phase: str) -> Iterator[None]:
+    """Mark the model calls inside the block as ``phase`` (``verify``: a speculative verification of several
+    drafted tokens) for the runners; restored on exit."""
+    previous = getattr(model, PHASE_ATTR, None)
+    setattr(model, PHASE_ATTR, phase)
+    try:
+        yield
+    finally:
+        if previous is None:
+            delattr(model, PHASE_ATTR)
+        else:
+            setattr(model, PHASE_ATTR, previous)
+
+
+def phase_of(n_old: int, n_q: int, hint: Optional[str] = None) -> str:
+    """``prefill`` (empty cache), ``verify`` (when the driver says so), ``decode`` (one token) or ``append``."""
+    if n_old == 0:
+        return "prefill"
+    if hint == "verify":
+        return "verify"
+    return "decode" if n_q == 1 else "append"
+
+
+class RunnerStack:
+    """The runners attached to one attention module, by role (:data:`ROLES`), and the order they act in one call:
+    observers see the call; a policy runner (if any) does its bookkeeping and asks :meth:`compute` for the
+    attention itself; :meth:`compute` runs the prefill method on first prefills, the read runner's entries on
+    decode/verify calls, and exact attention otherwise."""
+
+    def __init__(self, model: torch.nn.Module, layer: int) -> None:
+        self.model = model
+        self.layer = layer
+        self.parts: Dict[str, Any] = {}
+        self.what: Dict[str, str] = {}
+        self.observers: List[Any] = []
+
+    def add(self, role: str, runner: Any, what: str) -> None:
+        if role not in ROLES:
+            raise ValueError(f"runner role {role!r}: valid roles are {', '.join(ROLES)}")
+        taken = [f"{r} ({self.what[r]})" for r in self.parts]
+        if self.observers:
+            taken.append("observe")
+        if role == "compute" and taken:
+            raise RuntimeError(f"cannot install {what}: the model's attention is already overridden by "
+                               f"{', '.join(taken)}; remove it first")
+        if "compute" in self.parts:
+            raise RuntimeError(f"cannot install {what}: the model's attention is already overridden by "
+                               f"{self.what['compute']}; remove it first")
+        if role == "observe":
+            self.observers.append(runner)
+            return
+        if role in self.parts:
+            raise RuntimeError(f"cannot install {what}: a {role} runner ({self.what[role]}) is already installed on "
+                               f"layer {self.layer}; remove it first (one per role)")
+        self.parts[role], self.what[role] = runner, what
+
+    def remove(self, runner: Any) -> None:
+        self.observers = [o for o in self.observers if o is not runner]
+        for role in [r for r, p in self.parts.items() if p is runner]:
+            del self.parts[role], self.what[role]
+
+    @property
+    def empty(self) -> bool:
+        return not self.parts and not self.observers
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Optional[torch.Tensor], scale: float, window: Optional[int] = None,
+               **kwargs: Any) -> torch.Tensor:
+        """The ``litctx`` attention call of this layer: ``query [B, Hq, Nq, d]``, ``key, value [B, Hk, Nk, d]``
+        (this call's entries last). Returns ``[B, Hq, Nq, dv]``."""
+        if "compute" in self.parts:
+            return self.parts["compute"].attend(module, query, key, value, attention_mask, scale, window=window)
+        for obs in self.observers:
+            obs.observe(module, query, key, value, attention_mask, scale, window)
+        hint = getattr(self.model, PHASE_ATTR, None)
+        policy = self.parts.get("policy")
+        if policy is not None:
+            return policy.attend(module, query, key, value, attention_mask, scale, window=window, stack=self,
+                                 phase_hint=hint)
+        n_q, n_k = query.shape[2], key.shape[2]
+        phase = phase_of(n_k - n_q, n_q, hint)
+        if phase == "prefill" and "prefill" in self.parts:
+            done = self.parts["prefill"].prefill_compute(module, query, key, value, attention_mask, scale, window)
+            if done is not None:
+                return done[0]
+        key_mask = None
+        if attention_mask is not None:
+            key_mask = mask_to_key_mask(attention_mask, n_q, n_k, window=window)
+        if key_mask is None and attention_mask is not None or ("read" not in self.parts or phase == "prefill"):
+            return causal_attention(query, key, value, attention_mask, scale, window=window)
+        valid = key_mask if key_mask is not None else torch.ones(key.shape[0], 1, n_k, dtype=torch.bool,
+                                                                 device=key.device)
+        valid = valid.expand(key.shape[0], key.shape[1], n_k)
+        return self.compute(module, query, key, value, valid, scale, window, phase, attention_mask)[0]
+
+    def compute(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                valid: torch.Tensor, scale: float, window: Optional[int], phase: str,
+                attention_mask: Optional[torch.Tensor] = None, slots: Optional[torch.Tensor] = None,
+                first_slot: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``query [B, Hq, Nq, d]`` over the valid entries (``valid [B, Hk, Nk]``) of the cache view:
+        the prefill runner's method on first prefills, the read runner's subset on decode/verify calls of
+        full-attention layers, exact causal attention otherwise. Returns ``(o [B, Hq, Nq, dv], lse [B, Hq, Nq])``."""
+        n_q, n_k = query.shape[2], key.shape[2]
+        if phase == "prefill" and "prefill" in self.parts:
+            done = self.parts["prefill"].prefill_compute(module, query, key, value, attention_mask, scale, window)
+            if done is not None:
+                return done
+        read = self.parts.get("read")
+        if read is not None and window is None and phase in read.phases:
+            return read.attend_subset(self.layer, query, key, value, valid, scale, phase)
+        if window is None:
+            return kernels.attention(query, key, value, scale=scale, causal=True,
+                                     key_mask=None if bool(valid.all()) else valid)
+        if slots is None:
+            slots = torch.arange(n_k, device=key.device).view(1, 1, n_k).expand_as(valid)
+            first_slot = n_k - n_q
+        return window_attention(query, key, value, slots, valid, scale, window, first_slot=first_slot)
+
+
+def runner_stack(module: torch.nn.Module) -> Optional[RunnerStack]:
+    """The :class:`RunnerStack` of an attention module, if something is attached."""
+    stack = getattr(module, RUNNER_ATTR, None)
+    return stack if isinstance(stack, RunnerStack) else None
+
+
 @contextlib.contextmanager
 def attach_runners(model: torch.nn.Module, make_runner: Callable[[torch.nn.Module], Any],
-                   what: str = "an attention runner") -> Iterator[Dict[int, Any]]:
-    """Switch ``model`` to the ``litctx`` attention function and give every attention module the runner
-    ``make_runner(module)`` (an object with ``attend(module, query, key, value, attention_mask, scale)``);
-    yields ``{layer: runner}``. Everything is restored on exit, whatever happens. One runner per module: a
-    model that already has runners (a KV policy, a sparse prefill) is refused."""
+                   what: str = "an attention runner", role: str = "compute") -> Iterator[Dict[int, Any]]:
+    """Switch ``model`` to the ``litctx`` attention function and attach the runner ``make_runner(module)`` to
+    every attention module in ``role`` (:data:`ROLES`; the default ``compute`` owns the whole call, with
+    ``attend(module, query, key, value, attention_mask, scale, window=None)``); yields ``{layer: runner}``.
+    Runners of different roles compose on one module (:class:`RunnerStack`); a role already taken, or anything
+    beside a ``compute`` runner, is refused. Everything is restored on exit, whatever happens."""
+    if role not in ROLES:
+        raise ValueError(f"runner role {role!r}: valid roles are {', '.join(ROLES)}")
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention layer {what} can drive (looked for modules "
                          f"with layer_idx and q_proj/k_proj/v_proj, as in Llama, Qwen2 and OLMo-2)")
-    if any(hasattr(m, RUNNER_ATTR) for m in modules):
-        raise RuntimeError(f"cannot install {what}: the model's attention is already overridden (a KV policy or "
-                           f"a sparse prefill is installed); remove it first")
+    for m in modules:
+        existing = getattr(m, RUNNER_ATTR, None)
+        if existing is not None and not isinstance(existing, RunnerStack):
+            raise RuntimeError(f"cannot install {what}: the model's attention is already overridden; remove it first")
     ensure_registered()
     config = getattr(model, "config", None)
     previous_impl = getattr(config, "_attn_implementation", None)
     runners: Dict[int, Any] = {}
+    added: List[Tuple[torch.nn.Module, RunnerStack, Any]] = []
     try:
+        for m in modules:  # check every layer before changing any
+            stack = runner_stack(m)
+            if stack is not None:
+                probe = RunnerStack(model, m.layer_idx)
+                probe.parts, probe.what, probe.observers = dict(stack.parts), dict(stack.what), list(stack.observers)
+                probe.add(role, object(), what)
+        if not any(runner_stack(m) is not None for m in modules):
+            setattr(model, _ORIGINAL_IMPL_ATTR, previous_impl)  # restored when the last runner leaves
         if previous_impl != ATTN_NAME:
             if not hasattr(model, "set_attn_implementation"):
                 raise ValueError(f"{type(model).__name__} cannot switch to the litctx attention implementation")
             model.set_attn_implementation(ATTN_NAME)
         for m in modules:
             runners[m.layer_idx] = make_runner(m)
-            setattr(m, RUNNER_ATTR, runners[m.layer_idx])
+            stack = runner_stack(m)
+            if stack is None:
+                stack = RunnerStack(model, m.layer_idx)
+                setattr(m, RUNNER_ATTR, stack)
+            stack.add(role, runners[m.layer_idx], what)
+            added.append((m, stack, runners[m.layer_idx]))
         yield runners
     finally:
-        for m in modules:
-            if getattr(m, RUNNER_ATTR, None) is runners.get(m.layer_idx):
+        for m, stack, runner in added:
+            stack.remove(runner)
+            if stack.empty and getattr(m, RUNNER_ATTR, None) is stack:
                 delattr(m, RUNNER_ATTR)
-        if previous_impl is not None and previous_impl != ATTN_NAME:
-            model.set_attn_implementation(previous_impl)
+        if not any(runner_stack(m) is not None for m in modules) and hasattr(model, _ORIGINAL_IMPL_ATTR):
+            original = getattr(model, _ORIGINAL_IMPL_ATTR)
+            delattr(model, _ORIGINAL_IMPL_ATTR)
+            if original is not None and original != ATTN_NAME and hasattr(model, "set_attn_implementation"):
+                model.set_attn_implementation(original)
 
 
 @contextlib.contextmanager
@@ -480,7 +674,7 @@ def install_policy(model: torch.nn.Module, policy: KVPolicy, keep_log: bool = Fa
         return runner
 
     try:
-        with attach_runners(model, make_runner, "a KV policy"):
+        with attach_runners(model, make_runner, "a KV policy", role="policy"):
             setattr(model, SESSION_ATTR, session)
             yield session
     finally:

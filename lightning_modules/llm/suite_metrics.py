@@ -1,5 +1,17 @@
 """Scoring and summaries of long-context suite records (one dict per evaluated sample).
 
+Metrics of :func:`score_prediction` (a sample's ``metric`` field names one):
+
+* ``any``: 1.0 if some reference occurs in the prediction, else 0.0 (RULER's single-answer match).
+* ``all``: the fraction of references that occur in the prediction (RULER's multi-answer match).
+* ``ordered``: the fraction of the references recited in order: the length of the longest prefix of the
+  reference list whose items occur one after another (each after the end of the previous one) in the
+  prediction, divided by the list length. Items are matched as whole words after normalising both sides
+  (lower case, punctuation and whitespace runs turned into single spaces), so ``a-b : x y > c-d`` matches
+  ``A-B: x, y -> c-d``. Used by ``pointer_chasing``, whose answer is a list of records.
+
+``any`` and ``all`` match case-insensitive substrings (unchanged since the first suite runs).
+
 A record holds at least ``task``, ``length``, ``depth`` (NaN for tasks without a needle), ``score`` in
 ``[0, 1]`` and ``prediction``; :func:`summarise` turns a list of them into per-task accuracy by length and a
 depth x length grid over the needle tasks.
@@ -8,24 +20,62 @@ depth x length grid over the needle tasks.
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from typing import Any, Dict, List, Mapping, Sequence
 
 from litctx_common.stats import mean_sd
 
-__all__ = ["score_prediction", "summarise", "markdown_table", "depth_grid", "paired_bootstrap", "mean_prefill_seconds"]
+__all__ = ["METRICS", "score_prediction", "ordered_prefix", "summarise", "markdown_table", "depth_grid",
+           "paired_bootstrap", "mean_prefill_seconds"]
+
+
+METRICS = ("any", "all", "ordered")
+
+_NON_WORD = re.compile(r"[\W_]+")
+
+
+def _normalise(text: str) -> str:
+    """Lower case, every run of punctuation/whitespace as one space, padded with a space at both ends (so a
+    search for ``" item "`` matches whole words only)."""
+    return " " + _NON_WORD.sub(" ", text.lower()).strip() + " "
+
+
+def ordered_prefix(prediction: str, answers: Sequence[str]) -> int:
+    """How many leading ``answers`` occur in ``prediction`` one after another (normalised whole-word match;
+    each is searched after the end of the previous match). An item that normalises to nothing ends the
+    prefix."""
+    pred = _normalise(prediction)
+    at = 0
+    for n, answer in enumerate(answers):
+        item = _normalise(str(answer))
+        if not item.strip():
+            return n
+        found = pred.find(item, at)
+        if found < 0:
+            return n
+        at = found + len(item) - 1  # the closing space may open the next match
+    return len(answers)
 
 
 def score_prediction(prediction: str, answers: Sequence[str], metric: str) -> float:
-    """RULER's string match: ``any`` -> 1.0 if some reference occurs in ``prediction``; ``all`` -> the
-    fraction of references that occur (case-insensitive)."""
+    """Score of one prediction in [0, 1] by ``metric`` (see the module docstring):
+
+    * ``any`` -> 1.0 if some reference occurs in ``prediction`` (case-insensitive);
+    * ``all`` -> the fraction of references that occur (case-insensitive);
+    * ``ordered`` -> :func:`ordered_prefix` / ``len(answers)``.
+
+    An empty ``answers`` scores 0.0 under ``all`` and ``ordered``.
+    """
+    if metric == "ordered":
+        return ordered_prefix(prediction, answers) / len(answers) if answers else 0.0
     pred = prediction.lower()
     hits = [str(a).lower() in pred for a in answers]
     if metric == "any":
         return float(any(hits))
     if metric == "all":
         return sum(hits) / len(hits) if hits else 0.0
-    raise ValueError(f"metric must be 'any' or 'all', got {metric!r}")
+    raise ValueError(f"unknown metric {metric!r}; valid: {', '.join(METRICS)}")
 
 
 def _mean_sem(values: Sequence[float]) -> Dict[str, float]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -55,17 +55,29 @@ class SparsePrefillRunner:
     def __init__(self, layer: int, estimator: Any, session: SparsePrefillSession, min_length: int) -> None:
         self.layer, self.estimator, self.session, self.min_length = layer, estimator, session, int(min_length)
 
-    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: Optional[torch.Tensor], scale: float, window: Optional[int] = None) -> torch.Tensor:
+    def prefill_compute(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor], scale: float,
+                        window: Optional[int] = None) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """``(o [B, Hq, N, dv], lse [B, Hq, N])`` of a long unpadded first prefill through the estimator, or None
+        when the call does not qualify (the caller then runs exact attention). The ``prefill`` role of a
+        :class:`~lightning_modules.llm.session.RunnerStack`: a KV policy installed beside it observes these
+        outputs."""
         n_q, n_k = query.shape[2], key.shape[2]
         sparse = window is None or n_q <= window  # estimators choose causal blocks: sliding layers stay exact
-        if (self.estimator is not None and sparse and n_q == n_k and n_q > self.min_length
+        if not (self.estimator is not None and sparse and n_q == n_k and n_q > self.min_length
                 and _unpadded(attention_mask, n_q)):
-            o, _, stats = sparse_prefill_attention(query, key, value, self.estimator, scale)
-            self.session.records.append({"layer": self.layer, "n": n_q, "density": stats.density,
-                                         "estimate_seconds": stats.estimate_seconds,
-                                         "compute_seconds": stats.compute_seconds})
-            return o
+            return None
+        o, lse, stats = sparse_prefill_attention(query, key, value, self.estimator, scale)
+        self.session.records.append({"layer": self.layer, "n": n_q, "density": stats.density,
+                                     "estimate_seconds": stats.estimate_seconds,
+                                     "compute_seconds": stats.compute_seconds})
+        return o, lse
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Optional[torch.Tensor], scale: float, window: Optional[int] = None) -> torch.Tensor:
+        done = self.prefill_compute(module, query, key, value, attention_mask, scale, window)
+        if done is not None:
+            return done[0]
         return causal_attention(query, key, value, attention_mask, scale, window=window)
 
 
@@ -94,5 +106,5 @@ def install_sparse_prefill(model: torch.nn.Module, estimator: Union[Any, Callabl
         session.runners[layer] = runner
         return runner
 
-    with attach_runners(model, make_runner, "a sparse prefill"):
+    with attach_runners(model, make_runner, "a sparse prefill", role="prefill"):
         yield session

@@ -1,0 +1,336 @@
+"""Dustin's offline calibration, as a ``validate``/``predict`` run of the long-context evaluation module.
+
+While the callback is installed, every batch is decoded speculatively with **dense** verification (outputs are
+the reference ones) and each verification step is recorded: the history signal of every target (layer, head),
+the lookahead signal of every draft (layer, head), and the true attention mass of the verification queries per
+cache position (mean over the target's layers, heads and the ``gamma + 1`` queries). The attention recovery
+rate of a read set ``S`` is then exact and cheap: ``ARR(S) = sum_{j in S} mass_j + mass_new``.
+
+At the stage end the configuration is chosen greedily by mean ARR at ``budget`` (research note 4.2 (a)-(d);
+a grid over the draft share replaces the paper's Optuna search):
+
+1. per target layer, its ``target_heads`` heads of highest history-only ARR; the layer whose head set gives
+   the best history-only ARR (the "semantic retrieval heads");
+2. draft layers added greedily (each with its ``draft_heads`` best heads) while the mixed ARR improves, up to
+   ``max_draft_layers``;
+3. ``m`` from ``m_grid`` (fractions of the free slots), the best mixed ARR (ties: the smaller m).
+
+The JSON written (atomically) holds ``target_layers``, ``target_heads``, ``draft_layers``, ``draft_heads``, ``m``,
+``budget``, the ARR of every candidate and the number of steps: the file ``dustin``'s ``calibration`` reads. The
+search is deterministic: greedy decoding, ties broken by index.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from lightning_modules.callbacks.eval_switch import EvalStageSwitch
+from lightning_modules.dustin.selection import check_budget, dustin_select
+from lightning_modules.dustin.signals import HistoryRecorder, LookaheadRecorder, record_signals, to_positions
+from lightning_modules.llm.callbacks import target_model
+from lightning_modules.llm.session import PHASE_ATTR, attach_runners
+from lightning_modules.llm.speculative import SpeculativeHook, speculative_generate
+from litctx_common.io import atomic_open
+
+__all__ = ["DustinCalibrationConfig", "DustinCalibrationCallback", "choose_configuration", "StepRecord"]
+
+
+@dataclass
+class DustinCalibrationConfig:
+    """Attributes:
+        output: the JSON file (relative paths land in the run directory).
+        budget, sink, window: the read-set size the configuration is tuned for.
+        gamma: drafted tokens per step; draft: the draft (``DraftConfig`` fields).
+        target_heads: history heads kept per target layer; draft_heads: lookahead heads per draft layer.
+        max_draft_layers: draft layers at most.
+        m_grid: draft shares tried (fractions of ``budget - sink - window``).
+        max_steps_per_batch: verification steps recorded per batch (memory: each keeps every head's signal).
+    """
+
+    output: str = "dustin_calibration.json"
+    budget: int = 512
+    sink: int = 4
+    window: int = 16
+    gamma: int = 4
+    draft: Dict[str, Any] = field(default_factory=lambda: {"kind": "early_exit", "num_layers": 8})
+    target_heads: int = 4
+    draft_heads: int = 4
+    max_draft_layers: int = 3
+    m_grid: List[float] = field(default_factory=lambda: [0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0])
+    max_steps_per_batch: int = 16
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget, self.sink, self.window)
+        for name in ("gamma", "target_heads", "draft_heads", "max_draft_layers", "max_steps_per_batch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"dustin_calibration.{name}={v!r}: must be an integer >= 1")
+        if not self.m_grid or any(not 0.0 <= float(f) <= 1.0 for f in self.m_grid):
+            raise ValueError(f"dustin_calibration.m_grid={self.m_grid!r}: need fractions in [0, 1]")
+        from lightning_modules.llm.drafts import DraftConfig
+
+        DraftConfig(**dict(self.draft))
+
+
+@dataclass
+class StepRecord:
+    """One verification step of one batch row, in position space ``P``: ``hist {layer: [H, P]}``,
+    ``look {layer: [H, P]}``, ``mass [P]`` (true attention mass on old positions), ``mass_new`` (on the call's
+    new entries) and ``live [P]``."""
+
+    hist: Dict[int, torch.Tensor]
+    look: Dict[int, torch.Tensor]
+    mass: torch.Tensor
+    mass_new: float
+    live: torch.Tensor
+
+
+class _TruthObserver:
+    """Dense attention mass of a verification call's queries, accumulated over the target's layers."""
+
+    def __init__(self, model: torch.nn.Module, lm_ref: Dict[str, Any]) -> None:
+        self.model, self.lm_ref = model, lm_ref
+        self.old: Optional[torch.Tensor] = None  # [B, N_old] summed over layers
+        self.new: Optional[torch.Tensor] = None  # [B]
+        self.layers = 0
+
+    def reset(self) -> None:
+        self.old, self.new, self.layers = None, None, 0
+
+    def observe(self, module, query, key, value, attention_mask, scale, window) -> None:
+        if getattr(self.model, PHASE_ATTR, None) != "verify":
+            return
+        lm = self.lm_ref["lm"]
+        n_q, n_k = query.shape[2], key.shape[2]
+        n_old = n_k - n_q
+        group = query.shape[1] // key.shape[1]
+        k = key.float().repeat_interleave(group, 1)
+        logits = torch.matmul(query.float(), k.transpose(-1, -2)) * float(scale)  # [B, Hq, n_q, N]
+        valid = torch.cat([lm.mask.bool()[:, :n_old], torch.ones(key.shape[0], n_q, dtype=torch.bool,
+                                                                   device=key.device)], 1)
+        causal = torch.ones(n_q, n_k, dtype=torch.bool, device=key.device).tril(diagonal=n_old)
+        live = causal & valid[:, None, None, :]
+        probs = torch.softmax(logits.masked_fill(~live, float("-inf")), -1).nan_to_num(0.0)
+        mean = probs.mean(dim=(1, 2))  # [B, N]
+        old, new = mean[:, :n_old], mean[:, n_old:].sum(-1)
+        self.old = old if self.old is None else self.old + old
+        self.new = new if self.new is None else self.new + new
+        self.layers += 1
+
+
+class _CalibrationHook(SpeculativeHook):
+    def __init__(self, owner: "DustinCalibrationCallback", lm: Any, history: HistoryRecorder,
+                 lookahead: LookaheadRecorder, truth: _TruthObserver) -> None:
+        self.owner, self.lm, self.history, self.lookahead, self.truth = owner, lm, history, lookahead, truth
+        self.last_index: Optional[torch.Tensor] = None
+        self.pending: Optional[Dict[str, Any]] = None
+        self.steps = 0
+
+    def _width(self) -> int:
+        return int(self.lm.positions.max()) + 1
+
+    def before_step(self, decoder, state) -> None:
+        self.lookahead.start(self._width())
+
+    def after_draft(self, decoder, state, drafts) -> None:
+        width = self._width()
+        look = self.lookahead.stop() or {}
+        if self.last_index is None:
+            q = next(iter(self.history.queries.values()))
+            self.last_index = torch.full((q.shape[0],), q.shape[2] - 1, dtype=torch.long, device=q.device)
+        hist = self.history.signal(self.lm, self.last_index, width, per_head=True)
+        live = torch.zeros(self.lm.positions.shape[0], width + 1, dtype=torch.bool, device=self.lm.positions.device)
+        pos = self.lm.positions
+        live.scatter_(1, torch.where(pos >= 0, pos, torch.full_like(pos, width)), True)
+        self.pending = {"hist": hist, "look": {k: v[..., :width] for k, v in look.items()}, "live": live[:, :width],
+                        "active": ~state.done.clone(), "positions": pos.clone()}
+        self.truth.reset()
+
+    def after_verify(self, decoder, state, accepted) -> None:
+        self.last_index = accepted.clone()
+        p = self.pending
+        if p is None or self.truth.old is None or self.steps >= self.owner.cfg.max_steps_per_batch:
+            return
+        width = p["live"].shape[1]
+        n_layers = max(self.truth.layers, 1)
+        mass = to_positions((self.truth.old / n_layers)[:, None], p["positions"][:, None], width)
+        mass_new = self.truth.new / n_layers
+        for b in range(mass.shape[0]):
+            if not bool(p["active"][b]):
+                continue
+            self.owner.steps.append(StepRecord(
+                hist={l: v[b].half() for l, v in p["hist"].items()}, look={l: v[b].half() for l, v in p["look"].items()},
+                mass=mass[b].float(), mass_new=float(mass_new[b]), live=p["live"][b]))
+        self.steps += 1
+
+
+def _arr(steps: List[StepRecord], hist_fn, look_fn, budget: int, sink: int, window: int, m: int) -> float:
+    """Mean ARR over the recorded steps of the sets built from the given signal functions."""
+    total = 0.0
+    for st in steps:
+        h = hist_fn(st).unsqueeze(0)
+        la = look_fn(st).unsqueeze(0) if look_fn is not None else torch.zeros_like(h)
+        s = dustin_select(h, la, st.live.unsqueeze(0), budget, sink, window, m if look_fn is not None else 0)[0]
+        total += float(st.mass[s].sum()) + st.mass_new
+    return total / max(len(steps), 1)
+
+
+def choose_configuration(steps: List[StepRecord], budget: int, sink: int, window: int, target_heads: int,
+                         draft_heads: int, max_draft_layers: int, m_grid: List[float]) -> Dict[str, Any]:
+    """The greedy search of the module docstring over recorded steps; returns the calibration dict."""
+    if not steps:
+        raise ValueError("dustin calibration recorded no verification step (prompts too short, or every row stopped "
+                         "at once); run it on longer prompts or more samples")
+    free = max(budget - sink - window, 0)
+    t_layers = sorted(steps[0].hist)
+    d_layers = sorted(steps[0].look)
+
+    def best_heads(layer: int, which: str, n: int) -> List[int]:
+        n_heads = getattr(steps[0], which)[layer].shape[0]
+        scores = []
+        for h in range(n_heads):
+            fn = (lambda st, l=layer, h=h: getattr(st, which)[l][h].float())
+            scores.append(_arr(steps, fn, None, budget, sink, window, 0) if which == "hist" else
+                          _arr(steps, lambda st: torch.zeros_like(st.mass), fn, budget, sink, window, free))
+        order = sorted(range(n_heads), key=lambda i: (-scores[i], i))
+        return sorted(order[:n])
+
+    table: Dict[str, Any] = {"target": {}, "draft": {}, "m": {}}
+    t_choice = {l: best_heads(l, "hist", target_heads) for l in t_layers}
+    for l in t_layers:
+        table["target"][str(l)] = _arr(steps, lambda st, l=l: st.hist[l][t_choice[l]].float().sum(0), None, budget,
+                                       sink, window, 0)
+    best_t = min(t_layers, key=lambda l: (-table["target"][str(l)], l))
+
+    def hist_fn(st):
+        return st.hist[best_t][t_choice[best_t]].float().sum(0)
+
+    d_choice = {l: best_heads(l, "look", draft_heads) for l in d_layers}
+    chosen: List[int] = []
+    half = int(round(0.5 * free))
+    current = table["target"][str(best_t)]
+    while len(chosen) < max_draft_layers:
+        trial = {}
+        for l in d_layers:
+            if l in chosen:
+                continue
+            layers = chosen + [l]
+            trial[l] = _arr(steps, hist_fn, lambda st, ls=layers: sum(st.look[x][d_choice[x]].float().sum(0) for x in ls),
+                            budget, sink, window, half)
+        if not trial:
+            break
+        l_best = min(trial, key=lambda l: (-trial[l], l))
+        table["draft"][",".join(map(str, chosen + [l_best]))] = trial[l_best]
+        if chosen and trial[l_best] <= current:
+            break
+        chosen.append(l_best)
+        current = trial[l_best]
+
+    def look_fn(st):
+        return sum(st.look[x][d_choice[x]].float().sum(0) for x in chosen)
+
+    best_m, best_arr = 0, -1.0
+    for frac in sorted(set(float(f) for f in m_grid)):
+        m = int(round(frac * free))
+        a = _arr(steps, hist_fn, look_fn, budget, sink, window, m)
+        table["m"][str(m)] = a
+        if a > best_arr + 1e-12:
+            best_m, best_arr = m, a
+    return {"target_layers": [best_t], "target_heads": {str(best_t): t_choice[best_t]},
+            "draft_layers": sorted(chosen), "draft_heads": {str(l): d_choice[l] for l in sorted(chosen)},
+            "m": best_m, "budget": budget, "sink": sink, "window": window, "arr": best_arr,
+            "arr_history_only": table["target"][str(best_t)], "steps": len(steps), "table": table}
+
+
+class _CalibrationGeneration:
+    """The decoding strategy installed during calibration: dense speculative decoding plus the recorders."""
+
+    def __init__(self, owner: "DustinCalibrationCallback", draft: Any) -> None:
+        self.owner, self.draft = owner, draft
+        self.name = "dustin_calibration"
+
+    def generate(self, model, context_ids, context_mask, max_new_tokens, stop_ids=(), question_ids=None,
+                 question_mask=None, pad_id: int = 0):
+        from lightning_modules.llm.session import active_session
+
+        if active_session(model) is not None:
+            raise RuntimeError("dustin calibration runs on the full cache; remove the KV policy callback")
+        cfg = self.owner.cfg
+        n_t, n_d = model.config.num_hidden_layers, self.draft.config.num_hidden_layers
+        history = HistoryRecorder(range(n_t), {l: list(range(model.config.num_attention_heads)) for l in range(n_t)})
+        lm_ref: Dict[str, Any] = {}
+        truth = _TruthObserver(model, lm_ref)
+        hooks: List[Any] = []
+
+        class _Capture(SpeculativeHook):  # binds the decoder's target CachedLM to the recorders
+            def before_step(self, decoder, state):
+                if not hooks:
+                    lm_ref["lm"] = decoder.lm
+                    look.lm = decoder.draft
+                    hooks.append(_CalibrationHook(self_owner, decoder.lm, history, look, truth))
+                hooks[0].before_step(decoder, state)
+
+            def after_draft(self, decoder, state, drafts):
+                hooks[0].after_draft(decoder, state, drafts)
+
+            def after_verify(self, decoder, state, accepted):
+                hooks[0].after_verify(decoder, state, accepted)
+
+        self_owner = self.owner
+        look = LookaheadRecorder(None, {l: list(range(self.draft.config.num_attention_heads)) for l in range(n_d)},
+                                 per_head=True)
+        with attach_runners(model, lambda m: truth, "dustin calibration truth", role="observe"):
+            with record_signals(model, self.draft, history, look):
+                result = speculative_generate(model, self.draft, context_ids, context_mask, max_new_tokens, stop_ids,
+                                              question_ids, question_mask, gamma=cfg.gamma, pad_id=pad_id,
+                                              hooks=[_Capture()])
+        self.owner.batches += 1
+        return result
+
+
+class DustinCalibrationCallback(EvalStageSwitch):
+    """Dustin's calibration as a validate/predict step (see the module docstring)."""
+
+    def __init__(self, cfg: Optional[DustinCalibrationConfig] = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.cfg = cfg if cfg is not None else DustinCalibrationConfig(**kwargs)
+        self.steps: List[StepRecord] = []
+        self.batches = 0
+        self.result: Optional[Dict[str, Any]] = None
+
+    def _enter(self, trainer, pl_module, stage):
+        from lightning_modules.llm.drafts import DraftConfig
+
+        if not hasattr(pl_module, "generation"):
+            raise TypeError(f"dustin_calibration drives LongContextEvalModule-style modules; got "
+                            f"{type(pl_module).__name__}")
+        self.steps, self.batches = [], 0
+        draft, _ = DraftConfig(**dict(self.cfg.draft)).build(target_model(pl_module), getattr(pl_module, "tokenizer", None))
+        draft.requires_grad_(False)
+        pl_module.generation = _CalibrationGeneration(self, draft.eval())
+        self._stack.callback(setattr, pl_module, "generation", None)
+
+    def output_path(self, trainer) -> Path:
+        path = Path(self.cfg.output).expanduser()
+        return path if path.is_absolute() else Path(getattr(trainer, "default_root_dir", ".") or ".") / path
+
+    def _report(self, trainer, pl_module, stage):
+        c = self.cfg
+        self.result = choose_configuration(self.steps, c.budget, c.sink, c.window, c.target_heads, c.draft_heads,
+                                           c.max_draft_layers, c.m_grid)
+        self.result["config"] = asdict(c)
+        self.result["batches"] = self.batches
+        path = self.output_path(trainer)
+        if getattr(trainer, "is_global_zero", True):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_open(path, "w") as f:
+                json.dump(self.result, f, indent=1)
+        r = self.result
+        print(f"[litctx] dustin_calibration: {r['steps']} steps from {self.batches} batches; target layer "
+              f"{r['target_layers']} heads {r['target_heads']}, draft layers {r['draft_layers']}, m={r['m']} "
+              f"(ARR {r['arr']:.3f}, history-only {r['arr_history_only']:.3f}) -> {path}", flush=True)
