@@ -35,6 +35,7 @@ from lightning_modules.base import check_field, is_int
 
 __all__ = [
     "DRAFT_KINDS",
+    "PromptLookupSpec",
     "DRAFT_INFO_FILE",
     "PROBE_TEXT",
     "DraftConfig",
@@ -325,6 +326,16 @@ def _load_draft_folder(path: Path, target: nn.Module) -> Tuple[nn.Module, Dict[s
     return draft, info
 
 
+@dataclass(frozen=True)
+class PromptLookupSpec:
+    """A model-free draft (what ``DraftConfig(kind="prompt_lookup").build`` returns, and what
+    :func:`~lightning_modules.llm.speculative.speculative_generate` takes as ``draft``): the n-gram lengths
+    :class:`~lightning_modules.llm.speculative.PromptLookupDraft` tries, longest first."""
+
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+
 @dataclass
 class DraftConfig:
     """How a speculative decoder gets its draft model.
@@ -378,8 +389,6 @@ class DraftConfig:
         total = len(decoder_layers(target)[1])
         tokenizer_checked = False
         if self.kind == "prompt_lookup":  # no model: n-gram matches in each row's own tokens
-            from lightning_modules.llm.speculative import PromptLookupSpec
-
             return PromptLookupSpec(self.ngram_max, self.ngram_min), {
                 "kind": self.kind, "ngram_max": self.ngram_max, "ngram_min": self.ngram_min,
                 "draft_parameters": 0, "shares_target_weights": False, "tokenizer_checked": True}

@@ -23,12 +23,12 @@ accepted length (tokens committed per target call) and the draft / verify second
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from lightning_modules.llm.decoding import DecodeHook, DecodeResult, DecodeState, StepDecoder
+from lightning_modules.llm.drafts import PromptLookupSpec, check_draft_compatible
 from lightning_modules.llm.sampling import SamplingConfig, next_token_probs, pick_tokens
 from lightning_modules.llm.session import call_phase
 from litctx_common.timing import clock
@@ -39,14 +39,6 @@ __all__ = ["SpeculativeDecoder", "SpeculativeHook", "ModelDraft", "PromptLookupD
 PROMPT_LOOKUP = "prompt_lookup"
 """Pass as ``draft`` to :func:`speculative_generate` for prompt-lookup drafting with the default n-grams."""
 
-
-@dataclass(frozen=True)
-class PromptLookupSpec:
-    """A model-free draft for :func:`speculative_generate` (what ``DraftConfig(kind="prompt_lookup").build``
-    returns): the n-gram lengths :class:`PromptLookupDraft` tries."""
-
-    ngram_max: int = 3
-    ngram_min: int = 1
 
 
 def check_gamma(gamma: Any) -> int:
@@ -342,8 +334,6 @@ def speculative_generate(model: torch.nn.Module, draft: torch.nn.Module, context
         draft = PromptLookupSpec()
     lookup = isinstance(draft, PromptLookupSpec)
     if not lookup:
-        from lightning_modules.llm.drafts import check_draft_compatible
-
         check_draft_compatible(model, draft)  # one vocabulary: the target verifies the draft's token ids
     target_lm = CachedLM(model)
     draft_lm = None if lookup else CachedLM(draft)
