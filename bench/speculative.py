@@ -316,24 +316,33 @@ def report(args) -> str:
 
 
 def _figure(cells) -> None:
+    """Accuracy and bytes read (against dense verification) by budget, one row of panels per context length."""
     plt = pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for arm in SPARSE:
-        pts = sorted((b, _mean([r["score"] for r in rows]),
-                      _mean([_fraction(r, {d["id"]: d for d in cells.get((length, bsz, "dense", 0, _d), [])})
-                             for r in rows]))
-                     for (length, bsz, a, b, _d), rows in cells.items() if a == arm and bsz == 1)
-        if pts:
-            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=arm)
-            axes[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=arm)
-    for (length, bsz, a, b, _d), rows in cells.items():
-        if a == "dense" and bsz == 1:
-            axes[0].axhline(_mean([r["score"] for r in rows]), color="k", ls="--", lw=0.8)
-    axes[0].set(xlabel="budget (positions)", ylabel="accuracy", xscale="log")
-    axes[1].set(xlabel="budget (positions)", ylabel="bytes read / dense", xscale="log")
-    axes[0].legend(fontsize=8)
+    lengths = sorted({k[0] for k in cells if k[2] in SPARSE})
+    if not lengths:
+        return
+    fig, axes = plt.subplots(len(lengths), 2, figsize=(10, 3.6 * len(lengths)), squeeze=False)
+    for row, length in enumerate(lengths):
+        ax_acc, ax_bytes = axes[row]
+        for arm in SPARSE:
+            pts = []
+            for (n, bsz, a, b, d), rows in cells.items():
+                if n != length or a != arm or bsz != 1:
+                    continue
+                dense = {r["id"]: r for r in cells.get((n, bsz, "dense", 0, d), [])}
+                pts.append((b, _mean([r["score"] for r in rows]), _mean([_fraction(r, dense) for r in rows])))
+            if pts:
+                pts.sort()
+                ax_acc.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=arm)
+                ax_bytes.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=arm)
+        for (n, bsz, a, b, d), rows in cells.items():
+            if n == length and a == "dense" and bsz == 1:
+                ax_acc.axhline(_mean([r["score"] for r in rows]), color="k", ls="--", lw=0.8)
+        ax_acc.set(xlabel="budget (positions)", ylabel="accuracy", xscale="log", title=f"{length} tokens")
+        ax_bytes.set(xlabel="budget (positions)", ylabel="bytes read / dense", xscale="log", title=f"{length} tokens")
+        ax_acc.legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, FIGURE)
 
