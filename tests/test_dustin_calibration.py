@@ -43,7 +43,9 @@ def test_calibration_is_deterministic_and_readable(tmp_path):
     assert a["arr"] >= a["arr_history_only"] - 1e-9  # m is chosen over a grid that includes m = 0
     assert len(a["target_layers"]) == 1 and 0 <= a["target_layers"][0] < 3
     assert all(len(v) == 2 for v in a["target_heads"].values())
-    assert 0 <= a["m"] <= 32 - 2 - 4
+    free = 32 - 2 - 4
+    assert a["m"] in {int(round(f * free)) for f in DustinCalibrationConfig().m_grid}  # a grid value
+    assert a["table"]["m"][str(a["m"])] == max(a["table"]["m"].values())  # the best ARR of the grid
     draft, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=0, tiny=dict(num_hidden_layers=2))
     cfg = DustinConfig(budget=32, sink=2, window=4, calibration=str(tmp_path / "a.json")).resolved(model, draft)
     assert cfg.target_layers == a["target_layers"] and cfg.m == a["m"]

@@ -569,9 +569,8 @@ def test_target_and_draft_must_hold_the_same_rows():
 
 
 def test_a_draft_with_another_vocabulary_is_refused():
-    drafts = pytest.importorskip("lightning_modules.llm.drafts")
-    if not hasattr(drafts, "check_draft_compatible"):
-        pytest.skip("no check_draft_compatible in this checkout")
+    from lightning_modules.llm import drafts
+
     target = _tiny("tiny-llama", seed=0, layers=1)
     other = _tiny("tiny-llama", seed=1, layers=1, vocab_size=300)
     with pytest.raises(ValueError, match=r"(?s)300.*256"):
@@ -697,3 +696,23 @@ def test_two_runners_of_one_role_are_refused_naming_the_role():
                 lm.feed(torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0)))
                 lm.feed(torch.tensor([[5]]))
     _clean(model, impl)
+
+
+def test_prompt_lookup_draft_is_exact_and_proposes_what_followed_the_last_match():
+    """A model-free draft: the tokens after the most recent earlier occurrence of the row's last n-gram."""
+    from lightning_modules.llm.speculative import PROMPT_LOOKUP, PromptLookupDraft
+
+    hist = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7])
+    lookup = PromptLookupDraft([hist.tolist()], vocab_size=16, ngram_max=3)
+    toks, src = lookup._match(hist, 3)
+    assert toks == [1, 2, 5] and src == (5, 11)  # the later "5 6 7" (at 5) wins over the first (at 0)
+    toks, src = lookup._match(torch.tensor([3, 4, 11]), 2)
+    assert src is None and toks == [11, 11]  # no match: the last token repeated (the target rejects it)
+    target = _tiny("tiny-llama", seed=0, layers=2)
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4)).repeat(1, 4)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    want = greedy_generate(target, ids, mask, 24).tokens
+    got = speculative_generate(target, PROMPT_LOOKUP, ids, mask, 24, gamma=4)
+    assert got.tokens == want
+    assert got.stats["accepted"] > 0

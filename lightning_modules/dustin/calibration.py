@@ -93,8 +93,9 @@ class StepRecord:
 class _TruthObserver:
     """Dense attention mass of a verification call's queries, accumulated over the target's layers."""
 
-    def __init__(self, model: torch.nn.Module, lm_ref: Dict[str, Any]) -> None:
-        self.model, self.lm_ref = model, lm_ref
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.lm: Any = None  # the target CachedLM (bound by the hook at the first step)
         self.old: Optional[torch.Tensor] = None  # [B, N_old] summed over layers
         self.new: Optional[torch.Tensor] = None  # [B]
         self.layers = 0
@@ -105,7 +106,7 @@ class _TruthObserver:
     def observe(self, module, query, key, value, attention_mask, scale, window) -> None:
         if getattr(self.model, PHASE_ATTR, None) != "verify":
             return
-        lm = self.lm_ref["lm"]
+        lm = self.lm
         n_q, n_k = query.shape[2], key.shape[2]
         n_old = n_k - n_q
         group = query.shape[1] // key.shape[1]
@@ -124,9 +125,10 @@ class _TruthObserver:
 
 
 class _CalibrationHook(SpeculativeHook):
-    def __init__(self, owner: "DustinCalibrationCallback", lm: Any, history: HistoryRecorder,
-                 lookahead: LookaheadRecorder, truth: _TruthObserver) -> None:
-        self.owner, self.lm, self.history, self.lookahead, self.truth = owner, lm, history, lookahead, truth
+    def __init__(self, owner: "DustinCalibrationCallback", history: HistoryRecorder, lookahead: LookaheadRecorder,
+                 truth: _TruthObserver) -> None:
+        self.owner, self.history, self.lookahead, self.truth = owner, history, lookahead, truth
+        self.lm: Any = None  # the decoder's target CachedLM, bound at its first step
         self.last_index: Optional[torch.Tensor] = None
         self.pending: Optional[Dict[str, Any]] = None
         self.steps = 0
@@ -135,6 +137,9 @@ class _CalibrationHook(SpeculativeHook):
         return int(self.lm.positions.max()) + 1
 
     def before_step(self, decoder, state) -> None:
+        if self.lm is None:  # the recorders read the caches of the decoder's two CachedLMs
+            self.lm = self.truth.lm = decoder.lm
+            self.lookahead.lm = decoder.draft
         self.lookahead.start(self._width())
 
     def after_draft(self, decoder, state, drafts) -> None:
@@ -263,32 +268,15 @@ class _CalibrationGeneration:
         cfg = self.owner.cfg
         n_t, n_d = model.config.num_hidden_layers, self.draft.config.num_hidden_layers
         history = HistoryRecorder(range(n_t), {l: list(range(model.config.num_attention_heads)) for l in range(n_t)})
-        lm_ref: Dict[str, Any] = {}
-        truth = _TruthObserver(model, lm_ref)
-        hooks: List[Any] = []
-
-        class _Capture(SpeculativeHook):  # binds the decoder's target CachedLM to the recorders
-            def before_step(self, decoder, state):
-                if not hooks:
-                    lm_ref["lm"] = decoder.lm
-                    look.lm = decoder.draft
-                    hooks.append(_CalibrationHook(self_owner, decoder.lm, history, look, truth))
-                hooks[0].before_step(decoder, state)
-
-            def after_draft(self, decoder, state, drafts):
-                hooks[0].after_draft(decoder, state, drafts)
-
-            def after_verify(self, decoder, state, accepted):
-                hooks[0].after_verify(decoder, state, accepted)
-
-        self_owner = self.owner
+        truth = _TruthObserver(model)
         look = LookaheadRecorder(None, {l: list(range(self.draft.config.num_attention_heads)) for l in range(n_d)},
                                  per_head=True)
+        hook = _CalibrationHook(self.owner, history, look, truth)
         with attach_runners(model, lambda m: truth, "dustin calibration truth", role="observe"):
             with record_signals(model, self.draft, history, look):
                 result = speculative_generate(model, self.draft, context_ids, context_mask, max_new_tokens, stop_ids,
                                               question_ids, question_mask, gamma=cfg.gamma, pad_id=pad_id,
-                                              hooks=[_Capture()])
+                                              hooks=[hook])
         self.owner.batches += 1
         return result
 

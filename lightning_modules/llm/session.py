@@ -551,11 +551,13 @@ class RunnerStack:
             done = self.parts["prefill"].prefill_compute(module, query, key, value, attention_mask, scale, window)
             if done is not None:
                 return done[0]
+        if "read" not in self.parts or phase == "prefill":
+            return causal_attention(query, key, value, attention_mask, scale, window=window)
         key_mask = None
         if attention_mask is not None:
             key_mask = mask_to_key_mask(attention_mask, n_q, n_k, window=window)
-        if key_mask is None and attention_mask is not None or ("read" not in self.parts or phase == "prefill"):
-            return causal_attention(query, key, value, attention_mask, scale, window=window)
+            if key_mask is None:  # not causal x per-key (packed sequences): exact dense masked softmax
+                return causal_attention(query, key, value, attention_mask, scale, window=window)
         valid = key_mask if key_mask is not None else torch.ones(key.shape[0], 1, n_k, dtype=torch.bool,
                                                                  device=key.device)
         valid = valid.expand(key.shape[0], key.shape[1], n_k)

@@ -351,10 +351,10 @@ def speculative_generate(model: torch.nn.Module, draft: torch.nn.Module, context
             size = target_lm.cache_bytes()
             proposer: Any = draft_lm
             if lookup:
-                ids_all = torch.cat([context_ids, question_ids], 1) if question_ids is not None else context_ids
-                mask_all = (torch.cat([context_mask, question_mask], 1) if question_ids is not None else context_mask)
-                mask_all = torch.ones_like(ids_all) if mask_all is None else mask_all
-                prompts = [ids_all[b][mask_all[b].bool()].tolist() for b in range(ids_all.shape[0])]
+                # the real prompt tokens of each row: the target's columns are its fed tokens, in order
+                fed = [context_ids] + ([question_ids] if question_ids is not None and question_ids.shape[1] else [])
+                ids_all = torch.cat(fed, 1).to(target_lm.mask.device)
+                prompts = [ids_all[b][target_lm.mask[b].bool()].tolist() for b in range(ids_all.shape[0])]
                 proposer = PromptLookupDraft(prompts, model.config.vocab_size, draft.ngram_max, draft.ngram_min)
             decoder = SpeculativeDecoder(target_lm, proposer, gamma, sampling, [*run_hooks, *hooks], pad_id)
             result = decoder.run(logits, max_new_tokens, stop_ids)
