@@ -45,11 +45,15 @@ def _key(r: Dict[str, Any]):
 
 
 def draft_config(name: str, path: Optional[str]):
-    """``eeK`` (early exit, K layers), ``lookup`` (prompt lookup) or ``distilled`` (``--draft-path``)."""
+    """``eeK`` (early exit, K layers), ``lookup`` (prompt lookup; ``lookupN``: matches of at least N tokens) or
+    ``distilled`` (``--draft-path``)."""
     from lightning_modules.llm.drafts import DraftConfig
 
     if name == "lookup":
         return DraftConfig(kind="prompt_lookup")
+    if name.startswith("lookup") and name[6:].isdigit():
+        n = int(name[6:])
+        return DraftConfig(kind="prompt_lookup", ngram_min=n, ngram_max=max(3, n))
     if name == "distilled":
         if not path:
             raise SystemExit("--drafts distilled needs --draft-path (a draft_distill run's draft/ folder)")
@@ -79,7 +83,7 @@ def run(args, model, tok, drafts: Dict[str, Any]) -> None:
     from datamodules.longctx_tasks import Haystack, build_sample, collate_suite
     from datamodules.text import pydoc_documents
     from lightning_modules.kv_eviction.methods import SnapKVConfig
-    from lightning_modules.llm.generation import greedy_generate, stop_token_ids
+    from lightning_modules.llm.generation import greedy_generate, hold_prompt, stop_token_ids
     from lightning_modules.llm.session import install_policy
     from lightning_modules.llm.speculative import speculative_generate
     from lightning_modules.llm.suite_metrics import score_prediction
@@ -98,6 +102,7 @@ def run(args, model, tok, drafts: Dict[str, Any]) -> None:
                 ids = torch.cat([batch["context_ids"], batch["question_ids"]], 1)
                 mask = torch.cat([batch["context_mask"], batch["question_mask"]], 1)
                 limit = min(max(batch["max_new_tokens"]), args.max_new_tokens)
+                held: Dict[str, Any] = {}  # the prompt prefilled once per model (lazily), shared by every arm
                 jobs = []
                 for arm in args.arms:
                     if arm == "plain":
@@ -105,20 +110,27 @@ def run(args, model, tok, drafts: Dict[str, Any]) -> None:
                     elif arm == "dense":
                         jobs += [(arm, 0, d) for d in args.drafts]
                     else:
-                        jobs += [(arm, b, args.sparse_draft) for b in args.budgets]
+                        baseline = arm in ("history_only", "draft_only", "quest") and args.baseline_budgets
+                        jobs += [(arm, b, args.sparse_draft) for b in (args.baseline_budgets if baseline else args.budgets)]
                 for arm, budget, dname in jobs:
                     draft = drafts.get(dname)
                     if all((s["id"], bsz, arm, budget, dname) in done for s in group):
                         continue
+                    # prefilled before any policy is installed: a policy compresses the held prefill when it resumes
+                    for name, module in (("target", model), (dname, draft)):
+                        if isinstance(module, torch.nn.Module) and name not in held:
+                            held[name] = hold_prompt(module, ids, mask)
+                    target_held, draft_held = held["target"], held.get(dname)
                     ctx = contextlib.ExitStack()
                     with ctx:
                         if arm == "snapkv":
                             ctx.enter_context(install_policy(model, SnapKVConfig(keep=budget, window=32).build()))
                         if arm == "plain":
-                            res = greedy_generate(model, ids, mask, limit, stops)
+                            res = greedy_generate(model, ids, mask, limit, stops, held=target_held)
                         else:
                             res = speculative_generate(model, draft, ids, mask, limit, stops, gamma=args.gamma,
-                                                       verifier=_verifier(arm, budget, args), pad_id=pad)
+                                                       verifier=_verifier(arm, budget, args), pad_id=pad,
+                                                       held=target_held, draft_held=draft_held)
                     st = res.stats or {}
                     read = st.get("read") or {}
                     recs = []
@@ -285,9 +297,9 @@ def report(args) -> str:
              f"(every run appends; the table covers all of them). SmolLM2-135M-Instruct fp32, 2 CPU threads, greedy, "
              f"gamma {args.gamma}, query-aware prompts, sink {args.sink} + window {args.window} inside each budget.",
              "",
-             "| length | batch | arm | draft | budget | n | accuracy | diff vs dense [95% CI] | acceptance "
-             "| accepted length | KV read vs dense | ARR | s / verify step | decode tok/s | tok/s vs plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| length | batch | arm | draft | budget | n | accuracy | diff vs dense [95% CI] | same tokens as dense (dense: as plain) "
+             "| acceptance | accepted length | KV read vs dense | ARR | s / verify step | decode tok/s | tok/s vs plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (length, bsz, arm, budget, dname), rows in sorted(
             cells.items(), key=lambda kv: (kv[0][0], kv[0][1], ARMS.index(kv[0][2]) if kv[0][2] in ARMS else 99,
                                            kv[0][4], kv[0][3])):
@@ -306,13 +318,107 @@ def report(args) -> str:
         def f(x, fmt):
             return "-" if x is None else format(x, fmt)
 
+        ref = plain if arm == "dense" else dense  # dense verification itself must reproduce plain decoding
+        same = _mean([float(r["tokens"] == ref[r["id"]]["tokens"]) for r in rows if r["id"] in ref and r["batch"] == bsz])
         lines.append(f"| {length} | {bsz} | {arm} | {dname} | {budget or '-'} | {len(rows)} | {100 * _mean([r['score'] for r in rows]):.1f} "
-                     f"| {ci} | {f(_mean([r['acceptance'] for r in rows]), '.3f')} "
+                     f"| {ci} | {f(same, '.2f')} | {f(_mean([r['acceptance'] for r in rows]), '.3f')} "
                      f"| {f(_mean([r['mean_accepted_length'] for r in rows]), '.2f')} | {f(frac, '.3f')} "
                      f"| {f(_mean([r['arr'] for r in rows]), '.3f')} | {f(_mean([r['verify_s_per_step'] for r in rows]), '.3f')} "
                      f"| {f(_mean([r['decode_tok_s'] for r in rows]), '.2f')} | {f(speed, '.2f')}x |")
     _figure(cells)
-    return "\n".join(lines) + f"\n\n![accuracy and bytes read against budget](figures/{FIGURE.name})\n"
+    return ("\n".join(lines) + f"\n\n![accuracy and bytes read against budget](figures/{FIGURE.name})\n\n"
+            + speed_table(cells) + "\n\n" + criteria_table(cells) + "\n")
+
+
+def _paired(rows, ref, value) -> List[tuple]:
+    """``(value(r), value(ref[r.id]))`` for each record with a partner in ``ref`` (both values defined)."""
+    out = []
+    for r in rows:
+        o = ref.get(r["id"])
+        if o is not None and value(r) is not None and value(o) is not None:
+            out.append((value(r), value(o)))
+    return out
+
+
+def _ci(pairs, scale=1.0, fmt="+.1f") -> str:
+    from lightning_modules.llm.suite_metrics import paired_bootstrap
+
+    if len(pairs) < 2:
+        return "-"
+    b = paired_bootstrap([a for a, _ in pairs], [c for _, c in pairs])
+    return (f"{format(scale * b['diff'], fmt)} [{format(scale * b['lo'], fmt)}, {format(scale * b['hi'], fmt)}] "
+            f"(n={b['n']})")
+
+
+def speed_table(cells) -> str:
+    """Decode tokens/s of each speculative arm over plain decoding of the same samples: mean, bootstrap
+    interval of the mean, sd, range and the share of samples that decode faster."""
+    import statistics
+
+    from lightning_modules.llm.suite_metrics import paired_bootstrap
+
+    lines = ["Decode speed against plain decoding, per sample (ratio of decode tokens/s, same run and samples; "
+             "95% bootstrap interval of the mean ratio):", "",
+             "| length | batch | arm | draft | budget | n | mean ratio [95% CI] | sd | min | max | faster |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (length, bsz, arm, budget, dname), rows in sorted(cells.items()):
+        if arm == "plain":
+            continue
+        plain = {r["id"]: r for r in cells.get((length, bsz, "plain", 0, "-"), [])}
+        ratios = [r["decode_tok_s"] / plain[r["id"]]["decode_tok_s"] for r in rows
+                  if r["id"] in plain and r.get("decode_tok_s") and plain[r["id"]].get("decode_tok_s")]
+        if len(ratios) < 2:
+            continue
+        b = paired_bootstrap(ratios, [0.0] * len(ratios))
+        lines.append(f"| {length} | {bsz} | {arm} | {dname} | {budget or '-'} | {len(ratios)} | {b['diff']:.2f}x "
+                     f"[{b['lo']:.2f}, {b['hi']:.2f}] | {statistics.stdev(ratios):.2f} | {min(ratios):.2f} "
+                     f"| {max(ratios):.2f} | {sum(x > 1 for x in ratios)}/{len(ratios)} |")
+    return "\n".join(lines)
+
+
+def _prefix_agreement(r: Dict[str, Any], dense: Dict[str, Dict[str, Any]]) -> Optional[float]:
+    """Common prefix of ``r``'s tokens and the dense record's, over the dense output's length."""
+    ref = dense.get(r["id"])
+    if ref is None or not ref["tokens"]:
+        return None
+    n = 0
+    for a, b in zip(r["tokens"], ref["tokens"]):
+        if a != b:
+            break
+        n += 1
+    return n / len(ref["tokens"])
+
+
+def criteria_table(cells) -> str:
+    """The issue's 8K criteria per budget, paired by sample: Dustin against dense verification (acceptance and
+    accuracy within 2 points, at least 4x fewer bytes), Dustin against static SnapKV on pointer chasing, and
+    Dustin's ARR against history-only and draft-only (the research note's pass criterion)."""
+    lines = ["Criteria, paired by sample (points; 95% bootstrap intervals). \"Dense prefix kept\": the share of dense "
+             "verification's output that an arm reproduces before its first different token (greedy dense "
+             "verification is exact, so any difference is the sparse read's or the eviction's).", "",
+             "| length | budget | draft | Dustin - dense: acceptance | accuracy | dense bytes / Dustin bytes "
+             "| Dustin - SnapKV: accuracy, all tasks | pointer chasing: accuracy | dense prefix kept "
+             "| ARR: Dustin - history-only | Dustin - draft-only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (length, bsz, arm, budget, dname), rows in sorted(cells.items()):
+        if arm != "dustin" or bsz != 1:
+            continue
+        ids = lambda key: {r["id"]: r for r in cells.get(key, [])}  # noqa: E731
+        dense = ids((length, bsz, "dense", 0, dname))
+        snap = ids((length, bsz, "snapkv", budget, dname))
+        hist = ids((length, bsz, "history_only", budget, dname))
+        drft = ids((length, bsz, "draft_only", budget, dname))
+        frac = _mean([_fraction(r, dense) for r in rows])
+        pc = [r for r in rows if r["task"] == "pointer_chasing"]
+        same = lambda r: _prefix_agreement(r, dense)  # noqa: E731
+        lines.append(
+            f"| {length} | {budget} | {dname} | {_ci(_paired(rows, dense, lambda r: r['acceptance']), 100)} "
+            f"| {_ci(_paired(rows, dense, lambda r: r['score']), 100)} | {f'{1 / frac:.1f}x' if frac else '-'} "
+            f"| {_ci(_paired(rows, snap, lambda r: r['score']), 100)} "
+            f"| {_ci(_paired(pc, snap, lambda r: r['score']), 100)} | {_ci(_paired(pc, snap, same), 100)} "
+            f"| {_ci(_paired(rows, hist, lambda r: r['arr']), 1, '+.3f')} "
+            f"| {_ci(_paired(rows, drft, lambda r: r['arr']), 1, '+.3f')} |")
+    return "\n".join(lines)
 
 
 def _figure(cells) -> None:
@@ -355,11 +461,14 @@ def main() -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--arms", nargs="+", default=ARMS, choices=ARMS)
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--baseline-budgets", type=int, nargs="+", default=None,
+                        help="budgets of history_only, draft_only and quest (default: --budgets)")
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--sink", type=int, default=4)
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--drafts", nargs="+", default=["lookup", "ee8"],
-                        help="drafts of the dense arm: eeK (early exit, K layers), lookup (prompt lookup), distilled")
+                        help="drafts of the dense arm: eeK (early exit, K layers), lookup (prompt lookup; lookupN: n-gram "
+                             "matches of at least N tokens, else a plain step), distilled")
     parser.add_argument("--sparse-draft", default="lookup", help="the draft of the sparse-verification arms")
     parser.add_argument("--draft-path", default=None, help="the distilled draft (a draft_distill run's draft/ folder)")
     parser.add_argument("--calibration", default=None, help="a dustin_calibration JSON")

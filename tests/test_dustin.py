@@ -342,3 +342,22 @@ def test_dustin_config_missing_calibration_file_and_bad_heads(tmp_path):
         DustinConfig(draft_heads=[9]).resolved(target, draft)
     cfg = DustinConfig().resolved(target, draft)
     assert cfg.target_layers == [1] and cfg.draft_layers == [1] and cfg.target_heads == {1: [0, 1, 2, 3]}
+
+
+def test_dustin_from_a_held_prompt_reads_the_sets_of_its_own_prefill(models):
+    """The history signal needs the query of the prompt's last token: a held prompt feeds that column under
+    Dustin's recorders, so the read sets and tokens equal a run that prefilled on its own."""
+    from lightning_modules.llm.generation import hold_prompt
+
+    target, draft = models
+    cfg = DustinConfig(budget=20, sink=2, window=4, m=6)
+    own, own_log = _run(target, draft, cfg)
+    ids, mask = _prompt()
+    held, draft_held = hold_prompt(target, ids, mask), hold_prompt(draft, ids, mask)
+    verifier = cfg.build()
+    log = SetLog(verifier)
+    res = speculative_generate(target, draft, ids, mask, 16, gamma=3, verifier=verifier, hooks=[log],
+                               held=held, draft_held=draft_held)
+    assert res.tokens == own.tokens
+    assert len(log.steps) == len(own_log.steps) > 2
+    assert all(torch.equal(a["set"], b["set"]) for a, b in zip(log.steps, own_log.steps))

@@ -246,3 +246,29 @@ def test_the_padding_mask_is_factored_once_per_forward():
     window = mask.clone()
     window[0, 0, 5, 1] = False  # a sliding window: not causal x per-key
     assert mask_to_key_mask(window, n, n) is None and mask_to_key_mask(window, n, n) is None
+
+
+def test_a_sparse_read_policy_decodes_through_the_compact_gather(monkeypatch):
+    """A sparse_read policy's decode step reads its few entries through the sparse-read kit's compact gather
+    (one fused call on the gathered keys), not a masked pass over the whole cache; the result is the masked
+    reference's (the brute-force test above)."""
+    import lightning_modules.llm.sparse_read as sparse_read
+
+    model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=11)
+    ids, mask = _batch(seed=1, n=15, pad=0)
+    calls = []
+    real = sparse_read.sparse_read_attention
+
+    def spy(query, key, value, read, scale=None, **kw):
+        calls.append((query.shape[2], key.shape[2], int(read.sum())))
+        return real(query, key, value, read, scale, **kw)
+
+    monkeypatch.setattr(sparse_read, "sparse_read_attention", spy)
+    policy = KVPolicy(scorer=RecentScorer(), budget=Budget(keep=4, sink=1), action=Action.SPARSE_READ)
+    got, _, _, _ = _prefill_then_decode(model, ids, mask, steps=2, policy=policy)
+    monkeypatch.setattr(sparse_read, "sparse_read_attention", real)
+    ref, _, _, _ = _prefill_then_decode(model, ids, mask, steps=2, policy=policy)
+    n_layers = model.config.num_hidden_layers
+    assert len(calls) == 2 * n_layers  # both decode steps, every layer; never the prefill
+    assert all(nq == 1 and nk in (16, 17) for nq, nk, _ in calls)
+    torch.testing.assert_close(got, ref)

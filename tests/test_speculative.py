@@ -180,19 +180,21 @@ def test_greedy_speculative_equals_greedy_on_smollm2_with_an_early_exit_draft(sm
 
 
 # ---------------------------------------------------------------------------------------------- 2. policy / compaction
+def _snapkv():
+    """A fresh SnapKV policy keeping 16 entries (window 4): small enough to evict from the test prompts."""
+    return SnapKVConfig(keep=16, window=4).build()
+
+
 def test_greedy_speculative_equals_greedy_under_a_snapkv_policy():
     target = _tiny("tiny-llama", seed=0, layers=2)
     ids, mask, _ = _prompt(lengths=(40, 33, 28), seed=3)
     n = 24
 
-    def policy():
-        return SnapKVConfig(keep=16, window=4).build()
-
-    with install_policy(target, policy()):
+    with install_policy(target, _snapkv()):
         lm = CachedLM(target)
         ref = StepDecoder(lm).run(lm.feed(ids, mask), n).tokens
         ref_cache = lm.cache.get_seq_length()
-    with install_policy(target, policy()):
+    with install_policy(target, _snapkv()):
         ref2 = greedy_generate(target, ids, mask, n).tokens
     full = greedy_generate(target, ids, mask, n).tokens
     assert ref2 == ref
@@ -201,7 +203,7 @@ def test_greedy_speculative_equals_greedy_under_a_snapkv_policy():
 
     log = AcceptanceLog()
     draft = _perturbed(target)  # copied before the policy is installed: the draft runs without one
-    with install_policy(target, policy()):
+    with install_policy(target, _snapkv()):
         res, t, _ = _speculative(target, draft, ids, mask, n, 4, hooks=[log])
         held = t.cache.get_seq_length()
     assert res.tokens == ref
@@ -707,7 +709,9 @@ def test_prompt_lookup_draft_is_exact_and_proposes_what_followed_the_last_match(
     toks, src = lookup._match(hist, 3)
     assert toks == [1, 2, 5] and src == (5, 11)  # the later "5 6 7" (at 5) wins over the first (at 0)
     toks, src = lookup._match(torch.tensor([3, 4, 11]), 2)
-    assert src is None and toks == [11, 11]  # no match: the last token repeated (the target rejects it)
+    assert src is None and toks == []  # no match: nothing proposed
+    toks, src = lookup._match(torch.tensor([1, 2, 3, 1, 2]), 4)
+    assert toks == [3, 1, 2] and src == (0, 5)  # a candidate shorter than gamma (the history ends)
     target = _tiny("tiny-llama", seed=0, layers=2)
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(4)).repeat(1, 4)
     mask = torch.ones_like(ids)
@@ -716,3 +720,99 @@ def test_prompt_lookup_draft_is_exact_and_proposes_what_followed_the_last_match(
     got = speculative_generate(target, PROMPT_LOOKUP, ids, mask, 24, gamma=4)
     assert got.tokens == want
     assert got.stats["accepted"] > 0
+
+
+# ----------------------------------------------------------------------------------- held prompts (prefill once)
+def test_a_held_prompt_decodes_like_its_own_prefill_and_can_be_reused():
+    """One prefill, many decodes: greedy, dense speculative (model draft and prompt lookup) from a held prompt
+    give the tokens of decodes that prefill on their own, in any order and repeatedly (the held tensors are
+    never modified by a decode)."""
+    from lightning_modules.llm.generation import hold_prompt
+    from lightning_modules.llm.speculative import PROMPT_LOOKUP
+
+    target = _tiny("tiny-llama", seed=0, layers=2)
+    draft = _perturbed(target)
+    ids, mask, _ = _prompt(lengths=(14, 9, 11), seed=7)
+    n = 12
+    want = greedy_generate(target, ids, mask, n).tokens
+    spec = speculative_generate(target, draft, ids, mask, n, gamma=3)
+    assert spec.tokens == want and 0 < spec.stats["accepted"] < spec.stats["proposed"]
+    held, draft_held = hold_prompt(target, ids, mask), hold_prompt(draft, ids, mask)
+    before = [t.clone() for t in held.recorded.snapshot["layers"][0]]
+    for _ in range(2):
+        got = speculative_generate(target, draft, ids, mask, n, gamma=3, held=held, draft_held=draft_held)
+        assert got.tokens == want
+        assert got.stats["accepted_per_row"] == spec.stats["accepted_per_row"]  # the draft resumed too
+        assert greedy_generate(target, ids, mask, n, held=held).tokens == want
+        assert speculative_generate(target, PROMPT_LOOKUP, ids, mask, n, gamma=3, held=held).tokens == want
+    assert all(torch.equal(a, b) for a, b in zip(before, held.recorded.snapshot["layers"][0]))
+    assert got.prefill_seconds >= held.seconds + draft_held.seconds
+
+
+def test_a_held_prompt_under_a_policy_is_compressed_as_its_prefill_would_have_been():
+    """Resumed under an installed SnapKV policy, a held prompt equals prefilling all but the last column under
+    the policy and then feeding that column (the documented deviation: the window ends one token earlier)."""
+    from lightning_modules.llm.generation import hold_prompt
+
+    target = _tiny("tiny-llama", seed=0, layers=2)
+    draft = _perturbed(target)
+    ids, mask, _ = _prompt(lengths=(40, 33, 28), seed=3)
+    n = 16
+
+    with install_policy(target, _snapkv()):
+        lm = CachedLM(target)
+        lm.feed(ids[:, :-1], mask[:, :-1])
+        ref = StepDecoder(lm).run(lm.feed(ids[:, -1:], mask[:, -1:]), n).tokens
+        ref_len = lm.cache.get_seq_length()
+    assert ref != greedy_generate(target, ids, mask, n).tokens  # the policy matters here
+    held, draft_held = hold_prompt(target, ids, mask), hold_prompt(draft, ids, mask)
+    with install_policy(target, _snapkv()):
+        plain = greedy_generate(target, ids, mask, n, held=held)
+    with install_policy(target, _snapkv()):
+        spec = speculative_generate(target, draft, ids, mask, n, gamma=4, held=held, draft_held=draft_held)
+    assert plain.tokens == ref and spec.tokens == ref
+    full = greedy_generate(target, ids, mask, n)
+    assert ref_len < ids.shape[1] and plain.cache_bytes < full.cache_bytes  # evicted
+    # and without the policy the same held prompt is the full cache again
+    again = greedy_generate(target, ids, mask, n, held=held)
+    assert again.tokens == full.tokens and again.cache_bytes == full.cache_bytes
+
+
+def test_held_prompt_errors_name_the_problem():
+    from lightning_modules.llm.generation import hold_prompt
+
+    target = _tiny("tiny-llama", seed=0, layers=2)
+    other = _tiny("tiny-llama", seed=1, layers=2)
+    ids, mask, _ = _prompt(lengths=(8, 6), seed=2)
+    right = torch.flip(mask, [1])  # right padding: the last column of row 1 is padding
+    with pytest.raises(ValueError, match=r"left padding.*rows \[1\]"):
+        hold_prompt(target, ids, right)
+    with pytest.raises(ValueError, match="n >= 2"):
+        hold_prompt(target, ids[:, :1])
+    held = hold_prompt(target, ids, mask)
+    with pytest.raises(ValueError, match="another model"):
+        greedy_generate(other, ids, mask, 4, held=held)
+    with pytest.raises(ValueError, match="not the held prompt"):
+        greedy_generate(target, ids[:, 1:], mask[:, 1:], 4, held=held)
+    with pytest.raises(ValueError, match="includes its question"):
+        greedy_generate(target, ids, mask, 4, question_ids=ids, held=held)
+    with pytest.raises(ValueError, match="draft_held"):
+        speculative_generate(target, _perturbed(target), ids, mask, 4, held=held)
+
+
+def test_prompt_lookup_without_a_candidate_takes_plain_steps():
+    """No n-gram of ngram_min tokens recurs: nothing is proposed, each verification is a one-token step, and
+    the tokens are still plain greedy decoding (greedy and seeded sampling both accept zero-width steps)."""
+    from lightning_modules.llm.drafts import PromptLookupSpec
+
+    target = _tiny("tiny-llama", seed=0, layers=2)
+    ids = torch.randperm(200, generator=torch.Generator().manual_seed(3))[:30].reshape(1, 30)  # no repeats
+    want = greedy_generate(target, ids, None, 6).tokens
+    log = AcceptanceLog()
+    got = speculative_generate(target, PromptLookupSpec(ngram_max=8, ngram_min=8), ids, None, 6, gamma=4,
+                               hooks=[log])
+    assert got.tokens == want
+    assert got.stats["proposed"] == 0 and got.stats["target_calls"] == 5  # the first token comes from the prefill
+    sampled = speculative_generate(target, PromptLookupSpec(ngram_max=8, ngram_min=8), ids, None, 6, gamma=4,
+                                   sampling=SamplingConfig(temperature=1.0, seed=3))
+    assert len(sampled.tokens[0]) == 6 and sampled.stats["proposed"] == 0

@@ -31,7 +31,8 @@ import torch
 
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
 from lightning_modules.dustin.selection import check_budget, dustin_select
-from lightning_modules.dustin.signals import HistoryRecorder, LookaheadRecorder, record_signals, to_positions
+from lightning_modules.dustin.signals import (HistoryRecorder, LookaheadRecorder, StepCursor, live_positions,
+                                             position_width, record_signals, to_positions)
 from lightning_modules.llm.callbacks import target_model
 from lightning_modules.llm.session import PHASE_ATTR, attach_runners
 from lightning_modules.llm.speculative import SpeculativeHook, speculative_generate
@@ -129,35 +130,27 @@ class _CalibrationHook(SpeculativeHook):
                  truth: _TruthObserver) -> None:
         self.owner, self.history, self.lookahead, self.truth = owner, history, lookahead, truth
         self.lm: Any = None  # the decoder's target CachedLM, bound at its first step
-        self.last_index: Optional[torch.Tensor] = None
+        self.cursor = StepCursor()
         self.pending: Optional[Dict[str, Any]] = None
         self.steps = 0
-
-    def _width(self) -> int:
-        return int(self.lm.positions.max()) + 1
 
     def before_step(self, decoder, state) -> None:
         if self.lm is None:  # the recorders read the caches of the decoder's two CachedLMs
             self.lm = self.truth.lm = decoder.lm
             self.lookahead.lm = decoder.draft
-        self.lookahead.start(self._width())
+        self.lookahead.start(position_width(self.lm))
 
     def after_draft(self, decoder, state, drafts) -> None:
-        width = self._width()
+        width = position_width(self.lm)
         look = self.lookahead.stop() or {}
-        if self.last_index is None:
-            q = next(iter(self.history.queries.values()))
-            self.last_index = torch.full((q.shape[0],), q.shape[2] - 1, dtype=torch.long, device=q.device)
-        hist = self.history.signal(self.lm, self.last_index, width, per_head=True)
-        live = torch.zeros(self.lm.positions.shape[0], width + 1, dtype=torch.bool, device=self.lm.positions.device)
-        pos = self.lm.positions
-        live.scatter_(1, torch.where(pos >= 0, pos, torch.full_like(pos, width)), True)
-        self.pending = {"hist": hist, "look": {k: v[..., :width] for k, v in look.items()}, "live": live[:, :width],
-                        "active": ~state.done.clone(), "positions": pos.clone()}
+        hist = self.history.signal(self.lm, self.cursor.history_index(self.history), width, per_head=True)
+        self.pending = {"hist": hist, "look": {k: v[..., :width] for k, v in look.items()},
+                        "live": live_positions(self.lm, width), "active": ~state.done.clone(),
+                        "positions": self.lm.positions.clone()}
         self.truth.reset()
 
     def after_verify(self, decoder, state, accepted) -> None:
-        self.last_index = accepted.clone()
+        self.cursor.verified(accepted)
         p = self.pending
         if p is None or self.truth.old is None or self.steps >= self.owner.cfg.max_steps_per_batch:
             return

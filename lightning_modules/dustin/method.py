@@ -24,7 +24,8 @@ from typing import Any, ClassVar, Dict, Iterator, List, Optional
 import torch
 
 from lightning_modules.dustin.selection import check_budget, dustin_select
-from lightning_modules.dustin.signals import HistoryRecorder, LookaheadRecorder, entry_valid, record_signals
+from lightning_modules.dustin.signals import (HistoryRecorder, LookaheadRecorder, StepCursor, live_positions,
+                                             position_width, record_signals)
 from lightning_modules.llm.speculative import SpeculativeHook
 from lightning_modules.llm.verify import ReadCall, ReadMethod, Verifier
 
@@ -185,18 +186,15 @@ class DustinHook(SpeculativeHook):
     def __init__(self, cfg: DustinConfig, read: DustinRead, history: HistoryRecorder, lookahead: LookaheadRecorder,
                  target_lm: Any) -> None:
         self.cfg, self.read, self.history, self.lookahead, self.lm = cfg, read, history, lookahead, target_lm
-        self.last_index: Optional[torch.Tensor] = None
+        self.cursor = StepCursor()
         self.sets: List[torch.Tensor] = []
-
-    def _width(self) -> int:
-        return int(self.lm.positions.max()) + 1
 
     def before_step(self, decoder, state) -> None:
         if self.lookahead is not None:
-            self.lookahead.start(self._width())
+            self.lookahead.start(position_width(self.lm))
 
     def after_draft(self, decoder, state, drafts) -> None:
-        width = self._width()
+        width = position_width(self.lm)
         if self.lookahead is not None:
             look = self.lookahead.stop()
         else:  # a model-free draft (prompt lookup): the source span of its proposal
@@ -204,20 +202,8 @@ class DustinHook(SpeculativeHook):
         if look is None:
             look = torch.zeros(self.lm.positions.shape[0], width, dtype=torch.float64)
         look = look[:, :width]
-        if self.last_index is None:
-            q = next(iter(self.history.queries.values()))
-            self.last_index = torch.full((q.shape[0],), q.shape[2] - 1, dtype=torch.long, device=q.device)
-        hist = self.history.signal(self.lm, self.last_index, width)
-        live = torch.zeros(hist.shape, dtype=torch.bool, device=hist.device)
-        for layer in range(len(self.lm.cache.layers)):
-            pos = self.lm.entry_positions(layer)
-            ok = (pos >= 0) & entry_valid(self.lm, layer)
-            flat = torch.where(ok, pos, torch.full_like(pos, width)).reshape(pos.shape[0], -1)
-            hit = torch.zeros(pos.shape[0], width + 1, dtype=torch.bool, device=pos.device)
-            hit.scatter_(1, flat, True)
-            live |= hit[:, :width]
-            if self.lm.positions is not None and not _has_policy(self.lm):
-                break  # without a policy every layer holds the same entries
+        hist = self.history.signal(self.lm, self.cursor.history_index(self.history), width)
+        live = live_positions(self.lm, width).to(hist.device)
         s = dustin_select(hist, look.to(hist.device), live, self.cfg.budget, self.cfg.sink, self.cfg.window,
                           self.cfg.m_slots())
         self.read.current, self.read.lm = s, self.lm
@@ -225,7 +211,7 @@ class DustinHook(SpeculativeHook):
         self.sets.append(s)
 
     def after_verify(self, decoder, state, accepted) -> None:
-        self.last_index = accepted.clone()
+        self.cursor.verified(accepted)
         self.read.current = None
 
 

@@ -24,7 +24,8 @@ import torch
 from lightning_modules.llm.attention import mask_to_key_mask
 from lightning_modules.llm.session import attach_runners
 
-__all__ = ["HistoryRecorder", "LookaheadRecorder", "entry_valid", "to_positions", "record_signals"]
+__all__ = ["HistoryRecorder", "LookaheadRecorder", "StepCursor", "entry_valid", "live_positions", "position_width",
+           "to_positions", "record_signals"]
 
 
 def entry_valid(lm: Any, layer: int) -> torch.Tensor:
@@ -36,6 +37,48 @@ def entry_valid(lm: Any, layer: int) -> torch.Tensor:
     if session is not None and layer in session.runners and session.runners[layer].state.valid is not None:
         return session.runners[layer].state.valid
     return lm.mask.bool()[:, None, :].expand(-1, keys.shape[1], -1)
+
+
+def position_width(lm: Any) -> int:
+    """Positions ``0 .. width - 1`` cover every column of ``lm``'s cache (the width of position-space signals)."""
+    return int(lm.positions.max()) + 1
+
+
+def live_positions(lm: Any, width: int) -> torch.Tensor:
+    """``[B, width]``: positions held by an entry that may be read in some layer (through a policy's slots when
+    one is installed; without one every layer holds the same entries, so layer 0 answers)."""
+    from lightning_modules.llm.session import active_session
+
+    live = torch.zeros(lm.positions.shape[0], width, dtype=torch.bool, device=lm.positions.device)
+    layers = range(len(lm.cache.layers)) if active_session(lm.model) is not None else range(1)
+    for layer in layers:
+        pos = lm.entry_positions(layer)
+        ok = (pos >= 0) & entry_valid(lm, layer)
+        flat = torch.where(ok, pos, torch.full_like(pos, width)).reshape(pos.shape[0], -1)
+        hit = torch.zeros(pos.shape[0], width + 1, dtype=torch.bool, device=pos.device)
+        hit.scatter_(1, flat, True)
+        live |= hit[:, :width]
+    return live
+
+
+class StepCursor:
+    """Which query of the target's latest call belongs to the last token in its cache (the history query),
+    kept across verification steps: the prompt's last query before the first step, then index ``accepted[b]``
+    of each verification (the pending token sits at 0, draft ``i`` at ``i``)."""
+
+    def __init__(self) -> None:
+        self.last_index: Optional[torch.Tensor] = None
+
+    def history_index(self, history: "HistoryRecorder") -> torch.Tensor:
+        if self.last_index is None:
+            if not history.queries:
+                raise RuntimeError("dustin: no history query was recorded (the target layer saw no call)")
+            q = next(iter(history.queries.values()))
+            self.last_index = torch.full((q.shape[0],), q.shape[2] - 1, dtype=torch.long, device=q.device)
+        return self.last_index
+
+    def verified(self, accepted: torch.Tensor) -> None:
+        self.last_index = accepted.clone()
 
 
 def to_positions(scores: torch.Tensor, positions: torch.Tensor, width: int, per_head: bool = False) -> torch.Tensor:

@@ -20,8 +20,8 @@ import torch
 from lightning_modules.llm.session import active_session, cache_bytes
 from litctx_common.timing import clock
 
-__all__ = ["CachedLM", "GenerationResult", "RecordedPrefill", "greedy_generate", "generate_under_policies",
-           "record_prefill", "stop_token_ids"]
+__all__ = ["CachedLM", "GenerationResult", "HeldPrompt", "RecordedPrefill", "greedy_generate",
+           "generate_under_policies", "hold_prompt", "record_prefill", "stop_token_ids"]
 
 
 @dataclass
@@ -234,17 +234,25 @@ class CachedLM:
 
 def greedy_generate(model: torch.nn.Module, context_ids: torch.Tensor, context_mask: Optional[torch.Tensor],
                     max_new_tokens: int, stop_ids: Sequence[int] = (), question_ids: Optional[torch.Tensor] = None,
-                    question_mask: Optional[torch.Tensor] = None) -> GenerationResult:
+                    question_mask: Optional[torch.Tensor] = None, held: Optional[HeldPrompt] = None) -> GenerationResult:
     """Prefill ``context_ids [B, n]``, append ``question_ids [B, m]`` when given, decode greedily.
+    ``held`` (:func:`hold_prompt` of ``context_ids``): start from that shared prefill instead.
 
     Timing (:func:`litctx_common.timing.clock`: the device is synchronised before each reading):
-    ``prefill_seconds`` covers the context (and the question), ``decode_seconds`` the decode steps;
-    ``cache_bytes`` is the cache size after the prefill and question (before decoding)."""
-    lm = CachedLM(model)
-    t0 = clock(lm.device)
-    logits = lm.feed(context_ids, context_mask)
-    if question_ids is not None and question_ids.shape[1] > 0:
-        logits = lm.feed(question_ids, question_mask)
+    ``prefill_seconds`` covers the context (and the question; a held prompt's shared prefill plus its last
+    column), ``decode_seconds`` the decode steps; ``cache_bytes`` is the cache size after the prefill and
+    question (before decoding)."""
+    if held is not None:
+        check_held(held, model, context_ids, question_ids)
+        t0 = clock(held.recorded.lm.device)
+        lm, logits = held.resume()
+        t0 -= held.seconds
+    else:
+        lm = CachedLM(model)
+        t0 = clock(lm.device)
+        logits = lm.feed(context_ids, context_mask)
+        if question_ids is not None and question_ids.shape[1] > 0:
+            logits = lm.feed(question_ids, question_mask)
     t1 = clock(lm.device)
     size = lm.cache_bytes()
     tokens = lm.greedy(logits, max_new_tokens, stop_ids)
@@ -347,6 +355,72 @@ def record_prefill(model: torch.nn.Module, context_ids: torch.Tensor,
     with install_policy(model, KVPolicy(), record_prefill=True) as recorder:
         first_logits = lm.feed(context_ids, context_mask)
     return RecordedPrefill(lm, lm.snapshot(), recorder.prefill_observations, first_logits, clock(lm.device) - t0)
+
+
+@dataclass
+class HeldPrompt:
+    """A prompt ``ids [B, n]`` prefilled once up to, not including, its last column, so that many decodes start
+    from it (the arms of a benchmark, several samplings): :meth:`resume` returns the cache to that point and
+    feeds the last column, under whatever the caller installed on the model at that moment (a read method,
+    signal recorders, a KV policy: an installed policy first compresses the held prefill as if it had been
+    installed during it, :meth:`~lightning_modules.llm.session.PolicySession.replay_prefill`). Every decode
+    therefore sees the call that produces its first logits, as it would after its own prefill. Built by
+    :func:`hold_prompt`; the held tensors are never modified.
+
+    Deviation from a prefill of its own: a policy's observation window ends one token before the prompt's end.
+    """
+
+    recorded: RecordedPrefill
+    ids: torch.Tensor  # [B, n] the whole prompt
+    mask: torch.Tensor  # [B, n]
+
+    @property
+    def seconds(self) -> float:
+        """Seconds of the shared prefill (the last column is timed by each decode)."""
+        return self.recorded.seconds
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.recorded.lm.model
+
+    def resume(self) -> "tuple[CachedLM, torch.Tensor]":
+        """``(lm, first_logits [B, V])``: the held cache restored (and compressed by an installed policy), then
+        the prompt's last column fed."""
+        lm = self.recorded.lm
+        lm.restore(self.recorded.snapshot)
+        session = active_session(lm.model)
+        if session is not None:
+            session.replay_prefill(self.recorded.observations, lm.cache)
+        return lm, lm.feed(self.ids[:, -1:], self.mask[:, -1:])
+
+    def prompts(self) -> List[List[int]]:
+        """Each row's real prompt tokens, in order (padding dropped)."""
+        return [self.ids[b][self.mask[b].bool()].tolist() for b in range(self.ids.shape[0])]
+
+
+def hold_prompt(model: torch.nn.Module, ids: torch.Tensor, mask: Optional[torch.Tensor] = None) -> HeldPrompt:
+    """Prefill ``ids [B, n]`` (left-padded; ``n >= 2``) but its last column once, recording what a KV policy
+    needs to compress it later (:func:`record_prefill`); see :class:`HeldPrompt`."""
+    if ids.dim() != 2 or ids.shape[1] < 2:
+        raise ValueError(f"hold_prompt needs ids [B, n] with n >= 2, got {list(ids.shape)}")
+    mask = torch.ones_like(ids) if mask is None else mask
+    if mask.shape != ids.shape:
+        raise ValueError(f"mask {list(mask.shape)} must match ids {list(ids.shape)}")
+    if not bool(mask[:, -1].bool().all()):
+        rows = (~mask[:, -1].bool()).nonzero().flatten().tolist()
+        raise ValueError(f"hold_prompt needs left padding: the last column of rows {rows} is padding")
+    return HeldPrompt(record_prefill(model, ids[:, :-1], mask[:, :-1]), ids, mask)
+
+
+def check_held(held: HeldPrompt, model: torch.nn.Module, context_ids: torch.Tensor,
+               question_ids: Optional[torch.Tensor]) -> None:
+    """A held prompt must be ``model``'s and hold exactly ``context_ids`` (the question included in it)."""
+    if held.model is not model:
+        raise ValueError("held prompt was prefilled on another model")
+    if question_ids is not None and question_ids.shape[1] > 0:
+        raise ValueError("a held prompt includes its question: pass question_ids=None")
+    if context_ids.shape != held.ids.shape or not torch.equal(context_ids.to(held.ids.device), held.ids):
+        raise ValueError(f"context_ids {list(context_ids.shape)} are not the held prompt {list(held.ids.shape)}")
 
 
 def generate_under_policies(model: torch.nn.Module, context_ids: torch.Tensor, context_mask: Optional[torch.Tensor],

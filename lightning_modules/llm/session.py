@@ -578,6 +578,14 @@ class RunnerStack:
         read = self.parts.get("read")
         if read is not None and window is None and phase in read.phases:
             return read.attend_subset(self.layer, query, key, value, valid, scale, phase)
+        n_old = n_k - n_q
+        if window is None and phase in ("decode", "verify") and 0 < n_old and bool(valid[..., n_old:].all()):
+            old = valid[..., :n_old]
+            if float(old.float().mean()) <= COMPACT_READ_MAX:
+                # a sparse read of the old entries (a sparse_read policy): gathered compactly, one fused call
+                from lightning_modules.llm.sparse_read import sparse_read_attention
+
+                return sparse_read_attention(query, key, value, old, scale)
         if window is None:
             return kernels.attention(query, key, value, scale=scale, causal=True,
                                      key_mask=None if bool(valid.all()) else valid)
@@ -585,6 +593,12 @@ class RunnerStack:
             slots = torch.arange(n_k, device=key.device).view(1, 1, n_k).expand_as(valid)
             first_slot = n_k - n_q
         return window_attention(query, key, value, slots, valid, scale, window, first_slot=first_slot)
+
+
+COMPACT_READ_MAX = 0.5
+"""A decode/verify call whose valid old entries are at most this share of the cache view is computed on a
+compact gather of them (:func:`~lightning_modules.llm.sparse_read.sparse_read_attention`); above it, the masked
+fused call over the whole view reads less."""
 
 
 def runner_stack(module: torch.nn.Module) -> Optional[RunnerStack]:

@@ -92,6 +92,9 @@ def accept_drafts(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs
     if target_logits.shape[:2] != (b, g + 1):
         raise ValueError(f"target_logits {list(target_logits.shape)} must be [B, gamma + 1, V] = [{b}, {g + 1}, V]")
     rows = torch.arange(b, device=drafts.device)
+    if g == 0:  # nothing proposed this step (a draft without a candidate): a plain decode step
+        return torch.zeros(b, dtype=torch.long, device=drafts.device), pick_tokens(target_logits[:, 0], sampling,
+                                                                                   generator)
     if sampling.greedy:
         best = target_logits.argmax(-1)  # [B, g + 1]
         ok = (drafts == best[:, :g]).long()
@@ -159,8 +162,10 @@ class PromptLookupDraft:
     """Prompt-lookup drafting (n-gram matching, as Hugging Face's ``prompt_lookup_num_tokens``): the last ``n``
     tokens of a row (``n`` from ``ngram_max`` down to ``ngram_min``) are searched in the row's earlier tokens
     (prompt and generated), and the ``gamma`` tokens that followed the most recent match are proposed. No model
-    runs, so drafting costs almost nothing; retrieval answers copy from the context, where it matches well. A row
-    without a match proposes its last token repeated (rejected by the target, which then commits its own token).
+    runs, so drafting costs almost nothing; retrieval answers copy from the context, where it matches well. A step
+    proposes the longest running row's candidate length (up to ``gamma``); when no row matches (no n-gram of at
+    least ``ngram_min`` tokens recurs), nothing is proposed and the verification is a plain decode step, as in
+    Hugging Face's prompt lookup.
 
     ``prompts[b]`` are row ``b``'s real prompt tokens (padding removed); positions index this history (prompt
     token ``j`` has RoPE position ``j``, generated token ``k`` position ``len(prompt) + k``), which is what
@@ -186,18 +191,21 @@ class PromptLookupDraft:
                 start = int(hits[-1]) + n  # the token after the most recent earlier match
                 cont = hist[start:start + gamma].tolist()
                 if cont:
-                    src = (int(hits[-1]), start + len(cont))
-                    return cont + [cont[-1]] * (gamma - len(cont)), src
-        last = int(hist[-1]) if t else 0
-        return [last] * gamma, None
+                    return cont, (int(hits[-1]), start + len(cont))
+        return [], None
 
     def propose(self, decoder: "SpeculativeDecoder", state: DecodeState, missing: List[List[int]], gamma: int):
-        rows = []
+        found = []
         for b, prompt in enumerate(self.prompts):
             hist = torch.cat([prompt, torch.tensor(state.tokens[b], dtype=torch.long)])
             toks, self.sources[b] = self._match(hist, gamma)
-            rows.append(toks)
-        drafts = torch.tensor(rows, dtype=torch.long, device=decoder.lm.device)
+            found.append((toks, int(hist[-1]) if hist.numel() else 0))
+        # the step proposes as many tokens as the longest candidate of a running row (none: a plain decode
+        # step); shorter rows repeat their last candidate (or their last token), which the target rejects
+        # unless it is right
+        width = max((len(t) for b, (t, _) in enumerate(found) if not bool(state.done[b])), default=0)
+        rows = [(t + [t[-1] if t else last] * width)[:width] for t, last in found]
+        drafts = torch.tensor(rows, dtype=torch.long, device=decoder.lm.device).reshape(len(rows), width)
         probs = None
         if not decoder.sampling.greedy:  # a deterministic draft: q is one-hot
             probs = torch.nn.functional.one_hot(drafts, self.vocab_size).float()
@@ -272,12 +280,15 @@ class SpeculativeDecoder(StepDecoder):
             self._before_step(state)
             active = ~state.done.clone()
             t0 = clock(device)
-            d, draft_probs = self.proposer.propose(self, state, missing, g)  # [B, g], [B, g, V] | None
+            d, draft_probs = self.proposer.propose(self, state, missing, g)  # [B, w], [B, w, V] | None; w <= g
             t1 = clock(device)
+            w = d.shape[1]
+            if d.dim() != 2 or d.shape[0] != b or not 0 <= w <= g:
+                raise RuntimeError(f"the draft proposed {list(d.shape)}: expected [{b}, w] with 0 <= w <= gamma={g}")
             self._hook("after_draft", state, d)
             pending = torch.tensor([m[-1] for m in missing], dtype=torch.long, device=device)
             with call_phase(self.lm.model, "verify"):
-                target_logits = self.lm.feed_logits(torch.cat([pending.unsqueeze(1), d], 1), None, g + 1)
+                target_logits = self.lm.feed_logits(torch.cat([pending.unsqueeze(1), d], 1), None, w + 1)
             state.target_calls += 1
             target_logits = self._on_logits(state, target_logits)
             accepted, nxt = accept_drafts(target_logits, d, draft_probs, self.sampling, self.generator)
@@ -288,16 +299,16 @@ class SpeculativeDecoder(StepDecoder):
             acc = accepted.tolist()
             for row in range(b):
                 if bool(active[row]):
-                    ex["proposed"][row] += g
+                    ex["proposed"][row] += w
                     ex["accepted"][row] += acc[row]
                     ex["verify_steps"][row] += 1
             ex["accepted_per_step"].append([acc[row] if bool(active[row]) else None for row in range(b)])
             proposal = [d[row, :acc[row]].tolist() + [int(nxt[row])] for row in range(b)]
             self.commit(state, proposal, stop, max_new_tokens)
             state.step += 1
-            back = g - accepted
+            back = w - accepted
             self.lm.rollback(back)
-            self.proposer.rollback(accepted, g)
+            self.proposer.rollback(accepted, w)
             self._on_rollback(state, back)
             missing = self.proposer.missing_after(d, accepted, nxt)
         return DecodeResult(state.tokens, state.step, state.target_calls, self.stats(state))
@@ -317,13 +328,19 @@ def speculative_generate(model: torch.nn.Module, draft: torch.nn.Module, context
                          context_mask: Optional[torch.Tensor], max_new_tokens: int, stop_ids: Sequence[int] = (),
                          question_ids: Optional[torch.Tensor] = None, question_mask: Optional[torch.Tensor] = None,
                          gamma: int = 4, sampling: Optional[SamplingConfig] = None, verifier: Any = None,
-                         pad_id: int = 0, hooks: Sequence[DecodeHook] = ()) -> Any:
+                         pad_id: int = 0, hooks: Sequence[DecodeHook] = (), held: Any = None,
+                         draft_held: Any = None) -> Any:
     """Prefill ``context_ids [B, n]`` (then ``question_ids``) into the target and the draft, and decode
     speculatively with ``verifier`` (:class:`~lightning_modules.llm.verify.Verifier`; dense by default).
 
+    ``held`` / ``draft_held`` (:func:`~lightning_modules.llm.generation.hold_prompt` of ``context_ids`` on the
+    target / the draft model): start from those shared prefills (each decode feeds the prompt's last column
+    itself, under this call's verifier and recorders) instead of prefilling; ``prefill_seconds`` then counts the
+    shared prefills too.
+
     Returns a :class:`~lightning_modules.llm.generation.GenerationResult` whose ``stats`` hold the decoder's
     statistics (acceptance) and the verification reads (``read``: bytes per verification, ARR)."""
-    from lightning_modules.llm.generation import CachedLM, GenerationResult
+    from lightning_modules.llm.generation import CachedLM, GenerationResult, check_held
     from lightning_modules.llm.verify import DenseVerifier, install_read_method
 
     check_gamma(gamma)
@@ -335,18 +352,33 @@ def speculative_generate(model: torch.nn.Module, draft: torch.nn.Module, context
     lookup = isinstance(draft, PromptLookupSpec)
     if not lookup:
         check_draft_compatible(model, draft)  # one vocabulary: the target verifies the draft's token ids
-    target_lm = CachedLM(model)
-    draft_lm = None if lookup else CachedLM(draft)
+    if held is not None:
+        check_held(held, model, context_ids, question_ids)
+        if not lookup and draft_held is None:
+            raise ValueError("held prompt for the target but not for the draft: pass draft_held=hold_prompt(draft, ...)")
+        if draft_held is not None and not lookup:
+            check_held(draft_held, draft, context_ids, None)
+        target_lm = held.recorded.lm
+        draft_lm = None if lookup else draft_held.recorded.lm
+    else:
+        target_lm = CachedLM(model)
+        draft_lm = None if lookup else CachedLM(draft)
     with install_read_method(model, verifier.method, measure_arr=verifier.measure_arr) as reads:
         with verifier.run_context(target_lm, draft_lm) as run_hooks:
             t0 = clock(target_lm.device)
-            logits = target_lm.feed(context_ids, context_mask)
-            if draft_lm is not None:
-                draft_lm.feed(context_ids, context_mask)
-            if question_ids is not None and question_ids.shape[1] > 0:
-                logits = target_lm.feed(question_ids, question_mask)
+            if held is not None:
+                target_lm, logits = held.resume()
                 if draft_lm is not None:
-                    draft_lm.feed(question_ids, question_mask)
+                    draft_lm, _ = draft_held.resume()
+                t0 -= held.seconds + (0.0 if draft_lm is None else draft_held.seconds)
+            else:
+                logits = target_lm.feed(context_ids, context_mask)
+                if draft_lm is not None:
+                    draft_lm.feed(context_ids, context_mask)
+                if question_ids is not None and question_ids.shape[1] > 0:
+                    logits = target_lm.feed(question_ids, question_mask)
+                    if draft_lm is not None:
+                        draft_lm.feed(question_ids, question_mask)
             t1 = clock(target_lm.device)
             size = target_lm.cache_bytes()
             proposer: Any = draft_lm
