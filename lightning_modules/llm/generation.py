@@ -393,10 +393,6 @@ class HeldPrompt:
             session.replay_prefill(self.recorded.observations, lm.cache)
         return lm, lm.feed(self.ids[:, -1:], self.mask[:, -1:])
 
-    def prompts(self) -> List[List[int]]:
-        """Each row's real prompt tokens, in order (padding dropped)."""
-        return [self.ids[b][self.mask[b].bool()].tolist() for b in range(self.ids.shape[0])]
-
 
 def hold_prompt(model: torch.nn.Module, ids: torch.Tensor, mask: Optional[torch.Tensor] = None) -> HeldPrompt:
     """Prefill ``ids [B, n]`` (left-padded; ``n >= 2``) but its last column once, recording what a KV policy
