@@ -18,7 +18,19 @@ task                      what is planted / asked                               
                           depth, each later hop in its own region of the context) and disjoint
                           distractor chains; recite 3 records from a start key by following the
                           pointers (opt-in: not in the default task list)
+``table_lookup``          structured data: a Markdown table of invented people (name, town, pet,        any
+                          company, year) filling the context; ask one cell of the row at the depth
+``graph_hops``            structured data: a shuffled edge list ``A -> B`` of a graph where every node  any
+                          has one successor; ask which node two steps from a start node reaches (the
+                          start's edge at the depth)
+``kv_retrieval``          long-range retrieval: a dense list ``key: value`` (invented word keys,        any
+                          7-digit values) filling the context; ask the value of the key at the depth
+                          (depth 0 = the start: as far from the question as the prompt allows)
 ========================  ==========================================================================  =======
+
+The last three are opt-in families (not in :data:`DEFAULT_TASKS`) with no prose haystack: the structure is the
+context. :data:`STRUCTURED_TASKS` and :data:`RETRIEVAL_TASKS` name them for the continued-pretraining
+mixtures and evaluations (RePo: noisy context and structured data; L2A: retrieval far outside its window).
 
 The haystack is real prose: the standard library's ``pydoc_data`` topics by default, or the documents of
 ``haystack`` (a folder or file of ``.txt``/``.jsonl``). Each sample is a contiguous run of sentences from a
@@ -56,16 +68,23 @@ from datamodules.base import StreamDataModule
 from litctx_common.seeding import stable_seed
 from datamodules.text import load_tokenizer_folder, read_documents
 
-__all__ = ["TASKS", "DEFAULT_TASKS", "DEPTH_TASKS", "SuiteConfig", "LongContextSuite", "LongContextSuiteDataModule",
+__all__ = ["TASKS", "DEFAULT_TASKS", "DEPTH_TASKS", "STRUCTURED_TASKS", "RETRIEVAL_TASKS", "LISTING_TASKS", "SuiteConfig", "LongContextSuite", "LongContextSuiteDataModule",
            "Haystack", "collate_suite", "build_sample", "PointerChasingSpec", "POINTER_CHASING", "format_record",
            "parse_records"]
 
 #: the suite's default selection (unchanged since the first suite runs)
 DEFAULT_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words", "qa_facts")
+#: structured-data families (tables, graphs)
+STRUCTURED_TASKS = ("table_lookup", "graph_hops")
+#: long-range key-value retrieval
+RETRIEVAL_TASKS = ("kv_retrieval",)
 #: every valid task name
-TASKS = DEFAULT_TASKS + ("pointer_chasing",)
-#: tasks whose first needle sits at the sample's depth
-DEPTH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "qa_facts", "pointer_chasing")
+TASKS = DEFAULT_TASKS + ("pointer_chasing",) + STRUCTURED_TASKS + RETRIEVAL_TASKS
+#: tasks whose first needle (or asked item) sits at the sample's depth
+DEPTH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "qa_facts", "pointer_chasing",
+               "table_lookup", "graph_hops", "kv_retrieval")
+#: tasks whose context is a listing sized to the prompt length (no prose haystack)
+LISTING_TASKS = ("common_words",) + STRUCTURED_TASKS + RETRIEVAL_TASKS
 
 
 @dataclass
@@ -287,6 +306,74 @@ def _qa_facts(rng: random.Random, depth: float) -> TaskText:
                     [values[0]], "any", 16)
 
 
+def _at_depth(n: int, depth: float) -> int:
+    """The item index at ``depth`` of ``n`` items."""
+    return min(n - 1, max(0, int(round(depth * (n - 1)))))
+
+
+_TABLE_COLUMNS = ("town", "pet", "company", "year")
+
+
+def _table_lookup(rng: random.Random, depth: float, n_items: int) -> TaskText:
+    n = max(4, n_items)
+    names = _distinct(lambda: invented_name(rng, 2) + " " + invented_name(rng, 2), n)
+    rows = [[names[i], invented_name(rng, 2), invented_name(rng, 2), invented_name(rng, 3) + " Ltd",
+             str(rng.randint(1900, 2020))] for i in range(n)]
+    target = _at_depth(n, depth)
+    col = rng.randrange(len(_TABLE_COLUMNS))
+    lines = ["| name | " + " | ".join(_TABLE_COLUMNS) + " |", "|" + "---|" * (len(_TABLE_COLUMNS) + 1)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    what = _TABLE_COLUMNS[col]
+    return TaskText("The following table lists people with their town, pet, company and year of birth. Read it "
+                    "carefully: I will ask about one cell.", [],
+                    f"Question: In the table above, what is the {what} of {names[target]}?",
+                    f"Answer: The {what} of {names[target]} is", [rows[target][col + 1]], "any", 16,
+                    context="\n".join(lines))
+
+
+def _graph_hops(rng: random.Random, depth: float, n_items: int, hops: int = 2) -> TaskText:
+    n = max(hops + 2, n_items)
+    nodes = _distinct(lambda: invented_name(rng, 2), n)
+    succ = list(range(n))
+    rng.shuffle(succ)
+    # every node one successor, never itself
+    edges = {i: (succ[i] if succ[i] != i else (i + 1) % n) for i in range(n)}
+    order = list(range(n))
+    rng.shuffle(order)
+    start = order[_at_depth(n, depth)]
+    node = start
+    for _ in range(hops):
+        node = edges[node]
+    lines = [f"{nodes[i]} -> {nodes[edges[i]]}" for i in order]
+    return TaskText("The following lines are the edges of a directed graph: each line 'A -> B' says that node A "
+                    "points to node B. Every node points to exactly one node.", [],
+                    f"Question: Start at node {nodes[start]} and follow {hops} edges. Which node do you reach?",
+                    f"Answer: Starting at {nodes[start]} and following {hops} edges, you reach node",
+                    [nodes[node]], "any", 12, context="\n".join(lines))
+
+
+def _kv_retrieval(rng: random.Random, depth: float, words: Sequence[str], n_items: int) -> TaskText:
+    n = max(4, n_items)
+    keys = _distinct(lambda: _key(rng, words), n)
+    values = [_magic(rng) for _ in range(n)]
+    target = _at_depth(n, depth)
+    lines = [f"{k}: {v}" for k, v in zip(keys, values)]
+    return TaskText("Below is a list of keys, each with its value. Memorize them: I will ask for the value of one "
+                    "key.", [], f"Question: What is the value of the key {keys[target]}?",
+                    f"Answer: The value of the key {keys[target]} is", [values[target]], "any", 16,
+                    context="\n".join(lines))
+
+
+def _listing(task: str, rng: random.Random, depth: float, words: Sequence[str], n_items: int) -> TaskText:
+    if task == "common_words":
+        return _common_words(rng, words, n_items)
+    if task == "table_lookup":
+        return _table_lookup(rng, depth, n_items)
+    if task == "graph_hops":
+        return _graph_hops(rng, depth, n_items)
+    return _kv_retrieval(rng, depth, words, n_items)
+
+
 @dataclass(frozen=True)
 class PointerChasingSpec:
     """Parameters of the ``pointer_chasing`` task.
@@ -453,15 +540,21 @@ def build_sample(task: str, length: int, index: int, haystack: Haystack, tokeniz
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    if task == "common_words":
-        probe = _common_words(random.Random(0), haystack.words, 50)
+    if task in LISTING_TASKS:
+        # the context is a listing: size its item count to the prompt length (common_words keeps its original
+        # probe seeds, so its samples stay as they were)
+        probe_seed = (lambda: random.Random(0)) if task == "common_words" else (
+            lambda: random.Random(stable_seed("probe", seed, task, length, index)))
+        probe = _listing(task, probe_seed(), depth if depth == depth else 0.5, haystack.words, 50)
         head, tail = _format(tokenizer, probe.instruction, "", probe.question, probe.answer_prefix, use_chat_template)
         room = length - count(head) - count(tail)
-        n_items = max(20, int(room / (count(probe.context) / 50)))
+        least = 20 if task == "common_words" else 4
+        n_items = max(least, int(room / (count(probe.context) / 50)))
         for _ in range(3):  # item numbers grow longer with the list: refine the count on the real list
-            trial = _common_words(random.Random(stable_seed(seed, index)), haystack.words, n_items)
-            n_items = max(20, int(n_items * room / max(1, count(trial.context))))
-        spec = _common_words(rng, haystack.words, n_items)
+            trial_rng = random.Random(stable_seed(seed, index)) if task == "common_words" else probe_seed()
+            trial = _listing(task, trial_rng, depth if depth == depth else 0.5, haystack.words, n_items)
+            n_items = max(least, int(n_items * room / max(1, count(trial.context))))
+        spec = _listing(task, rng, depth, haystack.words, n_items)
         context = spec.context
     else:
         head, tail = _format(tokenizer, spec.instruction, "", spec.question, spec.answer_prefix, use_chat_template)

@@ -2,8 +2,10 @@
 
 Sources (``data.path``):
 
-* ``None`` (default) - the standard library's ``pydoc_data.topics``: 79 documents, about 465,000 characters
-  of English technical prose, present on every Python installation;
+* ``None`` (default) - the named ``corpus``: ``pydoc`` (the standard library's ``pydoc_data.topics``: 79
+  documents, about 465,000 characters of English technical prose, present on every Python installation) or
+  ``installed_docs`` (the documentation installed on the machine, built once by :mod:`datamodules.corpus`:
+  about 10,000 documents and 60M characters in the dev environment, over 10M SmolLM2 tokens);
 * a folder - every ``*.txt`` (one document per file) and ``*.jsonl`` (one document per line, in the field
   ``text_field``) below it, in sorted order;
 * a single ``.txt`` or ``.jsonl`` file.
@@ -11,6 +13,18 @@ Sources (``data.path``):
 Documents are split into train/validation/test by a seeded shuffle of whole documents (no block straddles a
 split), tokenised, joined with the tokenizer's EOS token and cut into blocks of ``seq_len`` tokens
 (non-overlapping; the tail shorter than a block is dropped). Batches are ``{"input_ids": [B, seq_len]}``.
+The tokens of each split are cached under ``$LITCTX_CACHE_DIR/tokens`` (keyed on the documents, the tokenizer
+and the split), so a large corpus is tokenised once.
+
+**Several evaluation lengths from one run**: ``eval_seq_lens`` (e.g. ``[512, 1024, 2048]``: 1x, 2x, 4x the
+training length) gives validation and test one loader per length, packed from the same held-out documents;
+``LanguageModel`` logs ``val/ppl`` at ``seq_len`` and ``val/ppl_len{T}`` at every length.
+
+**Task mixtures**: ``mix: {task: fraction}`` replaces that fraction of the training blocks by sequences of the
+long-context suite's task families (:mod:`datamodules.longctx_tasks`; prompt, answer and EOS, then corpus text to
+fill the block), built from the training documents with ``mix_seed`` (the suite's evaluation samples use their own
+seed, so no training sequence is an evaluation sample). Continued pretraining for RePo mixes noisy-context and
+structured-data tasks; for L2A a long-range key-value retrieval task.
 
 The tokenizer is passed in (``TextDataModule(cfg, tokenizer=tok)``); ``recipes`` resolves the config's
 ``tokenizer`` name (e.g. ``smollm2-135m``) through the LLM loader. A local Hugging Face tokenizer folder in
@@ -19,10 +33,11 @@ The tokenizer is passed in (``TextDataModule(cfg, tokenizer=tok)``); ``recipes``
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -30,33 +45,59 @@ import torch
 from torch.utils.data import Dataset
 
 from datamodules.base import LoaderConfig, SplitsDataModule
+from litctx_common.io import atomic_path
+from litctx_common.paths import default_cache_dir
+from litctx_common.seeding import stable_seed
 
-__all__ = ["TextDataConfig", "TextDataModule", "read_documents", "pydoc_documents", "PackedBlocks",
+__all__ = ["TextDataConfig", "TextDataModule", "read_documents", "pydoc_documents", "PackedBlocks", "MixedBlocks",
            "load_tokenizer_folder", "split_documents"]
 
 
 @dataclass
 class TextDataConfig(LoaderConfig):
     """Attributes:
-        path: a folder or file of ``.txt``/``.jsonl`` documents; None = ``pydoc_data.topics``.
+        path: a folder or file of ``.txt``/``.jsonl`` documents; None = the named ``corpus``.
+        corpus: ``pydoc`` or ``installed_docs`` (see the module docstring); used when ``path`` is None.
         tokenizer: a registered model name or a local Hugging Face tokenizer folder.
         seq_len: tokens per block.
         val_fraction, test_fraction: fractions of the documents held out (at least one document each).
         text_field: the field of ``.jsonl`` records that holds the text.
         max_documents: read at most this many documents (None = all).
+        eval_seq_lens: validation/test block lengths (one loader each; None = ``[seq_len]``); ``seq_len`` is
+            always evaluated and comes first.
+        mix: task family -> fraction of training blocks replaced by that task's sequences (sum < 1).
+        mix_seed: the seed of the mixed-in task sequences.
     """
 
     path: Optional[str] = None
+    corpus: str = "pydoc"
     tokenizer: str = "smollm2-135m"
     seq_len: int = 512
     val_fraction: float = 0.1
     test_fraction: float = 0.1
     text_field: str = "text"
     max_documents: Optional[int] = None
+    eval_seq_lens: Optional[List[int]] = None
+    mix: Dict[str, float] = field(default_factory=dict)
+    mix_seed: int = 1
     batch_size: int = 8
 
     def __post_init__(self) -> None:
+        from datamodules.corpus import CORPORA
+        from datamodules.longctx_tasks import TASKS
+
         problems = self.loader_problems()
+        if self.corpus not in CORPORA:
+            problems.append(f"corpus={self.corpus!r}: valid corpora are {', '.join(CORPORA)}")
+        if self.eval_seq_lens is not None and (not self.eval_seq_lens or any(
+                not isinstance(n, int) or isinstance(n, bool) or n < 2 for n in self.eval_seq_lens)):
+            problems.append(f"eval_seq_lens={self.eval_seq_lens}: expected null or a list of integers >= 2")
+        bad = [k for k in self.mix if k not in TASKS]
+        if bad:
+            problems.append(f"mix: unknown task(s) {bad}; valid: {', '.join(TASKS)}")
+        fractions = list(self.mix.values())
+        if any(not isinstance(f, (int, float)) or isinstance(f, bool) or f <= 0 for f in fractions) or sum(fractions) >= 1:
+            problems.append(f"mix={dict(self.mix)}: fractions must be > 0 and sum to less than 1")
         if self.seq_len < 2:
             problems.append(f"seq_len={self.seq_len}: must be >= 2")
         for name in ("val_fraction", "test_fraction"):
@@ -128,7 +169,58 @@ class PackedBlocks(Dataset):
         return self.blocks.shape[0]
 
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        return {"input_ids": self.blocks[i]}
+        return {"input_ids": self.blocks[i].long()}
+
+
+class MixedBlocks(Dataset):
+    """Training blocks where a seeded share is replaced by task sequences of the long-context suite.
+
+    Block ``i`` is a task sequence of family ``f`` with probability ``mix[f]`` (drawn from ``(seed, i)``), else
+    the corpus block ``i``. A task sequence is the suite's prompt for a context of about ``3/4`` of the block,
+    the answer (values joined by ", ") and EOS, followed by corpus tokens up to the block length (from the
+    corpus block ``i``). Its ``task`` is stored in ``"source"`` (``"text"`` for corpus blocks)."""
+
+    def __init__(self, blocks: PackedBlocks, tokens: torch.Tensor, mix: Dict[str, float], seed: int, tokenizer: Any,
+                 documents: Sequence[str]) -> None:
+        self.blocks = blocks
+        self.mix = sorted(mix.items())
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.documents = documents
+        self._haystack = None
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def source(self, i: int) -> str:
+        u = random.Random(stable_seed("mix", self.seed, i)).random()
+        acc = 0.0
+        for task, frac in self.mix:
+            acc += frac
+            if u < acc:
+                return task
+        return "text"
+
+    def _task_ids(self, task: str, i: int, n: int) -> List[int]:
+        from datamodules.longctx_tasks import Haystack, build_sample
+
+        if self._haystack is None:
+            self._haystack = Haystack(self.documents, self.tokenizer)
+        sample = build_sample(task, max(64, (3 * n) // 4), i, self._haystack, self.tokenizer, seed=self.seed)
+        answer = " " + ", ".join(sample["answers"])
+        ids = sample["context_ids"].tolist() + sample["question_ids"].tolist()
+        ids += self.tokenizer(answer, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return ids[:n]
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        block = self.blocks[i]["input_ids"]
+        task = self.source(i)
+        if task == "text":
+            return {"input_ids": block, "source": task}
+        ids = self._task_ids(task, i, block.numel())
+        out = block.clone()
+        out[: len(ids)] = torch.tensor(ids, dtype=out.dtype)
+        return {"input_ids": out, "source": task}
 
 
 def load_tokenizer_folder(name: str) -> Any:
@@ -162,6 +254,7 @@ class TextDataModule(SplitsDataModule):
         super().__init__()
         self.cfg = cfg if cfg is not None else TextDataConfig(**kwargs)
         self.tokenizer = tokenizer
+        self._eval_blocks: Dict[Any, PackedBlocks] = {}
 
     def _tokenize(self, docs: Sequence[str]) -> torch.Tensor:
         tok = self.tokenizer
@@ -179,17 +272,68 @@ class TextDataModule(SplitsDataModule):
             return
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer_folder(self.cfg.tokenizer)
-        docs = read_documents(self.cfg.path, self.cfg.text_field)
+        if self.cfg.path is not None:
+            docs = read_documents(self.cfg.path, self.cfg.text_field)
+        else:
+            from datamodules.corpus import corpus_documents
+
+            docs = corpus_documents(self.cfg.corpus)
         if self.cfg.max_documents is not None:
             docs = docs[: self.cfg.max_documents]
         parts = split_documents(len(docs), self.cfg.val_fraction, self.cfg.test_fraction, self.cfg.seed)
+        self._eval_blocks = {}
         for name, idx in parts.items():
-            tokens = self._tokenize([docs[i] for i in idx])
-            blocks = PackedBlocks(tokens, self.cfg.seq_len)
-            if len(blocks) == 0:
-                raise ValueError(f"the {name} split has {tokens.numel()} tokens, fewer than seq_len={self.cfg.seq_len}; "
-                                 f"lower data.args.seq_len or add documents")
-            self._splits[name] = blocks
+            tokens = self._cached_tokens(name, [docs[i] for i in idx])
+            lengths = [self.cfg.seq_len] if name == "train" else self.eval_lengths()
+            for n in lengths:
+                blocks = PackedBlocks(tokens, n)
+                if len(blocks) == 0:
+                    raise ValueError(f"the {name} split has {tokens.numel()} tokens, fewer than one block of {n}; "
+                                     f"lower data.args.seq_len / eval_seq_lens or add documents")
+                if n == self.cfg.seq_len:
+                    self._splits[name] = blocks
+                else:
+                    self._eval_blocks[(name, n)] = blocks
+            if name == "train" and self.cfg.mix:
+                self._splits[name] = MixedBlocks(self._splits[name], tokens, self.cfg.mix, self.cfg.mix_seed,
+                                                 self.tokenizer, [docs[i] for i in idx])
+
+    def eval_lengths(self) -> List[int]:
+        """Validation/test block lengths: ``seq_len`` first, then the other ``eval_seq_lens``."""
+        extra = [n for n in (self.cfg.eval_seq_lens or []) if n != self.cfg.seq_len]
+        return [self.cfg.seq_len] + sorted(set(extra))
+
+    def _cached_tokens(self, split: str, docs: Sequence[str]) -> torch.Tensor:
+        """The split's token stream, from the token cache when the same documents and tokenizer made it."""
+        tok = self.tokenizer
+        h = hashlib.sha1()
+        h.update(json.dumps([getattr(tok, "name_or_path", ""), len(tok), tok.eos_token_id, split]).encode())
+        for d in docs:
+            h.update(hashlib.sha1(d.encode("utf-8", "replace")).digest())
+        path = Path(default_cache_dir()) / "tokens" / f"{h.hexdigest()[:20]}.pt"
+        if path.is_file():
+            try:
+                return torch.load(path, weights_only=True)
+            except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt
+                pass
+        tokens = self._tokenize(docs)
+        if tokens.numel() > 200_000:  # small corpora tokenise in well under a second: not worth a file
+            with atomic_path(path) as tmp:
+                tmp.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(tokens.to(torch.int32 if len(tok) < 2**31 else torch.long), tmp)
+        return tokens
+
+    def _eval_loaders(self, split: str):
+        loaders = [self.eval_loader(self.split(split), self.cfg.batch_size, self.cfg.num_workers)]
+        for n in self.eval_lengths()[1:]:
+            loaders.append(self.eval_loader(self._eval_blocks[(split, n)], self.cfg.batch_size, self.cfg.num_workers))
+        return loaders[0] if len(loaders) == 1 else loaders
+
+    def val_dataloader(self):
+        return self._eval_loaders("val")
+
+    def test_dataloader(self):
+        return self._eval_loaders("test")
 
     def token_counts(self) -> Dict[str, int]:
         """Tokens per split after packing."""

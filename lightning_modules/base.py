@@ -135,7 +135,8 @@ def estimate_total_steps(trainer: pl.Trainer) -> int:
 class SharedEvalStages:
     """Mixin for LightningModules that evaluate validation and test the same way: implement
     ``eval_step(stage, batch)`` and ``eval_epoch_end(stage)`` (``stage`` is ``"val"`` or ``"test"``) instead of
-    the four Lightning hooks. Put it before the LightningModule base class."""
+    the four Lightning hooks. Put it before the LightningModule base class. Several evaluation loaders (one per
+    sequence length, say) are accepted: a batch says which it is from its own contents."""
 
     def eval_step(self, stage: str, batch: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement eval_step(stage, batch)")
@@ -143,10 +144,10 @@ class SharedEvalStages:
     def eval_epoch_end(self, stage: str) -> None:
         return None
 
-    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         return self.eval_step("val", batch)
 
-    def test_step(self, batch: Any, batch_idx: int) -> Any:
+    def test_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         return self.eval_step("test", batch)
 
     def on_validation_epoch_end(self) -> None:

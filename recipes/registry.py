@@ -212,6 +212,22 @@ DUSTIN_PAPER = Paper(
     note="one read set per verification shared by all layers: sinks + window + draft lookahead + target history",
 )
 
+REPO_PAPER = Paper(
+    title="RePo: Language Models with Context Re-Positioning",
+    venue="ICML 2026",
+    arxiv="2512.14391",
+    code="https://github.com/SakanaAI/repo (re-implemented on stock transformers; the released parameter names and "
+         "pe_config keys)",
+)
+
+L2A_PAPER = Paper(
+    title="Learning When to Attend: Conditional Memory Access for Long-Context LLMs",
+    venue="ICML 2026",
+    arxiv="2603.17484",
+    code="https://github.com/awslabs/hybrid-model-factory (examples/research/L2A; re-implemented for Llama, Qwen2, "
+         "OLMo-2)",
+)
+
 LLM_TINY = {"model": "tiny-llama"}
 
 _PREFILL_CALLBACKS = [
@@ -335,7 +351,39 @@ METHODS: Dict[str, MethodSpec] = {
             requires=("transformers",),
             extra="llm",
             tags=("llm", "language-model"),
-            logs=("train/loss",) + _stages("loss", "ppl", "ppl_pos*of*"),
+            logs=("train/loss",) + _stages("loss", "loss_len*", "ppl", "ppl_len*", "ppl_pos*of*", "suite_acc*"),
+        ),
+        MethodSpec(
+            name="repo_cpt",
+            target="lightning_modules.repo.module:RePoCPTModule",
+            config="lightning_modules.repo.module:RePoCPTConfig",
+            paper=REPO_PAPER,
+            description="continued pretraining with RePo: from layer L0 on a learned map gives each token a real "
+                        "position per head, fed into RoPE",
+            kind="finetune",
+            default_data="text",
+            tiny={"model": "tiny-llama", "tiny": {"num_hidden_layers": 3}, "repo": {"start_layer": 1}},
+            requires=("transformers",),
+            extra="llm",
+            tags=("llm", "continued-pretraining", "positions"),
+            logs=("train/loss", "train/repo_z_*") + _stages("loss", "loss_len*", "ppl", "ppl_len*", "ppl_pos*of*",
+                                                            "suite_acc*"),
+        ),
+        MethodSpec(
+            name="l2a_cpt",
+            target="lightning_modules.l2a.module:L2ACPTModule",
+            config="lightning_modules.l2a.module:L2ACPTConfig",
+            paper=L2A_PAPER,
+            description="continued pretraining with L2A: sliding-window attention plus a learned router that sends "
+                        "only some tokens to global attention; rarely used global paths pruned after training",
+            kind="finetune",
+            default_data="text",
+            tiny={"model": "tiny-llama", "tiny": {"num_hidden_layers": 3}, "l2a": {"window": 16}, "prune_batches": 2},
+            requires=("transformers",),
+            extra="llm",
+            tags=("llm", "continued-pretraining", "sparse-attention", "kv-cache"),
+            logs=("train/loss", "train/ce", "train/penalty", "train/lambda", "train/dense_step", "train/route_frac")
+            + _stages("loss", "loss_len*", "ppl", "ppl_len*", "ppl_pos*of*", "l2a_skip", "l2a_route_l*", "suite_acc*"),
         ),
         MethodSpec(
             name="draft_distill",
@@ -555,6 +603,18 @@ CALLBACKS: Dict[str, CallbackSpec] = {
             description="the long-context suite's task x length table, records and depth x length heat map",
             stages=("validate", "test", "predict"),
             paper=RULER_PAPER,
+        ),
+        CallbackSpec(
+            name="suite_eval",
+            target="lightning_modules.llm.suite_callback:SuiteEvaluation",
+            config="lightning_modules.llm.suite_callback:SuiteEvalConfig",
+            description="the long-context suite (noisy-context, structured and retrieval families) on a trained "
+                        "language model at the end of its test stage; logs <stage>/suite_acc[_<task>]",
+            stages=("validate", "test"),
+            requires=("transformers",),
+            extra="llm",
+            paper=RULER_PAPER,
+            logs=_stages("suite_acc", "suite_acc_*"),
         ),
         CallbackSpec(
             name="kv_policy",

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lightning_modules.base import check_field, is_int
+from lightning_modules.llm.surgery import decoder_layers
 
 __all__ = [
     "DRAFT_KINDS",
@@ -58,21 +59,6 @@ PROBE_TEXT = ("Speculative decoding verifies draft tokens: def f(x):\n\treturn x
 
 
 # ---------------------------------------------------------------------------------------------- structure
-def decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
-    """``(prefix, layers)``: the dotted path of a causal LM's decoder-layer list (``model.layers``) and the list.
-
-    Raises:
-        TypeError: ``model`` is not a Hugging Face decoder-only causal LM with ``<base_model_prefix>.layers``.
-    """
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    base = getattr(model, prefix, None) if prefix else None
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not hasattr(model, "config"):
-        raise TypeError(f"{type(model).__name__} is not a Hugging Face decoder-only causal LM with "
-                        f"'<base_model_prefix>.layers' (Llama, Qwen2, OLMo-2, Gemma-3, ...)")
-    return f"{prefix}.layers", layers
-
-
 def _check_layers(layers: Sequence[int], total: int, what: str) -> List[int]:
     """``layers`` as a list after checking it names distinct increasing layers of a ``total``-layer target."""
     layers = list(layers)

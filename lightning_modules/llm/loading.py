@@ -189,8 +189,11 @@ def load_tokenizer(name: str, *, cache_dir: Optional[os.PathLike] = None):
 
 def load_causal_lm(name: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "litctx",
                    seed: int = 0, tiny: Optional[Mapping[str, Any]] = None, with_tokenizer: bool = True,
-                   cache_dir: Optional[os.PathLike] = None) -> Tuple[Any, Any]:
+                   cache_dir: Optional[os.PathLike] = None, expect_surgery: Optional[str] = None) -> Tuple[Any, Any]:
     """``(model, tokenizer)`` for ``name`` in eval mode.
+
+    A local folder saved from a model with a registered surgery (RePo's ``pe_config``, L2A's ``l2a_config`` in
+    its config) comes back with that surgery and its tensors (:func:`lightning_modules.llm.surgery.restore_surgery`).
 
     Args:
         name: ``smollm2-135m``, ``gemma3-270m``, a local Hugging Face folder, or ``tiny-llama`` / ``tiny-qwen2``
@@ -201,6 +204,8 @@ def load_causal_lm(name: str, *, dtype: str | torch.dtype = "float32", attn_impl
         tiny: config overrides of tiny models (e.g. ``{"num_hidden_layers": 3}``).
         with_tokenizer: also load the tokenizer (tiny models borrow SmolLM2's and size their vocabulary to it;
             without one they default to a 256-token vocabulary).
+        expect_surgery: the surgery the folder must hold (``repo``, ``l2a``): another one, or none, is a
+            one-line error saying what the folder holds.
     """
     from transformers import AutoModelForCausalLM
 
@@ -214,6 +219,9 @@ def load_causal_lm(name: str, *, dtype: str | torch.dtype = "float32", attn_impl
     name = str(name)
     tokenizer = load_tokenizer(name, cache_dir=cache_dir) if with_tokenizer else None
     if name.lower().startswith("tiny-"):
+        if expect_surgery is not None:
+            raise ValueError(f"{name} is a fresh random model, not a saved {expect_surgery} model; pass the folder "
+                             f"a trained {expect_surgery} run wrote")
         arch = name.lower()[len("tiny-"):]
         overrides = dict(tiny or {})
         if tokenizer is not None:
@@ -228,7 +236,31 @@ def load_causal_lm(name: str, *, dtype: str | torch.dtype = "float32", attn_impl
         if tiny:
             raise ValueError(f"'tiny' overrides only apply to tiny-* models, not {name!r}")
         folder = resolve_model_dir(name, cache_dir=cache_dir)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype,
-                                                     attn_implementation=attn_implementation)
+        model = _from_pretrained_with_surgery(folder, torch_dtype, attn_implementation, expect_surgery)
     model.eval()
     return model, tokenizer
+
+
+def _from_pretrained_with_surgery(folder: Path, dtype: torch.dtype, attn_implementation: str,
+                                  expect_surgery: Optional[str]):
+    """``from_pretrained`` of a local folder, then the surgery its config records (if any). transformers' load
+    report would list a surgery's tensors as unexpected: it is silenced for such folders, whose tensors
+    :func:`restore_surgery` then loads strictly."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from lightning_modules.llm.surgery import restore_surgery, surgery_of
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    quiet = surgery_of(config) is not None
+    previous = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
+    finally:
+        hf_logging.set_verbosity(previous)
+    restore_surgery(model, folder, expect=expect_surgery)
+    return model

@@ -25,10 +25,10 @@ from lightning_modules.base import LongContextModule, SharedEvalStages
 from lightning_modules.llm.generation import greedy_generate, stop_token_ids
 from lightning_modules.llm.loading import load_causal_lm
 from lightning_modules.llm.suite_metrics import score_prediction, summarise
-from litctx_common.io import append_jsonl, atomic_open, read_jsonl
+from litctx_common.io import append_jsonl, atomic_open, atomic_path, read_jsonl
 
 __all__ = ["LanguageModelConfig", "LanguageModel", "LongContextEvalConfig", "LongContextEvalModule",
-           "PROTOCOLS"]
+           "PROTOCOLS", "evaluate_suite_batch"]
 
 PROTOCOLS = ("compress_then_ask", "query_aware")
 
@@ -42,6 +42,9 @@ class LanguageModelConfig:
         seed: initialisation seed of tiny models.
         position_buckets: validation/test perplexity is reported for this many equal context-position ranges.
         gradient_checkpointing: trade compute for memory during training.
+        export_dir: when training ends, rank zero writes the model (with any surgery and its settings) and the
+            tokenizer as a Hugging Face folder here (relative to the run directory, or absolute); ``load_causal_lm``
+            reloads it with the same logits. None = do not write one.
     """
 
     model: str = "smollm2-135m"
@@ -50,14 +53,20 @@ class LanguageModelConfig:
     seed: int = 0
     position_buckets: int = 4
     gradient_checkpointing: bool = False
+    export_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.position_buckets < 1:
             raise ValueError(f"position_buckets must be >= 1, got {self.position_buckets}")
+        if self.export_dir is not None and (not isinstance(self.export_dir, str) or not self.export_dir):
+            raise ValueError(f"export_dir={self.export_dir!r}: expected a folder name or null")
 
 
 class LanguageModel(SharedEvalStages, LongContextModule):
-    """Causal LM loss on packed blocks; perplexity overall and per context-position bucket."""
+    """Causal LM loss on packed blocks; perplexity overall and per context-position bucket, at every evaluation
+    length the data provides (``val/ppl`` at the first loader's length, ``val/ppl_len{T}`` at each when there are
+    several). Subclasses change the model in :meth:`modify_model` (surgery) and the objective in
+    :meth:`training_loss`."""
 
     config_class = LanguageModelConfig
 
@@ -65,43 +74,87 @@ class LanguageModel(SharedEvalStages, LongContextModule):
         super().__init__(cfg, optim)
         self.model, self.tokenizer = load_causal_lm(self.cfg.model, dtype=self.cfg.dtype, seed=self.cfg.seed,
                                                     tiny=self.cfg.tiny or None)
+        self.modify_model()
         self.model.train()  # the loader returns eval mode; Lightning switches modes per stage from here
         if self.cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self._sums: Dict[str, torch.Tensor] = {}
+        self._sums: Dict[Tuple[str, int], torch.Tensor] = {}
+        self._primary: Dict[str, int] = {}
+
+    def modify_model(self) -> None:
+        """Model surgery of a method (none here); runs once, right after loading."""
 
     def token_losses(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy ``[B, T-1]`` (nats) of ``input_ids [B, T]``."""
         logits = self.model(input_ids=input_ids, use_cache=False).logits[:, :-1]
         return F.cross_entropy(logits.float().transpose(1, 2), input_ids[:, 1:], reduction="none")
 
+    def training_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The training objective of a batch (next-token cross-entropy here)."""
+        return self.token_losses(batch["input_ids"]).mean()
+
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.token_losses(batch["input_ids"]).mean()
+        loss = self.training_loss(batch)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
     def eval_step(self, stage: str, batch: Dict[str, torch.Tensor]) -> None:
         losses = self.token_losses(batch["input_ids"])  # [B, T-1]
+        length = int(batch["input_ids"].shape[1])
+        primary = self._primary.setdefault(stage, length)  # the first loader's length (the training length)
         k = self.cfg.position_buckets
         edges = torch.linspace(0, losses.shape[1], k + 1).round().long().tolist()
         sums = torch.stack([losses[:, a:b].sum() for a, b in zip(edges[:-1], edges[1:])])
         counts = torch.tensor([float(losses.shape[0] * (b - a)) for a, b in zip(edges[:-1], edges[1:])])
-        prev = self._sums.get(stage)
+        prev = self._sums.get((stage, length))
         now = torch.stack([sums.detach().cpu(), counts])
-        self._sums[stage] = now if prev is None else prev + now
-        self.log(f"{stage}/loss", losses.mean(), prog_bar=stage == "val", batch_size=losses.shape[0], sync_dist=True)
+        self._sums[(stage, length)] = now if prev is None else prev + now
+        name = f"{stage}/loss" if length == primary else f"{stage}/loss_len{length}"
+        self.log(name, losses.mean(), prog_bar=stage == "val" and length == primary, batch_size=losses.shape[0],
+                 sync_dist=True, add_dataloader_idx=False)
 
     def eval_epoch_end(self, stage: str) -> None:
-        acc = self._sums.pop(stage, None)
-        if acc is None:
-            return
-        acc = self.all_gather(acc).reshape(-1, 2, acc.shape[-1]).sum(0) if self.trainer.world_size > 1 else acc
-        sums, counts = acc[0], acc[1]
-        self.log(f"{stage}/ppl", math.exp(float(sums.sum() / counts.sum())), rank_zero_only=True)
+        primary = self._primary.pop(stage, None)
+        lengths = sorted(n for s, n in self._sums if s == stage)
         k = self.cfg.position_buckets
-        for i in range(k):
-            self.log(f"{stage}/ppl_pos{i + 1}of{k}", math.exp(float(sums[i] / counts[i].clamp_min(1))),
-                     rank_zero_only=True)
+        for length in lengths:
+            acc = self._sums.pop((stage, length))
+            if self.trainer.world_size > 1:
+                acc = self.all_gather(acc).reshape(-1, 2, acc.shape[-1]).sum(0)
+            sums, counts = acc[0], acc[1]
+            ppl = math.exp(float(sums.sum() / counts.sum()))
+            if len(lengths) > 1:
+                self.log(f"{stage}/ppl_len{length}", ppl, rank_zero_only=True)
+            if length != primary:
+                continue
+            self.log(f"{stage}/ppl", ppl, rank_zero_only=True)
+            for i in range(k):
+                self.log(f"{stage}/ppl_pos{i + 1}of{k}", math.exp(float(sums[i] / counts[i].clamp_min(1))),
+                         rank_zero_only=True)
+
+    # ------------------------------------------------------------------ the Hugging Face folder
+    def export(self, folder: Path | str, model: Any = None) -> Path:
+        """Write ``model`` (default ``self.model``; its surgery settings in its config) and the tokenizer as a
+        Hugging Face folder, atomically (a finished folder or nothing)."""
+        folder = Path(folder)
+        with atomic_path(folder) as tmp:
+            tmp.mkdir(parents=True)
+            (self.model if model is None else model).save_pretrained(tmp)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)
+        return folder
+
+    def export_model(self) -> Any:
+        """The model :meth:`on_train_end` exports (``self.model``; a method may hand over a pruned copy)."""
+        return self.model
+
+    def on_train_end(self) -> None:
+        if self.cfg.export_dir is None or self._trainer is None or not self.trainer.is_global_zero:
+            return
+        folder = Path(self.cfg.export_dir)
+        folder = folder if folder.is_absolute() else Path(self.trainer.default_root_dir) / folder
+        print(f"[litctx] model written to {self.export(folder, self.export_model())} (load_causal_lm or "
+              f"method.args.model reads it)", flush=True)
 
 
 @dataclass
@@ -156,37 +209,10 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
     # ------------------------------------------------------------------ the evaluation of one batch
     def evaluate_batch(self, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
         """Generate and score every sample of a collated suite batch; returns their records."""
-        limit = max(batch["max_new_tokens"])
-        if self.cfg.max_new_tokens is not None:
-            limit = min(limit, self.cfg.max_new_tokens)
-        ctx, ctx_mask = batch["context_ids"], batch["context_mask"]
-        q, q_mask = batch["question_ids"], batch["question_mask"]
-        if self.cfg.protocol == "query_aware":
-            ctx, ctx_mask = torch.cat([ctx, q], 1), torch.cat([ctx_mask, q_mask], 1)
-            q = q_mask = None
-        if self.generation is not None:
-            pad = self.tokenizer.pad_token_id if self.tokenizer is not None and self.tokenizer.pad_token_id is not None else 0
-            result = self.generation.generate(self.model, ctx, ctx_mask, limit, self.stop_ids, q, q_mask, pad_id=pad)
-        else:
-            result = greedy_generate(self.model, ctx, ctx_mask, limit, self.stop_ids, q, q_mask)
-        records = []
-        b = len(result.tokens)
-        extra = _decoding_fields(result.stats, b)
-        for i, tokens in enumerate(result.tokens):
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            rec = {key: batch[key][i] for key in ("id", "task", "length", "depth", "n_tokens", "metric", "seed")}
-            rec["model"] = self.cfg.model
-            rec["policy"] = self.policy_name()
-            rec.update(score=score_prediction(text, batch["answers"][i], batch["metric"][i]),
-                       answers=list(batch["answers"][i]), new_tokens=len(tokens), protocol=self.cfg.protocol,
-                       prefill_s=result.prefill_seconds / b, decode_s=result.decode_seconds / b,
-                       cache_bytes=result.cache_bytes // b, decoding=self.decoding_name(),
-                       decode_tok_s=len(tokens) / (result.decode_seconds / b) if result.decode_seconds > 0 else None)
-            rec.update({k: (v[i] if isinstance(v, list) else v) for k, v in extra.items()})
-            if self.cfg.keep_predictions:
-                rec["prediction"] = text
-            records.append(rec)
-        return records
+        return evaluate_suite_batch(self.model, self.tokenizer, batch, protocol=self.cfg.protocol,
+                                    max_new_tokens=self.cfg.max_new_tokens, stop_ids=self.stop_ids,
+                                    generation=self.generation, model_name=self.cfg.model, policy=self.policy_name(),
+                                    decoding=self.decoding_name(), keep_predictions=self.cfg.keep_predictions)
 
     def decoding_name(self) -> str:
         """``greedy``, or the installed decoding strategy's name (stored with each record: a results file resumes
@@ -294,6 +320,47 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
         with atomic_open(path, "w", encoding="utf-8") as f:
             for rec in self.records:
                 f.write(json.dumps(rec) + "\n")
+
+
+def evaluate_suite_batch(model: Any, tokenizer: Any, batch: Dict[str, Any], *, protocol: str,
+                         max_new_tokens: Optional[int], stop_ids: Any, generation: Any = None, model_name: str = "",
+                         policy: str = "full", decoding: str = "greedy",
+                         keep_predictions: bool = True) -> List[Dict[str, Any]]:
+    """Generate and score every sample of a collated suite batch (``datamodules.longctx_tasks.collate_suite``):
+    prefill the context, append the question (``compress_then_ask``) or prefill both (``query_aware``), decode
+    greedily (or with ``generation``, a decoding strategy with ``generate(...)``) and score. Returns one record per
+    sample. Shared by :class:`LongContextEvalModule` and the ``suite_eval`` callback of trained methods."""
+    limit = max(batch["max_new_tokens"])
+    if max_new_tokens is not None:
+        limit = min(limit, max_new_tokens)
+    ctx, ctx_mask = batch["context_ids"], batch["context_mask"]
+    q, q_mask = batch["question_ids"], batch["question_mask"]
+    if protocol == "query_aware":
+        ctx, ctx_mask = torch.cat([ctx, q], 1), torch.cat([ctx_mask, q_mask], 1)
+        q = q_mask = None
+    if generation is not None:
+        pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+        result = generation.generate(model, ctx, ctx_mask, limit, stop_ids, q, q_mask, pad_id=pad)
+    else:
+        result = greedy_generate(model, ctx, ctx_mask, limit, stop_ids, q, q_mask)
+    records = []
+    b = len(result.tokens)
+    extra = _decoding_fields(result.stats, b)
+    for i, tokens in enumerate(result.tokens):
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        rec = {key: batch[key][i] for key in ("id", "task", "length", "depth", "n_tokens", "metric", "seed")}
+        rec["model"] = model_name
+        rec["policy"] = policy
+        rec.update(score=score_prediction(text, batch["answers"][i], batch["metric"][i]),
+                   answers=list(batch["answers"][i]), new_tokens=len(tokens), protocol=protocol,
+                   prefill_s=result.prefill_seconds / b, decode_s=result.decode_seconds / b,
+                   cache_bytes=result.cache_bytes // b, decoding=decoding,
+                   decode_tok_s=len(tokens) / (result.decode_seconds / b) if result.decode_seconds > 0 else None)
+        rec.update({k: (v[i] if isinstance(v, list) else v) for k, v in extra.items()})
+        if keep_predictions:
+            rec["prediction"] = text
+        records.append(rec)
+    return records
 
 
 def _decoding_fields(stats: Dict[str, Any], rows: int) -> Dict[str, Any]:

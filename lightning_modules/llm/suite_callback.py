@@ -1,0 +1,151 @@
+"""The long-context suite on a trained language model: the ``suite_eval`` callback.
+
+A continued-pretraining run (``lm``, ``repo_cpt``, ``l2a_cpt``) evaluates perplexity on its text data; this
+callback adds the suite's generation tasks at the end of its ``test`` (or ``validate``) stage, on the module's
+own ``model`` and ``tokenizer``, so ``recipes.evaluate --run <run dir>`` scores a trained checkpoint on the suite
+(and the ``test`` stage after ``fit`` does it for the best checkpoint). It logs ``<stage>/suite_acc`` and
+``<stage>/suite_acc_<task>`` and appends one record per sample to ``results_file`` in the run directory (resumable:
+samples already recorded for the same checkpoint and suite are not generated again). Under DDP each rank takes
+its share of the samples and rank zero logs the totals.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from lightning.pytorch.callbacks import Callback
+
+from lightning_modules.base import check_field, is_int
+from litctx_common.io import append_jsonl, read_jsonl
+
+__all__ = ["SuiteEvalConfig", "SuiteEvaluation"]
+
+
+@dataclass
+class SuiteEvalConfig:
+    """Attributes:
+        tasks: suite task families (``datamodules.longctx_tasks.TASKS``).
+        lengths: prompt lengths in tokens.
+        samples_per_cell: samples per (task, length).
+        seed: the suite's seed (the continued-pretraining mixtures use their own).
+        batch_size: samples per generation batch.
+        protocol: ``query_aware`` (context and question in one prefill) or ``compress_then_ask``.
+        stages: the stages whose end runs the suite (``test``, ``validate``).
+        results_file: per-sample records, relative to the run directory (None = keep none).
+        use_chat_template: format prompts with the tokenizer's chat template.
+    """
+
+    tasks: List[str] = field(default_factory=lambda: ["niah_multikey", "qa_facts", "table_lookup", "graph_hops",
+                                                      "kv_retrieval"])
+    lengths: List[int] = field(default_factory=lambda: [512, 1024])
+    samples_per_cell: int = 20
+    seed: int = 0
+    batch_size: int = 4
+    protocol: str = "query_aware"
+    stages: List[str] = field(default_factory=lambda: ["test"])
+    results_file: Optional[str] = "suite_records.jsonl"
+    use_chat_template: bool = True
+
+    def __post_init__(self) -> None:
+        from datamodules.longctx_tasks import SuiteConfig
+        from lightning_modules.llm.module import PROTOCOLS
+
+        SuiteConfig(tasks=list(self.tasks), lengths=list(self.lengths), samples_per_cell=self.samples_per_cell,
+                    batch_size=self.batch_size)  # the suite's own checks
+        check_field(self.protocol in PROTOCOLS, "suite_eval", "protocol", self.protocol,
+                    f"valid protocols are {', '.join(PROTOCOLS)}")
+        bad = [s for s in self.stages if s not in ("test", "validate")]
+        check_field(bool(self.stages) and not bad, "suite_eval", "stages", self.stages,
+                    "expected a non-empty list of test / validate")
+        check_field(is_int(self.seed), "suite_eval", "seed", self.seed, "must be an integer")
+
+
+class SuiteEvaluation(Callback):
+    """Runs the suite at the end of the configured stages (see the module docstring)."""
+
+    def __init__(self, cfg: Optional[SuiteEvalConfig] = None, **kwargs: Any) -> None:
+        from lightning_modules.base import coerce_config
+
+        self.cfg = coerce_config(cfg if cfg is not None else kwargs, SuiteEvalConfig)
+        self.records: List[Dict[str, Any]] = []
+        self.summary: Dict[str, float] = {}
+
+    def _suite(self, tokenizer: Any):
+        from datamodules.longctx_tasks import Haystack, LongContextSuite, SuiteConfig
+        from datamodules.text import read_documents
+
+        cfg = SuiteConfig(tasks=list(self.cfg.tasks), lengths=list(self.cfg.lengths),
+                          samples_per_cell=self.cfg.samples_per_cell, seed=self.cfg.seed,
+                          batch_size=self.cfg.batch_size, use_chat_template=self.cfg.use_chat_template)
+        return LongContextSuite(cfg, tokenizer, Haystack(read_documents(None), tokenizer))
+
+    def run(self, trainer: Any, pl_module: Any, stage: str) -> Dict[str, float]:
+        """Generate and score this rank's share of the suite; returns (and logs) the accuracies."""
+        import torch
+        import torch.distributed as dist
+
+        from datamodules.longctx_tasks import collate_suite
+        from lightning_modules.llm.generation import stop_token_ids
+        from lightning_modules.llm.module import evaluate_suite_batch
+        from lightning_modules.llm.suite_metrics import summarise
+
+        tok = pl_module.tokenizer
+        if tok is None:
+            raise ValueError("suite_eval needs the method's tokenizer (pl_module.tokenizer is None)")
+        suite = self._suite(tok)
+        rank, world = trainer.global_rank, trainer.world_size
+        indices = list(range(rank, len(suite), world))
+        path = Path(trainer.default_root_dir) / self.cfg.results_file if self.cfg.results_file else None
+        ckpt = str(getattr(trainer, "ckpt_path", None) or "current")
+        done = {(r["id"], r.get("suite_seed")): r for r in (read_jsonl(path) if path and path.exists() else [])
+                if r.get("checkpoint") == ckpt and r.get("protocol") == self.cfg.protocol}
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        collate = functools.partial(collate_suite, pad_id=pad)
+        stop_ids = stop_token_ids(tok, pl_module.model)
+        was_training = pl_module.model.training
+        pl_module.model.eval()
+        records: List[Dict[str, Any]] = []
+        bs = self.cfg.batch_size
+        with torch.no_grad():
+            for start in range(0, len(indices), bs):
+                samples = [suite[i] for i in indices[start:start + bs]]
+                keys = [(s["id"], self.cfg.seed) for s in samples]
+                if all(k in done for k in keys):
+                    records.extend(done[k] for k in keys)
+                    continue
+                batch = collate(samples)
+                batch = {k: (v.to(pl_module.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+                new = evaluate_suite_batch(pl_module.model, tok, batch, protocol=self.cfg.protocol,
+                                           max_new_tokens=None, stop_ids=stop_ids, model_name=str(pl_module.cfg.model))
+                for r in new:
+                    r.update(checkpoint=ckpt, suite_seed=self.cfg.seed, method=type(pl_module).__name__)
+                if path is not None:
+                    append_jsonl(path if world == 1 else path.with_suffix(f".rank{rank}.jsonl"), new)
+                records.extend(new)
+        pl_module.model.train(was_training)
+        if world > 1 and dist.is_available() and dist.is_initialized():
+            shares: List[Any] = [None] * world
+            dist.all_gather_object(shares, records)
+            records = [r for share in shares for r in (share or [])]
+        self.records = records
+        summary = summarise(records)
+        acc: Dict[str, float] = {f"{stage}/suite_acc": float(sum(r["score"] for r in records) / max(1, len(records)))}
+        for task in self.cfg.tasks:
+            scores = [r["score"] for r in records if r["task"] == task]
+            if scores:
+                acc[f"{stage}/suite_acc_{task}"] = float(sum(scores) / len(scores))
+        self.summary = dict(acc, summary=summary)
+        for key, value in acc.items():
+            pl_module.log(key, value, rank_zero_only=True)
+        return acc
+
+    def on_test_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if "test" in self.cfg.stages:
+            self.run(trainer, pl_module, "test")
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if "validate" in self.cfg.stages and not trainer.sanity_checking and trainer.state.fn == "validate":
+            self.run(trainer, pl_module, "val")
