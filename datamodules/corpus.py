@@ -14,7 +14,7 @@ builder collects, without importing anything:
 Documents shorter than ``min_chars`` are dropped, longer than ``max_chars`` are cut at paragraph boundaries into
 pieces; exact duplicates (after whitespace normalisation: vendored copies, re-exported docstrings) are removed,
 and the result is written once, atomically, as ``docs.jsonl`` (``{"text", "source"}`` per line, sorted by
-source) plus ``manifest.json`` (the distributions and versions read, counts) under
+source; module documents count as duplicates when all but their name header match) plus ``manifest.json`` (the distributions and versions read, counts) under
 ``$LITCTX_CACHE_DIR/corpora/installed_docs-<fingerprint>``. The fingerprint hashes the Python version, the
 installed distributions and versions and the builder's settings, so a changed environment builds a new corpus
 and an unchanged one reuses it. ``TextDataModule`` splits it by document with its seed
@@ -141,6 +141,8 @@ def _pieces(text: str, max_chars: int) -> List[str]:
         return [text]
     out, current = [], ""
     for para in re.split(r"\n\s*\n", text):
+        if len(para) > max_chars and current:  # a long paragraph keeps what precedes it (a header) in front
+            para, current = f"{current}\n\n{para}", ""
         while len(para) > max_chars:
             out.append(para[:max_chars])
             para = para[max_chars:]
@@ -220,7 +222,11 @@ def collect_documents(spec: CorpusSpec, stdlib: Path, sites: Sequence[Path]) -> 
         add(topics[key], f"pydoc:{key}")
     unique: Dict[str, Dict[str, str]] = {}
     for doc in docs:
-        digest = hashlib.sha1(_normalise(doc["text"]).encode("utf-8")).hexdigest()
+        body = doc["text"]
+        head, sep, rest = body.partition("\n\n")
+        if doc["source"].startswith(("stdlib:", "site:")) and sep and not re.search(r"\s", head):
+            body = rest  # the module-name header differs between vendored copies
+        digest = hashlib.sha1(_normalise(body).encode("utf-8")).hexdigest()
         unique.setdefault(digest, doc)
     return sorted(unique.values(), key=lambda d: d["source"])
 

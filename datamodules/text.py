@@ -158,6 +158,10 @@ def read_documents(path: Optional[str | os.PathLike], text_field: str = "text") 
     return docs
 
 
+TOKEN_CACHE_MIN_TOKENS = 200_000
+"""Splits of at least this many tokens are cached under ``$LITCTX_CACHE_DIR/tokens``."""
+
+
 class PackedBlocks(Dataset):
     """Fixed blocks ``[seq_len]`` of a long token stream."""
 
@@ -317,7 +321,7 @@ class TextDataModule(SplitsDataModule):
             except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt
                 pass
         tokens = self._tokenize(docs)
-        if tokens.numel() > 200_000:  # small corpora tokenise in well under a second: not worth a file
+        if tokens.numel() >= TOKEN_CACHE_MIN_TOKENS:  # small corpora tokenise in well under a second
             with atomic_path(path) as tmp:
                 tmp.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(tokens.to(torch.int32 if len(tok) < 2**31 else torch.long), tmp)

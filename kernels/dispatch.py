@@ -327,6 +327,92 @@ def _flash_cpu(q, k, v, *, scale, causal, attn_mask: Optional[torch.Tensor] = No
     return o, lse
 
 
+QUERY_SUBSET_ROWS = 128
+"""Compacted query rows per flash call of the CPU query-subset path (its explicit mask is ``rows x Nk``)."""
+
+
+def _cpu_query_subset(q, k, v, q_index: QueryIndex, *, scale, causal, q_offset, window,
+                      key_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of the query rows ``q_index`` lists (L2A's routed tokens), on CPU through the fused flash
+    kernel: the rows are gathered (``[B, Hq, Nc, d]``) and each chunk of :data:`QUERY_SUBSET_ROWS` runs as one
+    flash call with an additive ``[B, 1|H, rows, Nk]`` mask built from the rows' positions (causal, window,
+    ``key_mask``), one call per GQA group member (K/V are not repeated). With autograd, a chunk's mask is rebuilt in
+    backward (checkpointed), so memory stays ``O(rows x Nk)``. Returns compacted ``o [B, Hq, Nc, dv]`` and ``lse
+    [B, Hq, Nc]`` as the reference does (padded or keyless rows: ``o = 0``, ``lse = -inf``); the LSE carries no
+    gradient on this path."""
+    from torch.utils.checkpoint import checkpoint
+
+    b, hq, n_q, d = q.shape
+    hk, n_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hk
+    if q_index.n_q != n_q or q_index.idx.shape[1] not in (1, hq) or q_index.idx.shape[0] != b:
+        raise ValueError(f"q_index (idx {list(q_index.idx.shape)}, n_q={q_index.n_q}) does not fit q {list(q.shape)}")
+    if d != dv:  # one head size for the flash kernel: zero-pad (exact; the scale stays 1/sqrt(d))
+        import math
+
+        import torch.nn.functional as F
+
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        width = max(d, dv)
+        o, lse = _cpu_query_subset(F.pad(q, (0, width - d)), F.pad(k, (0, width - d)), F.pad(v, (0, width - dv)),
+                                   q_index, scale=scale, causal=causal, q_offset=q_offset, window=window,
+                                   key_mask=key_mask)
+        return o[..., :dv], lse
+    off = resolve_q_offset(n_q, n_k, q_offset)
+    idx = q_index.idx.long()  # [B, Hi, Nc]
+    rows = q_index.gather(q)  # [B, Hq, Nc, d], zeros at padded slots
+    n_c = rows.shape[2]
+    if key_mask is not None:
+        key_mask = broadcast_key_mask(key_mask, hq)  # [B, 1|Hk|Hq, Nk] -> 1 or Hq heads
+        if key_mask.shape[1] not in (1, hq):
+            key_mask = key_mask.repeat_interleave(hq // key_mask.shape[1], dim=1)
+    cols = torch.arange(n_k, device=q.device)
+    _log_once("attention", "torch", "cpu: query subset as chunked flash calls with an explicit mask")
+
+    def allowed_of(ix: torch.Tensor) -> torch.Tensor:
+        pos = ix.clamp_min(0) + off  # [B, Hi, r]
+        ok = torch.ones(*pos.shape, n_k, dtype=torch.bool, device=q.device)
+        if causal:
+            ok = cols <= pos.unsqueeze(-1)
+            if window is not None:
+                ok = ok & (cols > pos.unsqueeze(-1) - window)
+        if key_mask is not None:
+            ok = ok & key_mask.unsqueeze(2)
+        return ok & (ix >= 0).unsqueeze(-1)  # [B, 1|Hq, r, Nk]
+
+    def chunk(qc: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, ix: torch.Tensor):
+        ok = allowed_of(ix)
+        empty = ~ok.any(-1)  # [B, 1|Hq, r]
+        ok = ok | (empty.unsqueeze(-1) & (cols == 0))  # a row without keys reads key 0; zeroed below
+        additive = torch.zeros(ok.shape, dtype=qc.dtype, device=q.device).masked_fill_(~ok, float("-inf"))
+        r = qc.shape[2]
+        qg = qc.view(b, hk, g, r, d)
+        add_g = additive.view(b, hk, g, r, n_k) if additive.shape[1] == hq else None
+        outs = [_flash_cpu(qg[:, :, j], kk, vv, scale=scale, causal=False,
+                           attn_mask=additive if add_g is None else add_g[:, :, j]) for j in range(g)]
+        o = torch.stack([oj for oj, _ in outs], dim=2).reshape(b, hq, r, dv)
+        lse = torch.stack([lj for _, lj in outs], dim=2).reshape(b, hq, r).detach()
+        empty = empty.expand(b, hq, r)
+        return o.masked_fill(empty.unsqueeze(-1), 0.0), lse.masked_fill(empty, float("-inf"))
+
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    outs, lses = [], []
+    step = QUERY_SUBSET_ROWS
+    for start in range(0, n_c, step):
+        sl = slice(start, min(start + step, n_c))
+        if need_grad and n_c > step:
+            o_c, lse_c = checkpoint(chunk, rows[:, :, sl], k, v, idx[..., sl], use_reentrant=False)
+        else:
+            o_c, lse_c = chunk(rows[:, :, sl], k, v, idx[..., sl])
+        outs.append(o_c)
+        lses.append(lse_c)
+    if not outs:  # no rows: keep the outputs connected to the inputs for autograd
+        tie = (q.sum() + k.sum() + v.sum()) * 0
+        return q.new_zeros(b, hq, 0, dv) + tie, torch.zeros(b, hq, 0, dtype=torch.float32, device=q.device)
+    lse = torch.cat(lses, dim=2)
+    return torch.cat(outs, dim=2), (lse.double() if q.dtype == torch.float64 else lse.float())
+
+
 @_eager_only
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
               causal: bool = True, q_offset: Optional[int] = None, window: Optional[int] = None,
@@ -365,6 +451,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     if chosen == "torch" and q.device.type == "cpu" and score_mode == "softmax" and q_index is None:
         return _cpu_softmax(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window, layout=layout,
                             key_mask=key_mask)
+    if chosen == "torch" and q.device.type == "cpu" and score_mode == "softmax" and layout is None:
+        return _cpu_query_subset(q, k, v, q_index, scale=scale, causal=causal, q_offset=q_offset, window=window,
+                                 key_mask=key_mask)
     if key_mask is not None:
         key_mask = broadcast_key_mask(key_mask, q.shape[1])  # checked above
     return attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,

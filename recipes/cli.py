@@ -48,8 +48,10 @@ def guarded(main: Callable[[Optional[Sequence[str]]], int]) -> Callable[[Optiona
     """Run a CLI entry point; a :class:`ConfigError` (or an unreadable checkpoint's
     :class:`~lightning_modules.io.CheckpointError`) becomes one line on stderr and exit status 2, a
     :class:`~litctx_common.errors.DataError` raised while building (before a run directory exists) the message
-    and "fix the data" on stderr and exit status 1 (``resume=auto`` cannot repair data)."""
-    from litctx_common.errors import DataError
+    and "fix the data" on stderr and exit status 1 (``resume=auto`` cannot repair data); an
+    :class:`~litctx_common.errors.UnsupportedError` (an architecture, checkpoint or setting a component does not
+    serve) one line and exit status 2."""
+    from litctx_common.errors import DataError, UnsupportedError
 
     def wrapper(argv: Optional[Sequence[str]] = None) -> int:
         try:
@@ -60,6 +62,9 @@ def guarded(main: Callable[[Optional[Sequence[str]]], int]) -> Callable[[Optiona
         except DataError as err:
             print(f"litctx: error: bad input data: {err}\nlitctx: fix the data and run again", file=sys.stderr)
             return 1
+        except UnsupportedError as err:  # a model / checkpoint / setting a component does not serve
+            print(f"litctx: error: {err}", file=sys.stderr)
+            return 2
         except Exception as err:  # an unreadable checkpoint (``--ckpt`` of recipes.evaluate, ...): one line too
             io = sys.modules.get("lightning_modules.io")  # loaded whenever a checkpoint was; never imported here
             if io is not None and isinstance(err, io.CheckpointError):

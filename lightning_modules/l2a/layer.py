@@ -58,7 +58,7 @@ def straight_through_route(z: torch.Tensor, temperature: float, threshold: float
     """Router decisions for logits ``z [B, N]``: ``(routed bool, d, soft)``. ``soft = sigma(z / T)``; ``d`` is the
     hard 0/1 decision whose gradient is ``d soft / d z`` in training (straight-through), the plain hard decision
     otherwise."""
-    soft = torch.sigmoid(z.float() / temperature)
+    soft = torch.sigmoid((z if z.dtype == torch.float64 else z.float()) / temperature)
     routed = soft >= threshold
     hard = routed.to(soft.dtype)
     d = hard + soft - soft.detach() if training and torch.is_grad_enabled() else hard

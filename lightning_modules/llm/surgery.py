@@ -39,6 +39,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
+from litctx_common.errors import UnsupportedError
+
 __all__ = [
     "Anatomy",
     "ARCHITECTURES",
@@ -62,8 +64,9 @@ __all__ = [
 log = logging.getLogger("litctx.llm")
 
 
-class SurgeryError(ValueError):
-    """A model, checkpoint or setting that a surgery cannot serve (the message says what is supported)."""
+class SurgeryError(UnsupportedError):
+    """A model, checkpoint or setting that a surgery cannot serve (the message says what is supported; the
+    command line prints it as one line)."""
 
 
 @dataclass(frozen=True)
@@ -166,10 +169,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float = 1.0) -> torch.Tensor:
     """RoPE of ``x [B, H, N, d]`` at real ``positions [B, H, N]`` (one per head and token). The angles
-    ``positions * inv_freq`` are computed in fp32 with autocast off (positions can be large reals), cos / sin are
-    cast to ``x``'s dtype as the stock rotary embedding does."""
+    ``positions * inv_freq`` are computed in fp32 with autocast off (positions can be large reals; float64 for a
+    float64 ``x``), cos / sin are cast to ``x``'s dtype as the stock rotary embedding does, so integer positions
+    reproduce it exactly in fp32 / bf16 / fp16."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
     with torch.autocast(device_type=x.device.type, enabled=False):
-        freqs = positions[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
+        freqs = positions[..., None].to(work) * inv_freq.to(device=x.device, dtype=work)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * scaling).to(x.dtype)
         sin = (emb.sin() * scaling).to(x.dtype)

@@ -117,9 +117,10 @@ class RePoAttention(nn.Module):
 
     def head_positions(self, hidden: torch.Tensor, kwargs: Mapping[str, Any], cache: Any) -> torch.Tensor:
         """Positions per query head ``[B, Hq, N]`` (fp32) after the hook and the anneal mix."""
-        z = self.positions(hidden).float()  # [B, N, H_z]
+        z = self.positions(hidden)  # [B, N, H_z]
+        z = z.double() if z.dtype == torch.float64 else z.float()
         need_ids = self.position_hook is not None or self.anneal > 0
-        ids = self._position_ids(hidden, kwargs, cache).float() if need_ids else None
+        ids = self._position_ids(hidden, kwargs, cache).to(z.dtype) if need_ids else None
         if self.position_hook is not None:
             z = self.position_hook(z, ids)
         if self.anneal > 0:
