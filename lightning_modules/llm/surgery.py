@@ -47,7 +47,6 @@ __all__ = [
     "SurgeryError",
     "anatomy",
     "decoder_layers",
-    "layer_indices",
     "project_qkv",
     "rope_tables",
     "rotate",
@@ -120,17 +119,6 @@ def decoder_layers(model: nn.Module) -> Tuple[str, nn.ModuleList]:
         raise TypeError(f"{type(model).__name__} is not a Hugging Face decoder-only causal LM with "
                         f"'<base_model_prefix>.layers' (Llama, Qwen2, OLMo-2, Gemma-3, ...)")
     return f"{prefix}.layers", layers
-
-
-def layer_indices(model: nn.Module, layers: Optional[Sequence[int]], start: Optional[int], key: str) -> List[int]:
-    """The layer indices a surgery applies to: ``layers`` when given, else ``start ..`` the last layer; each must
-    exist (``key`` names the setting in the error)."""
-    n = len(decoder_layers(model)[1])
-    chosen = list(range(start if start is not None else 0, n)) if layers is None else [int(i) for i in layers]
-    bad = [i for i in chosen if not 0 <= i < n]
-    if bad or not chosen:
-        raise SurgeryError(f"{key}: layers {bad or chosen} are not layers of this {n}-layer model (valid: 0..{n - 1})")
-    return sorted(set(chosen))
 
 
 # ---------------------------------------------------------------------------------------------- attention anatomy

@@ -152,8 +152,7 @@ class RePoAttention(nn.Module):
         q = rotate(q, zq, self.inv_freq, self.rope_scaling)
         k = rotate(k, zk, self.inv_freq, self.rope_scaling)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs) if _update_takes_kwargs(cache) else \
-                cache.update(k, v, self.layer_idx)
+            k, v = cache.update(k, v, self.layer_idx)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
         extra = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
         out, weights = interface(self, q, k, v, attention_mask,
@@ -161,15 +160,6 @@ class RePoAttention(nn.Module):
                                  scaling=self.scaling, **extra, **kwargs)
         out = out.reshape(b, n, -1).contiguous()
         return self.o_proj(out), weights
-
-
-def _update_takes_kwargs(cache: Any) -> bool:
-    import inspect
-
-    try:
-        return "kwargs" in inspect.signature(cache.update).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------- surgery
