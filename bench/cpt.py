@@ -36,7 +36,15 @@ from bench._report import REPO, load_cache, pyplot, save_figure, save_json, writ
 RESULTS = REPO / "bench" / "results" / "cpt_smollm2.json"
 FIGURE = REPO / "docs" / "figures" / "cpt_smollm2.png"
 RUNS = REPO / "runs" / "bench_cpt"
-RECIPES = {"plain": "cpt_plain", "repo": "repo_cpt", "l2a": "l2a_cpt", "base": "cpt_plain"}
+RECIPES = {"plain": "cpt_plain", "repo": "repo_cpt", "l2a": "l2a_cpt", "base": "cpt_plain", "repo_warm": "repo_cpt"}
+ARM_OVERRIDES = {
+    # the second RePo attempt: the fork's anneal knob as a warm start (p = 1 -> 0 over 3/4 of the steps: training
+    # starts from the base model exactly) and a 100x learning rate for the position maps, which must grow from
+    # N(0, 0.02^2) weights to positions spanning the context within the budget
+    "repo_warm": lambda args: [f"method.args.warm_start_steps={max(1, args.steps * 3 // 4)}",
+                               "optim.lr_scale={'model.model.layers.*.self_attn.*_map': 100.0}"],
+}
+ARM_ORDER = ("base", "plain", "repo", "repo_warm", "l2a")
 FAMILIES = {"noisy": ("niah_multikey", "qa_facts"), "structured": ("table_lookup", "graph_hops"),
             "retrieval": ("kv_retrieval",)}
 
@@ -61,8 +69,9 @@ def run_arm(arm: str, args) -> Dict[str, Any]:
     if arm == "base":
         return _base(args)
     if not (run_dir / "DONE").is_file():
-        _cli("recipes.fit", ["--recipe", RECIPES[arm], *_overrides(args), "stages=[fit]", f"run_dir={run_dir}",
-                             "resume=auto"])
+        extra = ARM_OVERRIDES[arm](args) if arm in ARM_OVERRIDES else []
+        _cli("recipes.fit", ["--recipe", RECIPES[arm], *_overrides(args), *extra, "stages=[fit]",
+                             f"run_dir={run_dir}", "resume=auto"])
     if not (run_dir / "eval" / "test-last.json").is_file():
         _cli("recipes.evaluate", ["--run", str(run_dir), "--ckpt", "last"])
     return _collect(arm, run_dir)
@@ -188,7 +197,7 @@ def report(cache: Dict[str, Any], args) -> str:
     from lightning_modules.llm.suite_metrics import paired_bootstrap
 
     runs = cache["runs"]
-    arms = [a for a in ("base", "plain", "repo", "l2a") if a in runs]
+    arms = [a for a in ARM_ORDER if a in runs]
     lines = [f"`python -m bench.cpt --steps {args.steps} --samples {args.samples} --seed {args.seed}`: SmolLM2-135M-"
              f"Instruct, {args.steps} steps x 2 x 512 tokens per trained arm ({args.steps * 1024:,} tokens, one seed), "
              "the installed-documentation corpus with cpt_plain's task mix, AdamW lr 1e-4 cosine, 2 CPU cores.", "",
@@ -219,7 +228,7 @@ def report(cache: Dict[str, Any], args) -> str:
                 cells.append(f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}] (n={len(ids)})")
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
         pm = runs["plain"]["metrics"].get("test/ppl_len512")
-        for arm in ("repo", "l2a"):
+        for arm in [a for a in ARM_ORDER if a not in ("base", "plain")]:
             if arm in runs and pm:
                 am = runs[arm]["metrics"].get("test/ppl_len512")
                 lines.append(f"\n{arm}: perplexity at the training length {am:.2f} vs plain {pm:.2f} "
@@ -258,7 +267,7 @@ def report(cache: Dict[str, Any], args) -> str:
 def figure(cache: Dict[str, Any]) -> None:
     plt = pyplot()
     runs = cache["runs"]
-    arms = [a for a in ("base", "plain", "repo", "l2a") if a in runs]
+    arms = [a for a in ARM_ORDER if a in runs]
     if plt is None or not arms:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -35,7 +36,8 @@ class OptimConfig:
     """Schedule length in optimizer steps; default: the Trainer's estimate."""
     lr_scale: Dict[str, float] = field(default_factory=dict)
     """Learning-rate multipliers by submodule path, e.g. ``{encoder: 0.1}`` for every parameter under
-    ``encoder.`` (the longest matching path wins; other parameters get 1.0). A multiplier of 0 freezes them."""
+    ``encoder.``; a path may hold ``*`` wildcards (``model.model.layers.*.self_attn.gate_map``: that module in
+    every layer). The longest matching path wins; other parameters get 1.0. A multiplier of 0 freezes them."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -98,8 +100,11 @@ class LRSchedule:
 
 
 def _under(name: str, path: str) -> bool:
-    """Whether the parameter ``name`` lies under the submodule ``path`` (``encoder`` matches ``encoder.w``)."""
+    """Whether the parameter ``name`` lies under the submodule ``path`` (``encoder`` matches ``encoder.w``;
+    ``*`` in ``path`` matches any run of characters, dots included: ``layers.*.gate`` matches ``layers.3.gate.w``)."""
     path = path.rstrip(".")
+    if "*" in path:
+        return fnmatch.fnmatchcase(name, path) or fnmatch.fnmatchcase(name, path + ".*")
     return name == path or name.startswith(path + ".")
 
 

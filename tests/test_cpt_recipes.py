@@ -46,6 +46,30 @@ def test_repo_recipe_fits_evaluates_lengths_and_exports_a_reloadable_folder():
     assert {r["task"] for r in records} == {"kv_retrieval", "table_lookup"}
 
 
+def test_repo_warm_start_decays_the_anneal_weight_and_exports_the_released_setting():
+    import lightning.pytorch as pl
+
+    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.repo.attention import repo_modules
+
+    seen = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            seen.append({attn.anneal for attn in repo_modules(module.model).values()})
+
+    run = build("repo_cpt", SMALL + ["method.args.warm_start_steps=4", "trainer.max_epochs=1",
+                                     "data.args.train_batches=6"], ["tiny"])
+    run.trainer.callbacks.append(Watch())
+    run.fit()
+    assert [s for s in seen] == [{1.0}, {0.75}, {0.5}, {0.25}, {0.0}, {0.0}]
+    assert {attn.anneal for attn in repo_modules(run.model.model).values()} == {0.0}
+    model, _ = load_causal_lm(str(run.run_dir / "hf"), expect_surgery="repo")
+    assert {attn.anneal for attn in repo_modules(model).values()} == {0.0}
+    with pytest.raises(ValueError, match="warm_start_steps"):
+        build("repo_cpt", SMALL + ["method.args.warm_start_steps=-1"], ["tiny"])
+
+
 def test_l2a_recipe_prunes_idle_global_paths_and_the_suite_runs_through_evaluate(capsys):
     from lightning_modules.l2a.layer import l2a_layers
     from lightning_modules.llm.loading import load_causal_lm

@@ -67,3 +67,22 @@ def test_lr_scale_unknown_prefix_is_named():
         build_optimizer(OptimConfig(lr_scale={"backbone": 0.1}), model.named_parameters())
     with pytest.raises(ValueError, match="lr_scale"):
         OptimConfig(lr_scale={"encoder": -1.0})
+
+
+def test_lr_scale_wildcards_pick_a_module_in_every_layer():
+    import torch
+
+    layer = lambda: torch.nn.ModuleDict({"gate_map": torch.nn.Linear(3, 3), "q_proj": torch.nn.Linear(3, 3),
+                                         "gate_map_extra": torch.nn.Linear(3, 3)})
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([layer(), layer()])})
+    cfg = OptimConfig(lr=1e-3, lr_scale={"layers.*.gate_map": 100.0, "layers.1.gate_map.bias": 0.0})
+    opt = build_optimizer(cfg, model.named_parameters())
+    by_param = {id(p): g for g in opt.param_groups for p in g["params"]}
+    for i in (0, 1):
+        assert by_param[id(model["layers"][i]["gate_map"].weight)]["lr"] == pytest.approx(0.1)
+        assert by_param[id(model["layers"][i]["q_proj"].weight)]["lr"] == pytest.approx(1e-3)
+        assert by_param[id(model["layers"][i]["gate_map_extra"].weight)]["lr"] == pytest.approx(1e-3)
+    assert by_param[id(model["layers"][0]["gate_map"].bias)]["lr"] == pytest.approx(0.1)
+    assert id(model["layers"][1]["gate_map"].bias) not in by_param  # the longer (more specific) path wins
+    with pytest.raises(ValueError, match="'layers.\\*.k_map'"):
+        build_optimizer(OptimConfig(lr_scale={"layers.*.k_map": 2.0}), model.named_parameters())
