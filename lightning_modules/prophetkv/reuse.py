@@ -1,0 +1,151 @@
+"""Prefill a retrieval-augmented prompt from stored chunk KV: the store gives (or computes once) each chunk's KV
+behind the shared prefix, :func:`~lightning_modules.llm.cache_surgery.assemble` lays them out at their final
+positions, a selector (:mod:`lightning_modules.prophetkv.selectors`) chooses what to recompute, and
+:func:`~lightning_modules.llm.cache_surgery.selective_forward` recomputes it with the question behind it. The
+result is a :class:`~lightning_modules.llm.generation.CachedLM` ready to decode and the logits of its first token.
+
+:class:`ReuseConfig` is the one description (selector, its arguments, the ratio, the store) and builds the
+:class:`ReusePrefill` that runs. A prompt is ``prefix_ids`` (shared: the chat template's head and the
+instruction), the chunks of each row (token lists, one per retrieved document) and each row's question (the
+template's tail: what follows the documents). Full prefill (``selector: full``) feeds the same token sequence in
+one ordinary prefill, so every method sees identical tokens.
+
+Every run's statistics (``ReuseResult.stats``): the time to the first token's logits and its parts (store,
+assembly, selection, recomputation), the chunk tokens, the tokens recomputed (per layer for CacheBlend), and the
+store's hits and misses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from lightning_modules.base import check_field, is_number
+from lightning_modules.llm.cache_surgery import assemble, check_cache_surgery, selective_forward
+from lightning_modules.llm.generation import CachedLM
+from lightning_modules.llm.kv_store import KVSegmentStore
+from lightning_modules.prophetkv.selectors import SELECTORS
+from litctx_common.options import accepted_keywords, check_options
+from litctx_common.timing import clock
+
+__all__ = ["ReuseConfig", "ReusePrefill", "ReuseResult", "pad_left"]
+
+
+def pad_left(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple:
+    """``(ids [B, n], mask [B, n])`` of token lists, left-padded to the longest."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+@dataclass
+class ReuseConfig:
+    """Attributes:
+        selector: ``full``, ``naive``, ``random``, ``epic``, ``cacheblend``, ``prophetkv`` or ``oracle``
+            (:data:`~lightning_modules.prophetkv.selectors.SELECTORS`).
+        selector_args: the selector config's fields (``cacheblend``: ``check_layer``, ``filter_layers``,
+            ``start_factor``; ``epic``: ``tokens_per_chunk``; ``random``: ``seed``; ``prophetkv``:
+            ``layer_fusion``).
+        ratio: the share of chunk tokens to recompute (ProphetKV's default 0.2).
+        store_dir: the KV segment store's folder (None: ``$LITCTX_CACHE_DIR/kv_segments``).
+        store_max_bytes: its size limit (None: unbounded).
+    """
+
+    selector: str = "prophetkv"
+    selector_args: Dict[str, Any] = field(default_factory=dict)
+    ratio: float = 0.2
+    store_dir: Optional[str] = None
+    store_max_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        check_field(self.selector in SELECTORS, "kv_reuse", "selector", self.selector,
+                    f"valid selectors are {', '.join(SELECTORS)}")
+        check_options(dict(self.selector_args), accepted_keywords(SELECTORS[self.selector]),
+                      f"kv_reuse.selector_args ({self.selector})")
+        SELECTORS[self.selector](**dict(self.selector_args))  # field errors now, not mid-run
+        check_field(is_number(self.ratio) and 0.0 <= self.ratio <= 1.0, "kv_reuse", "ratio", self.ratio,
+                    "must be a number in [0, 1] (the share of chunk tokens recomputed)")
+        check_field(self.store_max_bytes is None or (is_number(self.store_max_bytes) and self.store_max_bytes > 0),
+                    "kv_reuse", "store_max_bytes", self.store_max_bytes, "must be null or a positive byte count")
+
+    @property
+    def name(self) -> str:
+        if self.selector in ("full", "naive"):
+            return self.selector
+        return f"{self.selector}@{self.ratio:g}"
+
+    def build(self, model: torch.nn.Module, store: Optional[KVSegmentStore] = None) -> "ReusePrefill":
+        return ReusePrefill(self, model, store)
+
+
+@dataclass
+class ReuseResult:
+    lm: CachedLM
+    first_logits: torch.Tensor
+    stats: Dict[str, Any]
+
+
+class ReusePrefill:
+    """The prefill a :class:`ReuseConfig` describes, on one model (see the module docstring)."""
+
+    def __init__(self, cfg: ReuseConfig, model: torch.nn.Module, store: Optional[KVSegmentStore] = None) -> None:
+        self.cfg, self.model = cfg, model
+        self.selector = SELECTORS[cfg.selector](**dict(cfg.selector_args)).build()
+        if self.selector is not None:
+            check_cache_surgery(model, f"KV reuse ({cfg.selector})")
+        self.store = store if store is not None else KVSegmentStore(cfg.store_dir, cfg.store_max_bytes)
+        self.name = cfg.name
+
+    def warm(self, prefix_ids: Sequence[int], rows: Sequence[Sequence[Sequence[int]]]) -> None:
+        """Compute and store every chunk (and the prefix) now, so later prefills find them (a warm store)."""
+        self.store.get_or_compute(self.model, [list(prefix_ids)]) if prefix_ids else None
+        for chunks in rows:
+            self.store.get_or_compute(self.model, [list(c) for c in chunks], prefix_ids)
+
+    @torch.no_grad()
+    def prefill(self, prefix_ids: Sequence[int], rows: Sequence[Sequence[Sequence[int]]],
+                question_ids: Sequence[Sequence[int]]) -> ReuseResult:
+        """Prefill ``len(rows)`` prompts ``prefix + chunks + question``; returns the cache and the first logits."""
+        if len(rows) != len(question_ids):
+            raise ValueError(f"reuse prefill: {len(rows)} rows of chunks but {len(question_ids)} questions")
+        if any(not q for q in question_ids):
+            raise ValueError("reuse prefill: every row needs a question (the tokens after the documents)")
+        device = next(self.model.parameters()).device
+        q_ids, q_mask = pad_left(question_ids)
+        q_ids, q_mask = q_ids.to(device), q_mask.to(device)
+        chunk_tokens = [sum(len(c) for c in chunks) for chunks in rows]
+        t0 = clock(device)
+        if self.selector is None:  # full prefill of the same tokens
+            ids, mask = pad_left([list(prefix_ids) + [t for c in chunks for t in c] for chunks in rows])
+            lm = CachedLM(self.model)
+            lm.feed(ids.to(device), mask.to(device))
+            logits = lm.feed(q_ids, q_mask)
+            t1 = clock(device)
+            return ReuseResult(lm, logits, {"method": self.name, "ttft_s": t1 - t0, "chunk_tokens": chunk_tokens,
+                                            "recomputed": chunk_tokens, "recompute_s": t1 - t0})
+        hits0, miss0 = self.store.stats.hits, self.store.stats.misses
+        prefix_kv = None
+        if prefix_ids:
+            prefix_kv = self.store.get_or_compute(self.model, [list(prefix_ids)])[0]
+        segs = [self.store.get_or_compute(self.model, [list(c) for c in chunks], prefix_ids) for chunks in rows]
+        t1 = clock(device)
+        ctx = assemble(self.model, segs, prefix_ids, prefix_kv)
+        t2 = clock(device)
+        plan = self.selector.plan(ctx, self.cfg.ratio, q_ids, q_mask)
+        t3 = clock(device)
+        logits = selective_forward(ctx, plan.slots, q_ids, q_mask, layer_hook=plan.layer_hook)[:, -1]
+        t4 = clock(device)
+        recomputed = [int(n) for n in (plan.slots >= 0).sum(1).tolist()]
+        recomputed = plan.stats.pop("recomputed", recomputed)  # CacheBlend: the set kept to the last layer
+        stats = {"method": self.name, "ttft_s": t4 - t0, "store_s": t1 - t0, "assemble_s": t2 - t1,
+                 "select_s": t3 - t2, "recompute_s": t4 - t3, "chunk_tokens": chunk_tokens, "recomputed": recomputed,
+                 "store_hits": self.store.stats.hits - hits0, "store_misses": self.store.stats.misses - miss0}
+        stats.update(plan.stats)
+        return ReuseResult(ctx.lm, logits, stats)
