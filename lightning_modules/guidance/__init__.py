@@ -1,0 +1,2 @@
+"""Guidance: citation-enforced decoding by Prefix-Tail guidance (:mod:`.method`), scored with LongBench-Cite's
+citation metrics (:mod:`.longbench_cite`)."""
