@@ -188,6 +188,47 @@ def timing(args) -> Dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- L2A at init
+def l2a_init_probe(args, batches: int = 4) -> Dict[str, Any]:
+    """Test-split cross-entropy of SmolLM2 as loaded, as L2A at initialisation with every token routed (local
+    and global paths both copies of the base attention, so the attention output is added twice) and with none
+    routed (the window-W local path alone): what the router sees in its first steps."""
+    import torch
+
+    from lightning_modules.l2a.layer import apply_l2a
+    from lightning_modules.llm.loading import load_causal_lm
+    from recipes.api import build
+
+    run = build(RECIPES["plain"], _overrides(args), stage="test")
+    run.datamodule.setup("test")
+    loader = run.datamodule.test_dataloader()
+    loader = loader[0] if isinstance(loader, (list, tuple)) else loader
+    data = [b["input_ids"] for _, b in zip(range(batches), loader)]
+    from recipes.config import load_config
+
+    window = int(load_config(RECIPES["l2a"], _overrides(args)).tree.method.args.l2a.window)
+
+    def ce(model) -> float:
+        total, n = 0.0, 0
+        with torch.no_grad():
+            for ids in data:
+                logits = model(input_ids=ids).logits[:, :-1].float()
+                total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                                 ids[:, 1:].reshape(-1), reduction="sum"))
+                n += ids[:, 1:].numel()
+        return total / n
+
+    out: Dict[str, Any] = {"window": window, "tokens": int(sum(d[:, 1:].numel() for d in data))}
+    for name, threshold in (("base", None), ("all_routed", 0.5), ("local_only", 0.6)):
+        model, _ = load_causal_lm("smollm2-135m")
+        if threshold is not None:  # zero-initialised routers give sigma(0) = 0.5: >= 0.5 routes all, 0.6 none
+            apply_l2a(model, {"window": window, "threshold": threshold})
+            model.eval()
+        out[name] = {"ce": ce(model)}
+        out[name]["ppl"] = math.exp(out[name]["ce"])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- report
 def _family_scores(rec: Dict[str, Any], family: str) -> Dict[str, float]:
     return {r["id"]: float(r["score"]) for r in rec["suite"] if r["task"] in FAMILIES[family]}
@@ -249,6 +290,12 @@ def report(cache: Dict[str, Any], args) -> str:
                          f"L2A before pruning {prune['kv_bytes_before'] / 2**20:.1f} MiB, after "
                          f"{prune['kv_bytes_after'] / 2**20:.1f} MiB ({100 * prune['saved_fraction']:.1f}% saved; "
                          f"{100 * (1 - prune['kv_bytes_after'] / prune['kv_bytes_dense']):.1f}% below dense).")
+    probe = runs.get("l2a_init")
+    if probe:
+        lines += ["", f"L2A at initialisation (test split, {probe['tokens']:,} tokens, window {probe['window']}): "
+                      f"perplexity {probe['base']['ppl']:.2f} as loaded, {probe['all_routed']['ppl']:,.0f} with every "
+                      f"token routed (local and global paths both start as the base attention, so its output is added "
+                      f"twice), {probe['local_only']['ppl']:.2f} with none routed (the local path alone)."]
     t = runs.get("timing")
     if t:
         ts = t["train_step_s"]
@@ -310,6 +357,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             if arm not in cache["runs"]:
                 cache["runs"][arm] = run_arm(arm, args)
                 save_json(RESULTS, cache)
+        if "l2a_init" not in cache["runs"]:
+            cache["runs"]["l2a_init"] = l2a_init_probe(args)
+            save_json(RESULTS, cache)
         if not args.no_timing and "timing" not in cache["runs"] and (RUNS / "l2a" / "hf").is_dir() \
                 and (RUNS / "plain" / "hf").is_dir():
             cache["runs"]["timing"] = timing(args)

@@ -272,3 +272,23 @@ def test_a_sparse_read_policy_decodes_through_the_compact_gather(monkeypatch):
     assert len(calls) == 2 * n_layers  # both decode steps, every layer; never the prefill
     assert all(nq == 1 and nk in (16, 17) for nq, nk, _ in calls)
     torch.testing.assert_close(got, ref)
+
+
+def test_dense_masked_attention_equals_a_float64_softmax_over_many_rows_and_empty_ones():
+    from lightning_modules.llm import attention as la
+
+    g = torch.Generator().manual_seed(0)
+    b, hq, hk, nq, nk, d = 2, 4, 2, la.MASKED_ROWS_PER_CALL + 37, 90, 8
+    q, k, v = (torch.randn(b, h, n, d, generator=g) for h, n in ((hq, nq), (hk, nk), (hk, nk)))
+    mask = torch.rand(b, 1, nq, nk, generator=g) > 0.6
+    mask[0, 0, 5] = False  # a row with no live key
+    got = la.dense_masked_attention(q, k, v, mask, 0.3)
+    kk, vv = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+    s = (q.double() @ kk.transpose(-1, -2)) * 0.3
+    s = s.masked_fill(~mask, float("-inf"))
+    live = mask.any(-1, keepdim=True)
+    ref = torch.softmax(torch.where(live, s, torch.zeros_like(s)), -1) @ vv * live
+    assert torch.allclose(got.double(), ref, atol=1e-5)
+    assert torch.equal(got[0, :, 5], torch.zeros_like(got[0, :, 5]))
+    additive = torch.where(mask, 0.0, float("-inf"))
+    assert torch.allclose(la.dense_masked_attention(q, k, v, additive, 0.3), got, atol=1e-6)

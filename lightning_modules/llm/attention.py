@@ -91,21 +91,38 @@ def _factor_mask(mask: torch.Tensor, n_q: int, n_k: int, window: Optional[int] =
     return key_mask
 
 
+MASKED_ROWS_PER_CALL = 256
+"""Query rows per fused call of :func:`dense_masked_attention` (bounds its memory to ``rows x Nk`` per head)."""
+
+
 def dense_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """Exact softmax attention under an arbitrary boolean/additive ``[B, 1|H, Nq, Nk]`` mask (GQA by head
-    mapping); rows with no live key give zeros. Returns ``[B, Hq, Nq, dv]``."""
+    mapping); rows with no live key give zeros. Returns ``[B, Hq, Nq, dv]``.
+
+    Computed by PyTorch's fused scaled-dot-product attention in float32, :data:`MASKED_ROWS_PER_CALL` query rows
+    at a time, so no ``Nq x Nk`` score matrix is materialised (cache surgery's selective recomputation runs
+    thousands of rows against a long cache through here)."""
+    import torch.nn.functional as F
+
     g = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(g, dim=1)
-    v = value.repeat_interleave(g, dim=1)
-    scores = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    else:
-        scores = scores + mask.float()
-    live = torch.isfinite(scores).any(dim=-1, keepdim=True)
-    probs = torch.softmax(torch.where(live, scores, torch.zeros_like(scores)), dim=-1) * live
-    return torch.matmul(probs, v.float()).to(query.dtype)
+    k = key.float().repeat_interleave(g, dim=1)
+    v = value.float().repeat_interleave(g, dim=1)
+    q = query.float()
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
+    for r0 in range(0, q.shape[2], MASKED_ROWS_PER_CALL):
+        r1 = min(q.shape[2], r0 + MASKED_ROWS_PER_CALL)
+        m = mask[:, :, r0:r1]
+        if m.dtype == torch.bool:
+            live = m.any(dim=-1, keepdim=True)
+            m = m | ~live  # an empty row would give NaN: let it read anything, then zero it
+        else:
+            m = m.float()
+            live = torch.isfinite(m).any(dim=-1, keepdim=True) if m.numel() else m.new_ones(()).bool()
+            m = torch.where(live, m, torch.zeros_like(m))
+        o = F.scaled_dot_product_attention(q[:, :, r0:r1], k, v, attn_mask=m, scale=scale)
+        out[:, :, r0:r1] = torch.where(live, o, torch.zeros_like(o))
+    return out.to(query.dtype)
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

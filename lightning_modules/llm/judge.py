@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Protocol
+from typing import Any, Dict, List, Protocol
 
 __all__ = ["Judge", "LexicalJudge", "ModelJudge", "content_words", "JUDGES", "build_judge", "STOP_WORDS"]
 

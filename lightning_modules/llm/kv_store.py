@@ -21,9 +21,10 @@ import json
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -77,15 +78,15 @@ class KVSegmentStore:
         if self.max_bytes is not None and int(self.max_bytes) <= 0:
             raise ValueError(f"KVSegmentStore.max_bytes={self.max_bytes!r}: expected a positive number of bytes or "
                              f"null (unbounded)")
-        self._fingerprints: Dict[int, str] = {}
+        self._fingerprints: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ keys
     def fingerprint(self, model: torch.nn.Module) -> str:
-        """The model's fingerprint, computed once per model object and store."""
-        key = id(model)
-        if key not in self._fingerprints:
-            self._fingerprints[key] = model_fingerprint(model)
-        return self._fingerprints[key]
+        """The model's fingerprint, computed once per model object and store (the store serves inference: a model
+        whose weights change afterwards must be given to a new store)."""
+        if model not in self._fingerprints:
+            self._fingerprints[model] = model_fingerprint(model)
+        return self._fingerprints[model]
 
     def file_of(self, key: str) -> Path:
         return self.path / key[:2] / f"{key}.safetensors"
