@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from bench._report import REPO, pyplot, save_figure, save_json, write_section
