@@ -107,3 +107,26 @@ def test_rag_eval_retrieves_from_a_users_folder_of_documents(tmp_path, capsys):
     rc = evaluate_main(["--recipe", "rag_smollm2", "--profile", "tiny", f"run_dir={tmp_path}/x",
                         "data.args.source=folder", f"data.args.path={tmp_path}/missing", f"data.args.questions={q}"])
     assert rc == 1 and "data.path=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,args,attr", [
+    ("kv_reuse", {"selector": "cacheblend", "selector_args": {"check_layer": 2, "filter_layers": 0,
+                                                              "start_factor": 1.0}, "ratio": 0.3,
+                  "store_dir": "/tmp/x", "store_max_bytes": 1000}, "cfg"),
+    ("guidance", {"prefix_words": 5, "lookahead": 7, "min_match_words": 2, "fuzzy": 0.9, "min_words": 3,
+                  "max_statements": 9, "max_free_tokens": 11}, "cfg"),
+])
+def test_registered_callbacks_build_from_config_with_every_field(name, args, attr):
+    import dataclasses
+
+    from recipes.registry import create_callback
+
+    default = create_callback(name, {})
+    built = create_callback(name, args)
+    cfg = getattr(built, attr)
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    assert set(args) == fields  # every field has a non-default value here
+    for key, value in args.items():
+        assert getattr(cfg, key) == value and getattr(getattr(default, attr), key) != value, key
+    with pytest.raises(Exception, match=name):
+        create_callback(name, {"no_such_field": 1})
