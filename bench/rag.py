@@ -282,8 +282,8 @@ def report(records: List[Dict[str, Any]], args) -> str:
         main = sel[0]["setting"]
         full = scores("selectors", main, "full")
         lines += ["", f"**Selectors** on `{main}` ({len(full)} questions; full prefill {100 * mean(full):.1f}%):", "",
-                  "| method | accuracy | % of full prefill | vs ProphetKV (points) | KL from full (nats) | tokens "
-                  "recomputed |", "|---|---|---|---|---|---|"]
+                  "| method | accuracy | % of full prefill | ProphetKV minus this method (points) | KL from full "
+                  "(nats) | tokens recomputed |", "|---|---|---|---|---|---|"]
         methods = sorted({r["method"] for r in sel}, key=lambda m: (m.split("@")[-1] if "@" in m else "", m))
         for m in methods:
             sc = scores("selectors", main, m)
@@ -367,7 +367,7 @@ def figure(records: List[Dict[str, Any]]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.rag", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stages", nargs="+", default=["diagnostic", "selectors", "distractors", "ttft", "guidance"])
+    parser.add_argument("--stages", nargs="+", default=["diagnostic", "selectors", "ttft", "guidance", "distractors"])
     parser.add_argument("--questions", type=int, default=50, help="questions per setting")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk-words", type=int, default=40, help="filler words per document")

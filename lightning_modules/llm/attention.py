@@ -101,8 +101,8 @@ def dense_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     mapping); rows with no live key give zeros. Returns ``[B, Hq, Nq, dv]``.
 
     Computed by PyTorch's fused scaled-dot-product attention in float32, :data:`MASKED_ROWS_PER_CALL` query rows
-    at a time, so no ``Nq x Nk`` score matrix is materialised (cache surgery's selective recomputation runs
-    thousands of rows against a long cache through here)."""
+    at a time over the keys up to the last one the chunk may read, so no ``Nq x Nk`` score matrix is materialised
+    (cache surgery's selective recomputation runs thousands of rows against a long cache through here)."""
     import torch.nn.functional as F
 
     g = query.shape[1] // key.shape[1]
@@ -120,7 +120,12 @@ def dense_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
             m = m.float()
             live = torch.isfinite(m).any(dim=-1, keepdim=True) if m.numel() else m.new_ones(()).bool()
             m = torch.where(live, m, torch.zeros_like(m))
-        o = F.scaled_dot_product_attention(q[:, :, r0:r1], k, v, attn_mask=m, scale=scale)
+        # keys past the last one any row of this chunk may read are cut off (rows in position order - causal
+        # masks, selective recomputation's sorted rows - read a prefix of the keys: about half the work)
+        readable = (m if m.dtype == torch.bool else torch.isfinite(m)).any(dim=(0, 1, 2))
+        end = int(readable.nonzero().max()) + 1 if bool(readable.any()) else k.shape[2]
+        o = F.scaled_dot_product_attention(q[:, :, r0:r1], k[:, :, :end], v[:, :, :end], attn_mask=m[..., :end],
+                                           scale=scale)
         out[:, :, r0:r1] = torch.where(live, o, torch.zeros_like(o))
     return out.to(query.dtype)
 
