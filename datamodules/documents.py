@@ -7,24 +7,13 @@ JSONL record's ``id`` / ``title`` fields, else ``<file>:<line>``); :func:`read_d
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional
+
+from litctx_common.documents import Document, jsonl_records, read_records
 
 __all__ = ["Document", "pydoc_documents", "read_documents", "read_records", "load_tokenizer_folder"]
-
-
-@dataclass(frozen=True)
-class Document:
-    """A document with where it came from: ``doc_id`` (unique within one read), ``title`` and ``source`` (the
-    file)."""
-
-    doc_id: str
-    text: str
-    title: str = ""
-    source: str = ""
 
 
 def pydoc_documents() -> List[str]:
@@ -35,25 +24,7 @@ def pydoc_documents() -> List[str]:
 
 
 def _jsonl_documents(path: Path, field: str) -> List[str]:
-    return [d.text for d in _jsonl_records(path, field, path.name)]
-
-
-def _jsonl_records(path: Path, field: str, rel: str) -> List[Document]:
-    docs = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or field not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"{path}:{line_no}: no field {field!r} (has {keys}); set data.args.text_field")
-            doc_id = str(record.get("id", record.get("doc_id", f"{rel}:{line_no}")))
-            docs.append(Document(doc_id, str(record[field]), str(record.get("title", "")), str(path)))
-    return docs
+    return [d.text for d in jsonl_records(path, field, path.name)]
 
 
 def read_documents(path: Optional[str | os.PathLike], text_field: str = "text") -> List[str]:
@@ -61,37 +32,6 @@ def read_documents(path: Optional[str | os.PathLike], text_field: str = "text") 
     if path is None:
         return pydoc_documents()
     return [d.text for d in read_records(path, text_field, suffixes=(".txt", ".jsonl"), unique_ids=False)]
-
-
-def read_records(path: str | os.PathLike, text_field: str = "text", suffixes: Sequence[str] = (".txt", ".md", ".jsonl"),
-                 key: str = "data.path", unique_ids: bool = True) -> List[Document]:
-    """:class:`Document` records of a folder (read recursively, in path order) or one file of the given
-    ``suffixes``; empty documents are skipped. ``key`` names the setting in error messages; ``unique_ids``
-    refuses two documents with one id (retrieval cites documents by id)."""
-    kinds = "/".join(suffixes)
-    root = Path(os.path.expanduser(str(path)))
-    if not root.exists():
-        raise FileNotFoundError(f"{key}={str(path)!r} does not exist (expected a folder or a {kinds} file)")
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.suffix in suffixes and p.is_file())
-    docs: List[Document] = []
-    for f in files:
-        rel = f.name if root.is_file() else str(f.relative_to(root))
-        if f.suffix not in suffixes:
-            raise ValueError(f"{f}: unsupported file type {f.suffix!r}; use {kinds}")
-        if f.suffix == ".jsonl":
-            docs.extend(_jsonl_records(f, text_field, rel))
-        else:
-            docs.append(Document(rel, f.read_text(encoding="utf-8", errors="replace"), f.stem, str(f)))
-    docs = [d for d in docs if d.text.strip()]
-    if not docs:
-        raise ValueError(f"{key}={str(path)!r} holds no non-empty {kinds} documents")
-    seen: dict = {}
-    for d in docs if unique_ids else ():
-        if d.doc_id in seen:
-            raise ValueError(f"{key}={str(path)!r}: document id {d.doc_id!r} appears twice ({seen[d.doc_id]} and "
-                             f"{d.source}); ids must be unique")
-        seen[d.doc_id] = d.source
-    return docs
 
 
 def load_tokenizer_folder(name: str) -> Any:

@@ -46,12 +46,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from datamodules.base import StreamDataModule
 from datamodules.documents import pydoc_documents, read_records
-from datamodules.sentences import split_sentences
+from litctx_common.sentences import split_sentences
 from litctx_common.errors import DataError
 from litctx_common.seeding import stable_seed
 
 __all__ = ["RAGDataConfig", "RAGDataModule", "RAGDataset", "SOURCES", "STYLES", "make_document",
-           "load_longbench_cite", "load_questions"]
+           "load_longbench_cite", "load_questions", "collate_rag", "batch_samples"]
 
 SOURCES = ("bindings", "cite", "longbench_cite", "folder")
 STYLES = ("coref", "alias", "variables")
@@ -401,8 +401,16 @@ class RAGDataset:
         return self._cache[i]
 
 
-def _collate(samples: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    return list(samples)
+def collate_rag(samples: Sequence[Dict[str, Any]]) -> Dict[str, List[Any]]:
+    """A batch: every field as a list over the samples (``batch["id"][i]`` ...); :func:`batch_samples` inverts it."""
+    keys = sorted({k for s in samples for k in s})
+    return {k: [s.get(k) for s in samples] for k in keys}
+
+
+def batch_samples(batch: Dict[str, List[Any]]) -> List[Dict[str, Any]]:
+    """The sample dicts of a :func:`collate_rag` batch."""
+    n = len(batch["id"])
+    return [{k: v[i] for k, v in batch.items()} for i in range(n)]
 
 
 class RAGDataModule(StreamDataModule):
@@ -423,7 +431,7 @@ class RAGDataModule(StreamDataModule):
         _ = self.dataset
 
     def _loader(self):
-        return self.eval_loader(self.dataset, self.cfg.batch_size, self.cfg.num_workers, collate_fn=_collate)
+        return self.eval_loader(self.dataset, self.cfg.batch_size, self.cfg.num_workers, collate_fn=collate_rag)
 
     def train_dataloader(self):
         raise ValueError("RAG questions are evaluation data; run recipes.evaluate (validate/test/predict)")

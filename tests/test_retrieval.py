@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from datamodules.documents import Document
+from litctx_common.documents import Document
 from lightning_modules.retrieval.embedders import HashingEmbedder, build_embedder
 from lightning_modules.retrieval.index import BM25Index, VectorIndex, terms
 from lightning_modules.retrieval.store import DocumentStore, Retriever

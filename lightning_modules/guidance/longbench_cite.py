@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from datamodules.sentences import split_sentences
+from litctx_common.sentences import split_sentences
 
 __all__ = ["Statement", "parse_response", "merge_spans", "score_response", "format_statement"]
 

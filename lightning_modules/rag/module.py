@@ -209,7 +209,12 @@ class RAGEvalModule(SharedEvalStages, LongContextModule):
                 if rec.get("model") == self.cfg.model and rec.get("reuse") == reuse:
                     self._done[(rec["id"], rec.get("decoding", "greedy"))] = rec
 
-    def eval_step(self, stage: str, batch: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def eval_step(self, stage: str, batch: Any) -> List[Dict[str, Any]]:
+        """``batch``: every field as a list over its samples (``datamodules.rag_tasks.collate_rag``), or a list of
+        sample dicts."""
+        if isinstance(batch, dict):
+            n = len(batch["id"])
+            batch = [{k: v[i] for k, v in batch.items()} for i in range(n)]
         out = []
         for sample in batch:
             decoding = self.method_names()[1] if self.prompt_format(sample) == "cite" else "greedy"

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from datamodules.documents import Document, read_records
+from litctx_common.documents import Document, read_records
 from lightning_modules.retrieval.embedders import build_embedder
 from lightning_modules.retrieval.index import BM25Index, VectorIndex
 from lightning_modules.retrieval.text import Chunk, Sentence, chunk_document, split_sentences
