@@ -187,7 +187,7 @@ class Bench:
                 continue
             setting = dict(SETTINGS[main])
             # enough distractor chains of ~chunk_words-word documents to reach the length
-            per_doc = self.args.chunk_words * 1.35 + 12
+            per_doc = self.args.chunk_words * 1.8 + 13  # SmolLM2 tokens per generated document (measured: 85 at 40)
             docs_per_chain = 2 if setting["style"] == "coref" else setting["hops"] + 1
             setting["distractors"] = max(1, int(length / per_doc / docs_per_chain) - 1)
             s = self.samples(setting, 1)[0]
@@ -313,12 +313,14 @@ def report(records: List[Dict[str, Any]], args) -> str:
                          f"{100 * mean(n):.1f}% | {d} |")
     if TTFT.is_file():
         t = json.loads(TTFT.read_text())
-        lines += ["", f"**Time to first token** with a warm store (medians of {args.repeats} interleaved repeats):", "",
-                  "| prompt tokens | full prefill (s) | ProphetKV@0.2 (s) | CacheBlend@0.2 (s) | naive reuse (s) |",
-                  "|---|---|---|---|---|"]
-        for length in sorted(t, key=int):
+        lines += ["", "**Time to first token** with a warm store (medians of interleaved repeats, after one warm-up "
+                      "round):", "",
+                  "| prompt tokens | repeats | full prefill (s) | ProphetKV@0.2 (s) | CacheBlend@0.2 (s) | naive reuse (s) |",
+                  "|---|---|---|---|---|---|"]
+        for length in sorted(t, key=lambda key: (t[key]["tokens"], len(t[key]["all_s"]["full"]))):
             m, o = t[length]["median_s"], t[length]["over_full"]
-            lines.append(f"| {t[length]['tokens']} | {m['full']:.2f} | {m['prophetkv@0.2']:.2f} "
+            lines.append(f"| {t[length]['tokens']} | {len(t[length]['all_s']['full'])} | {m['full']:.2f} | "
+                         f"{m['prophetkv@0.2']:.2f} "
                          f"({o['prophetkv@0.2']:.2f}x) | {m['cacheblend@0.2']:.2f} ({o['cacheblend@0.2']:.2f}x) | "
                          f"{m['naive']:.2f} ({o['naive']:.2f}x) |")
     g = [r for r in records if r["stage"] == "guidance"]
