@@ -11,7 +11,8 @@ from litctx_common.io import atomic_open, atomic_path, atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 
-__all__ = ["REPO", "markers", "write_section", "load_cache", "cached_run", "save_json", "save_figure", "pyplot"]
+__all__ = ["REPO", "markers", "write_section", "load_cache", "cached_run", "save_json", "save_figure", "pyplot",
+           "train_loss_first_last"]
 
 
 def markers(name: str):
@@ -73,3 +74,12 @@ def save_figure(fig, path: Path, dpi: int = 120) -> None:
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=dpi)
     plt.close(fig)
+
+
+def train_loss_first_last(run_dir: Path):
+    """``[first, last]`` logged ``train/loss`` of a run directory's ``logs/metrics.csv`` (None when it logged none)."""
+    import csv
+
+    with open(Path(run_dir) / "logs" / "metrics.csv", newline="") as f:
+        losses = [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    return [losses[0], losses[-1]] if losses else None

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from bench._report import REPO, load_cache, pyplot, save_figure, save_json, write_section
+from bench._report import REPO, load_cache, pyplot, save_figure, save_json, train_loss_first_last, write_section
 
 RESULTS = REPO / "bench" / "results" / "cpt_smollm2.json"
 FIGURE = REPO / "docs" / "figures" / "cpt_smollm2.png"
@@ -101,14 +101,8 @@ def _collect(arm: str, run_dir: Path, metrics_file: Optional[Path] = None) -> Di
     prune = run_dir / "l2a_prune.json"
     if prune.is_file():
         rec["prune"] = json.loads(prune.read_text())
-    csv = run_dir / "logs" / "metrics.csv"
-    if csv.is_file():
-        import csv as _csv
-
-        with open(csv, newline="") as f:
-            rows = list(_csv.DictReader(f))
-        losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
-        rec["train_loss_first_last"] = [losses[0], losses[-1]] if losses else None
+    if (run_dir / "logs" / "metrics.csv").is_file():
+        rec["train_loss_first_last"] = train_loss_first_last(run_dir)
     return rec
 
 

@@ -26,9 +26,12 @@ task                      what is planted / asked                               
 ``kv_retrieval``          long-range retrieval: a dense list ``key: value`` (invented word keys,        any
                           7-digit values) filling the context; ask the value of the key at the depth
                           (depth 0 = the start: as far from the question as the prompt allows)
+``passkey``               the classic passkey retrieval: one sentence "the pass key is N" (a 5-digit    any
+                          number) at the depth of a prose haystack, asked at the end; short instruction
+                          and question, so it fits training lengths of 128-256 tokens (opt-in)
 ========================  ==========================================================================  =======
 
-The last three are opt-in families (not in :data:`DEFAULT_TASKS`) with no prose haystack: the structure is the
+``passkey`` and the last three are opt-in families (not in :data:`DEFAULT_TASKS`) with no prose haystack: the structure is the
 context. :data:`STRUCTURED_TASKS` and :data:`RETRIEVAL_TASKS` name them for the continued-pretraining
 mixtures and evaluations (RePo: noisy context and structured data; L2A: retrieval far outside its window).
 
@@ -79,10 +82,10 @@ STRUCTURED_TASKS = ("table_lookup", "graph_hops")
 #: long-range key-value retrieval
 RETRIEVAL_TASKS = ("kv_retrieval",)
 #: every valid task name
-TASKS = DEFAULT_TASKS + ("pointer_chasing",) + STRUCTURED_TASKS + RETRIEVAL_TASKS
+TASKS = DEFAULT_TASKS + ("pointer_chasing",) + STRUCTURED_TASKS + RETRIEVAL_TASKS + ("passkey",)
 #: tasks whose first needle (or asked item) sits at the sample's depth
 DEPTH_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "qa_facts", "pointer_chasing",
-               "table_lookup", "graph_hops", "kv_retrieval")
+               "table_lookup", "graph_hops", "kv_retrieval", "passkey")
 #: tasks whose context is a listing sized to the prompt length (no prose haystack)
 LISTING_TASKS = ("common_words",) + STRUCTURED_TASKS + RETRIEVAL_TASKS
 
@@ -250,6 +253,15 @@ def _niah(task: str, rng: random.Random, depth: float, words: Sequence[str]) -> 
                     f"What are all the special magic numbers for {keys[0]} mentioned in the provided text?",
                     f"The special magic numbers for {keys[0]} mentioned in the provided text are",
                     values, "all", 48)
+
+
+PASSKEY_INSTRUCTION = "A pass key is hidden in the text below. Find it and remember it."
+
+
+def _passkey(rng: random.Random, depth: float) -> TaskText:
+    key = str(rng.randint(10_000, 99_999))
+    return TaskText(PASSKEY_INSTRUCTION, [(depth, f"The pass key is {key}. Remember it: {key} is the pass key.")],
+                    "What is the pass key?", "The pass key is", [key], "any", 8)
 
 
 def _variable_tracking(rng: random.Random, depth: float, hops: int = 4) -> TaskText:
@@ -532,6 +544,8 @@ def build_sample(task: str, length: int, index: int, haystack: Haystack, tokeniz
         spec = _variable_tracking(rng, depth)
     elif task == "qa_facts":
         spec = _qa_facts(rng, depth)
+    elif task == "passkey":
+        spec = _passkey(rng, depth)
     elif task == "pointer_chasing":
         spec = _pointer_chasing(rng, depth, haystack.words, pointer_spec)
     else:
@@ -559,7 +573,7 @@ def build_sample(task: str, length: int, index: int, haystack: Haystack, tokeniz
     else:
         head, tail = _format(tokenizer, spec.instruction, "", spec.question, spec.answer_prefix, use_chat_template)
         budget = length - count(head) - count(tail) - sum(count(t) + 1 for _, t in spec.needles)
-        if task == "pointer_chasing":
+        if task in ("pointer_chasing", "passkey"):
             # newer than the other tasks (whose samples stay as they were): pick the run nearest to the budget,
             # then correct the budget once by the measured miss (per-sentence counts overestimate joined text)
             state = rng.getstate()

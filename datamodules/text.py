@@ -19,6 +19,9 @@ and the split), so a large corpus is tokenised once.
 **Several evaluation lengths from one run**: ``eval_seq_lens`` (e.g. ``[512, 1024, 2048]``: 1x, 2x, 4x the
 training length) gives validation and test one loader per length, packed from the same held-out documents;
 ``LanguageModel`` logs ``val/ppl`` at ``seq_len`` and ``val/ppl_len{T}`` at every length.
+**Passkey probes**: ``passkey_lengths`` adds one loader per length of teacher-forced retrieval probes
+(:class:`PasskeyProbes`, built from the split's held-out documents); ``LanguageModel`` logs
+``val/passkey_acc_len{T}`` (every answer token right) beside the losses.
 
 **Task mixtures**: ``mix: {task: fraction}`` replaces that fraction of the training blocks by sequences of the
 long-context suite's task families (:mod:`datamodules.longctx_tasks`; prompt, answer and EOS, then corpus text to
@@ -50,7 +53,7 @@ from litctx_common.paths import default_cache_dir
 from litctx_common.seeding import stable_seed
 
 __all__ = ["TextDataConfig", "TextDataModule", "read_documents", "pydoc_documents", "PackedBlocks", "MixedBlocks",
-           "load_tokenizer_folder", "split_documents"]
+           "PasskeyProbes", "collate_probes", "load_tokenizer_folder", "split_documents"]
 
 
 @dataclass
@@ -67,6 +70,13 @@ class TextDataConfig(LoaderConfig):
             always evaluated and comes first.
         mix: task family -> fraction of training blocks replaced by that task's sequences (sum < 1).
         mix_seed: the seed of the mixed-in task sequences.
+        eval_tokens: at most this many tokens per evaluation length (``eval_tokens // T`` blocks of length ``T``,
+            at least one), so every length is measured on about the same number of tokens; None = every block.
+        passkey_lengths: also evaluate passkey retrieval at these prompt lengths (one validation/test loader
+            each, after the text loaders): samples of ``passkey_task`` built from the split's own held-out
+            documents, scored teacher-forced (a sample is right when every answer token is the argmax).
+        passkey_samples: samples per passkey length.
+        passkey_task: the suite task family of the probes (``passkey``: one 5-digit number to recall).
     """
 
     path: Optional[str] = None
@@ -81,6 +91,10 @@ class TextDataConfig(LoaderConfig):
     mix: Dict[str, float] = field(default_factory=dict)
     mix_seed: int = 1
     batch_size: int = 8
+    eval_tokens: Optional[int] = None
+    passkey_lengths: Optional[List[int]] = None
+    passkey_samples: int = 32
+    passkey_task: str = "passkey"
 
     def __post_init__(self) -> None:
         from datamodules.corpus import CORPORA
@@ -92,6 +106,17 @@ class TextDataConfig(LoaderConfig):
         if self.eval_seq_lens is not None and (not self.eval_seq_lens or any(
                 not isinstance(n, int) or isinstance(n, bool) or n < 2 for n in self.eval_seq_lens)):
             problems.append(f"eval_seq_lens={self.eval_seq_lens}: expected null or a list of integers >= 2")
+        if self.passkey_lengths is not None and (not self.passkey_lengths or any(
+                not isinstance(n, int) or isinstance(n, bool) or n < 64 for n in self.passkey_lengths)):
+            problems.append(f"passkey_lengths={self.passkey_lengths}: expected null or a list of integers >= 64")
+        if self.eval_tokens is not None and (not isinstance(self.eval_tokens, int) or isinstance(self.eval_tokens, bool)
+                                             or self.eval_tokens < 2):
+            problems.append(f"eval_tokens={self.eval_tokens!r}: expected null or an integer >= 2")
+        if not isinstance(self.passkey_samples, int) or isinstance(self.passkey_samples, bool) \
+                or self.passkey_samples < 1:
+            problems.append(f"passkey_samples={self.passkey_samples!r}: must be an integer >= 1")
+        if self.passkey_task not in TASKS:
+            problems.append(f"passkey_task={self.passkey_task!r}: valid tasks are {', '.join(TASKS)}")
         bad = [k for k in self.mix if k not in TASKS]
         if bad:
             problems.append(f"mix: unknown task(s) {bad}; valid: {', '.join(TASKS)}")
@@ -119,8 +144,10 @@ TOKEN_CACHE_MIN_TOKENS = 200_000
 class PackedBlocks(Dataset):
     """Fixed blocks ``[seq_len]`` of a long token stream."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+    def __init__(self, tokens: torch.Tensor, seq_len: int, max_blocks: Optional[int] = None) -> None:
         n = tokens.numel() // seq_len
+        if max_blocks is not None:
+            n = min(n, max_blocks)
         self.blocks = tokens[: n * seq_len].view(n, seq_len)
 
     def __len__(self) -> int:
@@ -181,6 +208,52 @@ class MixedBlocks(Dataset):
         return {"input_ids": out, "source": task}
 
 
+class PasskeyProbes(Dataset):
+    """Passkey retrieval probes of about ``length`` tokens, teacher-forced: the suite's ``task`` prompt (its
+    haystack from ``documents``) followed by the answer and EOS. Item ``i``: ``input_ids [T]`` and
+    ``answer_mask [T]`` (True at the answer's tokens, the positions whose next-token prediction is scored);
+    ``length``: the nominal length. Samples are built lazily and cached; seeded by ``(seed, task, length, i)``."""
+
+    def __init__(self, task: str, length: int, n: int, documents: Sequence[str], tokenizer: Any, seed: int = 0) -> None:
+        self.task, self.length, self.n, self.seed = task, int(length), int(n), int(seed)
+        self.documents, self.tokenizer = documents, tokenizer
+        self._haystack = None
+        self._cache: Dict[int, Dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Dict[str, Any]:
+        if i not in self._cache:
+            from datamodules.longctx_tasks import Haystack, build_sample
+
+            if self._haystack is None:
+                self._haystack = Haystack(self.documents, self.tokenizer)
+            sample = build_sample(self.task, self.length, i, self._haystack, self.tokenizer, seed=self.seed)
+            answer = self.tokenizer(" " + ", ".join(sample["answers"]), add_special_tokens=False)["input_ids"]
+            prompt = sample["context_ids"].tolist() + sample["question_ids"].tolist()
+            ids = prompt + answer + [self.tokenizer.eos_token_id]
+            mask = [False] * len(prompt) + [True] * len(answer) + [False]
+            self._cache[i] = {"input_ids": torch.tensor(ids, dtype=torch.long),
+                              "answer_mask": torch.tensor(mask, dtype=torch.bool), "length": self.length,
+                              "depth": float(sample["depth"])}
+        return self._cache[i]
+
+
+def collate_probes(samples: Sequence[Dict[str, Any]], pad_id: int = 0) -> Dict[str, Any]:
+    """Right-padded ``input_ids [B, T]`` and ``answer_mask [B, T]`` (padding after the answer is never read by
+    a causal model's answer positions), ``probe_length`` (the nominal length) and ``depth`` (list)."""
+    width = max(int(s["input_ids"].numel()) for s in samples)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    for r, s in enumerate(samples):
+        n = int(s["input_ids"].numel())
+        ids[r, :n] = s["input_ids"]
+        mask[r, :n] = s["answer_mask"]
+    return {"input_ids": ids, "answer_mask": mask, "probe_length": int(samples[0]["length"]),
+            "depth": [s["depth"] for s in samples]}
+
+
 def split_documents(n: int, val_fraction: float, test_fraction: float, seed: int) -> Dict[str, List[int]]:
     """Seeded document indices per split; val and test get at least one document each."""
     if n < 3:
@@ -232,7 +305,8 @@ class TextDataModule(SplitsDataModule):
             tokens = self._cached_tokens(name, [docs[i] for i in idx])
             lengths = [self.cfg.seq_len] if name == "train" else self.eval_lengths()
             for n in lengths:
-                blocks = PackedBlocks(tokens, n)
+                cap = None if name == "train" or self.cfg.eval_tokens is None else max(1, self.cfg.eval_tokens // n)
+                blocks = PackedBlocks(tokens, n, cap)
                 if len(blocks) == 0:
                     raise ValueError(f"the {name} split has {tokens.numel()} tokens, fewer than one block of {n}; "
                                      f"lower data.args.seq_len / eval_seq_lens or add documents")
@@ -240,6 +314,10 @@ class TextDataModule(SplitsDataModule):
                     self._splits[name] = blocks
                 else:
                     self._eval_blocks[(name, n)] = blocks
+            if name != "train":
+                for n in self.cfg.passkey_lengths or []:
+                    self._eval_blocks[(name, "passkey", n)] = PasskeyProbes(
+                        self.cfg.passkey_task, n, self.cfg.passkey_samples, [docs[i] for i in idx], self.tokenizer)
             if name == "train" and self.cfg.mix:
                 self._splits[name] = MixedBlocks(self._splits[name], tokens, self.cfg.mix, self.cfg.mix_seed,
                                                  self.tokenizer, [docs[i] for i in idx])
@@ -273,6 +351,14 @@ class TextDataModule(SplitsDataModule):
         loaders = [self.eval_loader(self.split(split), self.cfg.batch_size, self.cfg.num_workers)]
         for n in self.eval_lengths()[1:]:
             loaders.append(self.eval_loader(self._eval_blocks[(split, n)], self.cfg.batch_size, self.cfg.num_workers))
+        if self.cfg.passkey_lengths:
+            import functools
+
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+            for n in self.cfg.passkey_lengths:
+                loaders.append(self.eval_loader(self._eval_blocks[(split, "passkey", n)], self.cfg.batch_size,
+                                                self.cfg.num_workers, collate_fn=functools.partial(collate_probes,
+                                                                                                   pad_id=pad)))
         return loaders[0] if len(loaders) == 1 else loaders
 
     def val_dataloader(self):

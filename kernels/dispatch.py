@@ -9,7 +9,8 @@ Backends:
   everything else (LSSA/LSSAR, query subsets, gather attention, column statistics, CUDA without Triton) runs
   the chunked references of :mod:`kernels.reference`.
 * ``triton`` - the kernels of :mod:`kernels.triton`; chosen automatically for CUDA tensors when Triton
-  imports and the call is supported (``verify``; K1/K2 take a key mask). On CPU only when asked for explicitly
+  imports and the call is supported (``verify``; K1/K2 take a key mask; LSSAR runs the two-pass K6 forward
+  of :mod:`kernels.triton.lssar` for dense/causal/window calls without a key mask). On CPU only when asked for explicitly
   *and* ``TRITON_INTERPRET=1`` (tests).
 * ``reference`` - only when asked for: every op runs its chunked reference (the pre-fused path, kept for
   benchmarks and for bisecting a numerical difference).
@@ -94,8 +95,12 @@ def _triton_verify(op: str, q: torch.Tensor, **kw) -> Tuple[bool, str]:
         return False, "triton is not installed"
     if q.device.type != "cuda" and not is_interpret():
         return False, f"{q.device.type} tensors need TRITON_INTERPRET=1 for the triton backend"
-    if kw.get("score_mode", "softmax") not in ("softmax", "lssa"):
-        return False, f"score_mode={kw['score_mode']!r} has no triton kernel (reference used)"
+    mode = kw.get("score_mode", "softmax")
+    if mode not in ("softmax", "lssa", "lssar") or (mode == "lssar" and op != "attention"):
+        return False, f"score_mode={mode!r} has no triton kernel for {op} (reference used)"
+    if mode == "lssar" and (kw.get("layout") is not None or kw.get("q_index") is not None):
+        return False, "LSSAR's triton forward (K6) serves dense/causal/window calls; layouts and query subsets " \
+                      "use the reference"
     if kw.get("key_mask") is not None and op != "attention":
         return False, f"key masks have no triton kernel for {op} (reference used)"
     if kw.get("key_mask") is not None and kw.get("score_mode", "softmax") != "softmax":
@@ -439,7 +444,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
         raise ValueError(f"window={window} needs causal=True and window >= 1")
     if key_mask is not None:
         key_mask = check_key_mask(key_mask, q, k)
-    chosen = select_backend("attention", q, backend, score_mode=score_mode, key_mask=key_mask)
+    chosen = select_backend("attention", q, backend, score_mode=score_mode, key_mask=key_mask, layout=layout,
+                            q_index=q_index)
+    if chosen == "triton" and score_mode == "lssar":
+        from kernels.triton.lssar import triton_lssar_attention
+
+        return triton_lssar_attention(q, k, v, causal=causal, q_offset=q_offset, window=window, power=lssar_power,
+                                      offset_rows=lssar_offset_rows)
     if chosen == "triton":
         from kernels.triton.attention import triton_attention
 

@@ -82,6 +82,16 @@ def _versions() -> Dict[str, str]:
     return {"python": sys.version.split()[0], "torch": str(torch.__version__), "lightning": str(lightning.__version__)}
 
 
+def merge_loader_metrics(out: List[Dict[str, Any]]) -> Dict[str, float]:
+    """One dict of every metric Lightning's ``validate``/``test`` returned (it returns one dict per evaluation
+    loader; a metric logged without the loader suffix appears in the dict of the loader that logged it, an
+    epoch-level one in every dict)."""
+    merged: Dict[str, float] = {}
+    for d in out or []:
+        merged.update(d)
+    return merged
+
+
 @dataclass
 class Run:
     """The objects of one run and the operations on them."""
@@ -118,12 +128,12 @@ class Run:
     def validate(self, ckpt: Optional[str] = None) -> Dict[str, float]:
         out = self.trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=self._ckpt(ckpt),
                                     weights_only=True, verbose=False)
-        return dict(out[0]) if out else {}
+        return merge_loader_metrics(out)
 
     def test(self, ckpt: Optional[str] = None) -> Dict[str, float]:
         out = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=self._ckpt(ckpt),
                                 weights_only=True, verbose=False)
-        return dict(out[0]) if out else {}
+        return merge_loader_metrics(out)
 
     def predict(self, ckpt: Optional[str] = None) -> List[Any]:
         return self.trainer.predict(self.model, datamodule=self.datamodule, ckpt_path=self._ckpt(ckpt),

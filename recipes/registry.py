@@ -228,6 +228,14 @@ L2A_PAPER = Paper(
          "OLMo-2)",
 )
 
+SOFTPLUS_PAPER = Paper(
+    title="Softplus Attention with Re-weighting Boosts Length Extrapolation in Large Language Models",
+    venue="ICML 2026",
+    arxiv="2501.13428",
+    code="https://github.com/iminfine/freeattn (not inspected; re-implemented from the paper's equations, "
+         "log-domain LSSAR)",
+)
+
 PROPHETKV_PAPER = Paper(
     title="ProphetKV: User-Query-Driven Selective Recomputation for Efficient KV Cache Reuse in Retrieval-Augmented "
           "Generation",
@@ -398,6 +406,22 @@ METHODS: Dict[str, MethodSpec] = {
             tags=("llm", "continued-pretraining", "sparse-attention", "kv-cache"),
             logs=("train/loss", "train/ce", "train/penalty", "train/lambda", "train/dense_step", "train/route_frac")
             + _stages("loss", "loss_len*", "ppl", "ppl_len*", "ppl_pos*of*", "l2a_skip", "l2a_route_l*", "suite_acc*"),
+        ),
+        MethodSpec(
+            name="lssa_lm",
+            target="lightning_modules.softplus.module:SoftplusLM",
+            config="lightning_modules.softplus.module:SoftplusLMConfig",
+            paper=SOFTPLUS_PAPER,
+            description="a causal LM (from scratch with tiny-*) whose attention is softmax, LSSA (length-scaled "
+                        "softplus) or LSSAR (re-weighted); loss at 1x-16x the training length, passkey probes",
+            kind="pretrain",
+            default_data="text",
+            tiny={"model": "tiny-llama", "attention": {"score_mode": "lssar"}},
+            requires=("transformers",),
+            extra="llm",
+            tags=("llm", "attention", "length-extrapolation"),
+            logs=("train/loss",) + _stages("loss", "loss_len*", "ppl", "ppl_len*", "ppl_pos*of*", "passkey_acc_len*",
+                                           "passkey_loss_len*", "suite_acc*"),
         ),
         MethodSpec(
             name="draft_distill",

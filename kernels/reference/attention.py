@@ -109,10 +109,11 @@ def row_lengths(pos: torch.Tensor, n_k: int, causal: bool, window: Optional[int]
 
 def _valid_mask(pos: torch.Tensor, n_k: int, causal: bool, window: Optional[int],
                 block_mask: Optional[torch.Tensor], layout: Optional[BlockLayout],
-                key_mask: Optional[torch.Tensor], row_idx: torch.Tensor) -> torch.Tensor:
+                key_mask: Optional[torch.Tensor], row_idx: torch.Tensor, col0: int = 0) -> torch.Tensor:
     """Boolean ``[B', H', c, Nk]``. ``pos`` = absolute key positions of the rows ``[B', H', c]``;
-    ``row_idx`` = their query-row indices (for the layout's query block; -1 = padded row)."""
-    j = torch.arange(n_k, device=pos.device)
+    ``row_idx`` = their query-row indices (for the layout's query block; -1 = padded row). ``col0``: the
+    columns are keys ``col0 .. col0 + n_k - 1`` (a slice of the keys; ``key_mask`` is sliced alike)."""
+    j = torch.arange(col0, col0 + n_k, device=pos.device)
     p = pos.unsqueeze(-1)
     valid = (row_idx >= 0).unsqueeze(-1) & torch.ones_like(j, dtype=torch.bool)
     if causal:
@@ -136,18 +137,21 @@ def _valid_mask(pos: torch.Tensor, n_k: int, causal: bool, window: Optional[int]
 def _chunk_attention(qc: torch.Tensor, row_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                      causal: bool, q_offset: int, window: Optional[int], layout: Optional[BlockLayout],
                      block_mask: Optional[torch.Tensor], key_mask: Optional[torch.Tensor], mode: str,
-                     lssar_power: float, lssar_offset_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of rows: ``qc [B, Hq, c, d]`` (already normalised for LSSA modes) -> ``(o, lse)``."""
+                     lssar_power: float, lssar_offset_rows: int, n_k_total: Optional[int] = None,
+                     col0: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of rows: ``qc [B, Hq, c, d]`` (already normalised for LSSA modes) -> ``(o, lse)``. ``k, v`` (and
+    ``key_mask``) may be the slice of keys ``col0 ..`` of ``n_k_total`` that the rows can see."""
     b, hq, c, d = qc.shape
     hk, n_k = k.shape[1], k.shape[2]
+    n_total = n_k if n_k_total is None else n_k_total
     g = hq // hk
     s = torch.matmul(qc.reshape(b, hk, g * c, d), k.transpose(-1, -2)).view(b, hq, c, n_k)
     pos = row_idx + q_offset
-    valid = _valid_mask(pos, n_k, causal, window, block_mask, layout, key_mask, row_idx)
+    valid = _valid_mask(pos, n_k, causal, window, block_mask, layout, key_mask, row_idx, col0=col0)
     if mode == "softmax":
         phi = s * scale
     else:
-        n_i = row_lengths(pos, n_k, causal, window).to(s.dtype)
+        n_i = row_lengths(pos, n_total, causal, window).to(s.dtype)
         kappa = (math.log(qc.shape[-1]) * torch.log(n_i.clamp_min(1.0))).unsqueeze(-1)
         phi = log_softplus(kappa * s)
     phi = phi.masked_fill(~valid, _NEG_INF)
@@ -155,7 +159,7 @@ def _chunk_attention(qc: torch.Tensor, row_idx: torch.Tensor, k: torch.Tensor, v
     lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     p = torch.exp(phi - lse_safe.unsqueeze(-1))
     if mode == "lssar":
-        n_i = row_lengths(pos, n_k, causal, window).to(s.dtype).unsqueeze(-1)
+        n_i = row_lengths(pos, n_total, causal, window).to(s.dtype).unsqueeze(-1)
         offset = (pos >= lssar_offset_rows).to(s.dtype).unsqueeze(-1)
         x = n_i * p - offset
         pos_x = valid & (x > 0)
@@ -170,11 +174,27 @@ def _chunk_attention(qc: torch.Tensor, row_idx: torch.Tensor, k: torch.Tensor, v
     return o, lse
 
 
+def _key_span(rows: torch.Tensor, q_offset: int, n_k: int, causal: bool, window: Optional[int]) -> Tuple[int, int]:
+    """``[lo, hi)``: the keys any of the query ``rows`` (row indices, -1 = padding) may see under the causal /
+    window mask (all keys without causality); the chunk computes only those columns (causal rows see a prefix:
+    about half the work of a full row)."""
+    if not causal:
+        return 0, n_k
+    live = rows[rows >= 0]
+    if live.numel() == 0:
+        return 0, n_k
+    hi = min(n_k, int(live.max()) + q_offset + 1)
+    lo = max(0, int(live.min()) + q_offset - window + 1) if window is not None else 0
+    if hi <= lo:
+        return 0, n_k
+    return lo, hi
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
                         causal: bool = True, q_offset: Optional[int] = None, window: Optional[int] = None,
                         layout: Optional[BlockLayout] = None, q_index: Optional[QueryIndex] = None,
                         score_mode: str = "softmax", lssar_power: float = 15.0, lssar_offset_rows: int = 3,
-                        chunk: int = 128, key_mask: Optional[torch.Tensor] = None,
+                        chunk: int = 64, key_mask: Optional[torch.Tensor] = None,
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Hq, Nq, d]`` over ``k [B, Hk, Nk, d]``, ``v [B, Hk, Nk, dv]``.
 
@@ -234,14 +254,16 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     outs, lses = [], []
     for start in range(0, n_rows, chunk):
         sl = slice(start, min(start + chunk, n_rows))
+        lo, hi = _key_span(row_idx[..., sl], off, n_k, causal, window)
+        km = kwargs["key_mask"]
 
-        def run(qc, kk, vv, ri=row_idx[..., sl]):
-            return _chunk_attention(qc, ri, kk, vv, **kwargs)
+        def run(qc, kk, vv, ri=row_idx[..., sl], lo=lo, km=None if km is None else km[..., lo:hi]):
+            return _chunk_attention(qc, ri, kk, vv, **{**kwargs, "key_mask": km}, n_k_total=n_k, col0=lo)
 
         if need_grad and n_rows > chunk:
-            o_c, lse_c = checkpoint(run, rows_q[:, :, sl], kw, vw, use_reentrant=False)
+            o_c, lse_c = checkpoint(run, rows_q[:, :, sl], kw[:, :, lo:hi], vw[:, :, lo:hi], use_reentrant=False)
         else:
-            o_c, lse_c = run(rows_q[:, :, sl], kw, vw)
+            o_c, lse_c = run(rows_q[:, :, sl], kw[:, :, lo:hi], vw[:, :, lo:hi])
         outs.append(o_c)
         lses.append(lse_c)
     if not outs:  # no rows to compute; keep the outputs connected to the inputs for autograd

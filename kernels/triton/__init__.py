@@ -4,6 +4,8 @@ Public functions (same signatures and semantics as the torch references in :mod:
 
 * :func:`triton_attention` (K1 forward + K2 backward, :mod:`kernels.triton.attention`) - dense / causal /
   sliding-window / block-layout / query-subset attention, softmax or LSSA scores, GQA, returns ``(o, lse)``.
+* :func:`triton_lssar_attention` (K6 forward, :mod:`kernels.triton.lssar`) - LSSAR in the log domain, two
+  passes (LSSA's LSE, then the re-weighted online softmax); the backward recomputes the torch reference.
 * :func:`triton_gather_attention` (K3, :mod:`kernels.triton.gather`) - attention over per-kv-head token lists,
   forward only.
 * :func:`triton_attention_colstats` (K5, :mod:`kernels.triton.colstats`) - per-key attention statistics over a
@@ -26,15 +28,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from kernels.triton.attention import triton_attention
     from kernels.triton.colstats import ColStats, triton_attention_colstats
     from kernels.triton.gather import triton_gather_attention
+    from kernels.triton.lssar import triton_lssar_attention
 
 __all__ = ["HAS_TRITON", "is_interpret", "triton_attention", "triton_gather_attention",
-           "triton_attention_colstats", "ColStats"]
+           "triton_attention_colstats", "ColStats",
+           "triton_lssar_attention"]
 
 _LAZY = {
     "triton_attention": "kernels.triton.attention",
     "triton_gather_attention": "kernels.triton.gather",
     "triton_attention_colstats": "kernels.triton.colstats",
     "ColStats": "kernels.triton.colstats",
+    "triton_lssar_attention": "kernels.triton.lssar",
 }
 
 

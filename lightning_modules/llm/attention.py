@@ -31,11 +31,19 @@ import torch
 import kernels
 
 __all__ = ["ATTN_NAME", "ensure_registered", "litctx_attention", "mask_to_key_mask", "dense_masked_attention",
-           "RUNNER_ATTR"]
+           "RUNNER_ATTR", "SCORE_ATTR", "score_setting"]
 
 ATTN_NAME = "litctx"
 RUNNER_ATTR = "_litctx_layer_runner"
 """Attribute of an attention module that holds its installed policy runner (see ``session.py``)."""
+SCORE_ATTR = "_litctx_score"
+"""Attribute of an attention module that holds a persistent score setting (LSSA / LSSAR: an object with
+``score_mode`` and ``kernel_kwargs``; installed by :mod:`lightning_modules.softplus.attention`). Absent = softmax."""
+
+
+def score_setting(module: torch.nn.Module) -> Optional[Any]:
+    """The non-softmax score setting of an attention module, or None."""
+    return getattr(module, SCORE_ATTR, None)
 
 log = logging.getLogger("litctx.llm")
 
@@ -132,15 +140,20 @@ def dense_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: Optional[torch.Tensor], scale: float,
-                     window: Optional[int] = None) -> torch.Tensor:
+                     window: Optional[int] = None, score: Optional[Any] = None) -> torch.Tensor:
     """Causal attention of ``query [B, Hq, Nq, d]`` over the cache view ``key, value [B, Hk, Nk, d]`` (entries
     in stream order, as transformers' caches hold them) under transformers' mask (``None`` or boolean
-    ``[B, 1, Nq, Nk]``), restricted to a sliding ``window`` when the layer has one. Returns ``[B, Hq, Nq, dv]``."""
+    ``[B, 1, Nq, Nk]``), restricted to a sliding ``window`` when the layer has one. ``score``: a persistent score
+    setting (:data:`SCORE_ATTR`; None = softmax). Returns ``[B, Hq, Nq, dv]``."""
     n_q, n_k = query.shape[2], key.shape[2]
+    extra = {} if score is None else dict(score.kernel_kwargs)
     key_mask = None
     if attention_mask is not None:
         key_mask = mask_to_key_mask(attention_mask, n_q, n_k, window=window)
         if key_mask is None:
+            if extra:
+                raise ValueError(f"score_mode={extra.get('score_mode')!r} attention takes causal masks with per-key "
+                                 f"padding only; this mask (packed sequences?) is not one - pass unpacked rows")
             _log_once("litctx attention: a mask that is not causal (x sliding window) x per-key (packed "
                       "sequences) runs as exact dense masked softmax")
             return dense_masked_attention(query, key, value, attention_mask, scale)
@@ -148,7 +161,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             key_mask = None
     if window is not None and window >= n_k:
         window = None  # no key is far enough back to leave the window: plain causal attention is the same
-    o, _ = kernels.attention(query, key, value, scale=scale, causal=True, window=window, key_mask=key_mask)
+    o, _ = kernels.attention(query, key, value, scale=scale, causal=True, window=window, key_mask=key_mask, **extra)
     return o
 
 
@@ -166,8 +179,12 @@ def litctx_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     window = int(window) if window is not None else None
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     runner = getattr(module, RUNNER_ATTR, None)
+    score = score_setting(module)
     if runner is not None:
+        if score is not None:
+            raise RuntimeError(f"layer {getattr(module, 'layer_idx', '?')} uses score_mode={score.score_mode!r} "
+                               f"attention; runners (KV policies, sparse prefill) compute softmax attention")
         out = runner.attend(module, query, key, value, attention_mask, scale, window=window)
     else:
-        out = causal_attention(query, key, value, attention_mask, scale, window=window)
+        out = causal_attention(query, key, value, attention_mask, scale, window=window, score=score)
     return out.transpose(1, 2).contiguous(), None

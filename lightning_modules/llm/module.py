@@ -65,7 +65,7 @@ class LanguageModelConfig:
 class LanguageModel(SharedEvalStages, LongContextModule):
     """Causal LM loss on packed blocks; perplexity overall and per context-position bucket, at every evaluation
     length the data provides (``val/ppl`` at the first loader's length, ``val/ppl_len{T}`` at each when there are
-    several). Subclasses change the model in :meth:`modify_model` (surgery) and the objective in
+    several), and teacher-forced passkey accuracy on probe batches (:meth:`probe_step`). Subclasses change the model in :meth:`modify_model` (surgery) and the objective in
     :meth:`training_loss`."""
 
     config_class = LanguageModelConfig
@@ -84,10 +84,35 @@ class LanguageModel(SharedEvalStages, LongContextModule):
     def modify_model(self) -> None:
         """Model surgery of a method (none here); runs once, right after loading."""
 
+    HEAD_CHUNK = 1024
+    """Positions per output-head call when evaluating without gradients (bounds the ``[B, chunk, vocab]`` logits)."""
+
+    def next_token_logits(self, input_ids: torch.Tensor):
+        """Yield ``(start, logits [B, c, V])`` chunks of the next-token logits of ``input_ids [B, T]`` (positions
+        ``start .. start + c - 1`` predict tokens ``start + 1 ..``; ``T - 1`` positions in all). Without gradients,
+        a plain Llama / Qwen2 / OLMo-2 head (logits = ``lm_head(h)``) runs :data:`HEAD_CHUNK` positions at a time
+        over the backbone's hidden states, so a 49K-token vocabulary at 4K positions never materialises all
+        logits at once; otherwise one call of the whole model."""
+        model = self.model
+        backbone = getattr(model, getattr(model, "base_model_prefix", "") or "", None)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        plain = (getattr(model.config, "model_type", "") in ("llama", "qwen2", "olmo2")
+                 and getattr(model.config, "final_logit_softcapping", None) is None)
+        n = input_ids.shape[1] - 1
+        if torch.is_grad_enabled() or backbone is None or head is None or not plain or n <= self.HEAD_CHUNK:
+            yield 0, model(input_ids=input_ids, use_cache=False).logits[:, :-1]
+            return
+        hidden = backbone(input_ids=input_ids, use_cache=False).last_hidden_state
+        for a in range(0, n, self.HEAD_CHUNK):
+            yield a, head(hidden[:, a:min(n, a + self.HEAD_CHUNK)])
+
     def token_losses(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy ``[B, T-1]`` (nats) of ``input_ids [B, T]``."""
-        logits = self.model(input_ids=input_ids, use_cache=False).logits[:, :-1]
-        return F.cross_entropy(logits.float().transpose(1, 2), input_ids[:, 1:], reduction="none")
+        parts = []
+        for a, logits in self.next_token_logits(input_ids):
+            target = input_ids[:, a + 1:a + 1 + logits.shape[1]]
+            parts.append(F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none"))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def training_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The training objective of a batch (next-token cross-entropy here)."""
@@ -98,7 +123,27 @@ class LanguageModel(SharedEvalStages, LongContextModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def probe_step(self, stage: str, batch: Dict[str, Any]) -> None:
+        """A batch of retrieval probes (``answer_mask`` present: the data's ``passkey_lengths``): teacher-forced
+        accuracy (a row is right when the argmax at every answer token is that token) and the answer tokens'
+        cross-entropy, logged as ``{stage}/passkey_acc_len{T}`` / ``{stage}/passkey_loss_len{T}``."""
+        ids, mask = batch["input_ids"], batch["answer_mask"][:, 1:]
+        hits, losses = [], []
+        for a, logits in self.next_token_logits(ids):
+            target = ids[:, a + 1:a + 1 + logits.shape[1]]
+            hits.append(logits.argmax(-1) == target)
+            losses.append(F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none"))
+        right = torch.cat(hits, dim=1) | ~mask
+        acc = right.all(dim=1).float()
+        ce = (torch.cat(losses, dim=1) * mask).sum(1) / mask.sum(1).clamp_min(1)
+        n = int(batch["probe_length"])
+        kw = dict(batch_size=ids.shape[0], sync_dist=True, add_dataloader_idx=False)
+        self.log(f"{stage}/passkey_acc_len{n}", acc.mean(), **kw)
+        self.log(f"{stage}/passkey_loss_len{n}", ce.mean(), **kw)
+
     def eval_step(self, stage: str, batch: Dict[str, torch.Tensor]) -> None:
+        if "answer_mask" in batch:
+            return self.probe_step(stage, batch)
         losses = self.token_losses(batch["input_ids"])  # [B, T-1]
         length = int(batch["input_ids"].shape[1])
         primary = self._primary.setdefault(stage, length)  # the first loader's length (the training length)

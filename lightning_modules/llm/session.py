@@ -41,7 +41,8 @@ import torch
 
 import kernels
 from kernels.reference.colstats import MOMENTS as COLSTATS_MOMENTS
-from lightning_modules.llm.attention import ATTN_NAME, RUNNER_ATTR, causal_attention, ensure_registered, mask_to_key_mask
+from lightning_modules.llm.attention import (ATTN_NAME, RUNNER_ATTR, SCORE_ATTR, causal_attention, ensure_registered,
+                                            mask_to_key_mask)
 from lightning_modules.llm.policy import Action, KVObservation, KVPolicy, PolicyBatch, Schedule
 
 __all__ = ["LayerRunner", "PolicySession", "install_policy", "attach_runners", "active_session", "attention_modules",
@@ -622,6 +623,10 @@ def attach_runners(model: torch.nn.Module, make_runner: Callable[[torch.nn.Modul
         raise ValueError(f"{type(model).__name__} has no attention layer {what} can drive (looked for modules "
                          f"with layer_idx and q_proj/k_proj/v_proj, as in Llama, Qwen2 and OLMo-2)")
     for m in modules:
+        score = getattr(m, SCORE_ATTR, None)
+        if score is not None:
+            raise RuntimeError(f"cannot install {what}: layer {m.layer_idx} uses score_mode={score.score_mode!r} "
+                               f"attention (model.config.attention_score) and runners compute softmax attention")
         existing = getattr(m, RUNNER_ATTR, None)
         if existing is not None and not isinstance(existing, RunnerStack):
             raise RuntimeError(f"cannot install {what}: the model's attention is already overridden; remove it first")

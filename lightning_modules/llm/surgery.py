@@ -20,7 +20,8 @@ Softplus attention and C-DIC's adapters) all need the same four things, built on
   hold for the model's whole life. :data:`SURGERIES` maps each key to the function that re-applies the surgery
   (``"module:function"`` strings: this substrate never imports a method package at import time);
   :func:`restore_surgery` re-applies it after ``from_pretrained`` and loads the method's tensors from the
-  folder's safetensors files, strictly (a missing tensor is an error naming it). ``load_causal_lm`` calls it for
+  folder's safetensors files, strictly (a missing tensor is an error naming it). Softplus attention
+  (``attention_score``) is a parameter-free setting registered the same way. ``load_causal_lm`` calls it for
   every local folder, so a trained folder reloads with the same logits through the one loader.
 * **DDP safety** (:func:`keep_in_graph`): a branch that computes nothing in a step (L2A's global path when no
   token routes) still contributes ``0 * sum(params)``, so DistributedDataParallel sees a gradient (zero) for every
@@ -217,6 +218,8 @@ SURGERIES: Dict[str, Surgery] = {
                     "RePo: learned per-head positions fed into RoPE"),
     "l2a": Surgery("l2a", "l2a_config", "lightning_modules.l2a.layer:apply_from_config",
                    "L2A: sliding-window attention plus routed global attention"),
+    "softplus": Surgery("softplus", "attention_score", "lightning_modules.softplus.attention:apply_from_config",
+                        "Softplus attention: LSSA / LSSAR score mode in every layer (no new parameters)"),
 }
 
 

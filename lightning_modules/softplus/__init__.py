@@ -1,0 +1,1 @@
+"""Softplus attention (LSSA / LSSAR) as a model-level attention setting, and the ``lssa_lm`` training method."""
