@@ -103,6 +103,11 @@ class SuiteConfig:
         batch_size: samples per batch (left padding).
         use_chat_template: wrap the prompt in the tokenizer's chat template (when it has one).
         num_workers: DataLoader workers.
+        train_samples: samples per (task, length) of a training split (0 = none: the suite is evaluation data);
+            built like the evaluation samples but with ``train_seed`` (no training sample is an evaluation one),
+            for methods trained on the suite's tasks (IndexMem). The haystack documents are the same.
+        train_seed: the generation seed of the training split (must differ from ``seed``).
+        train_batches: training batches per epoch (None = one pass over the training split).
     """
 
     tokenizer: str = "smollm2-135m"
@@ -115,9 +120,20 @@ class SuiteConfig:
     batch_size: int = 1
     use_chat_template: bool = True
     num_workers: int = 0
+    train_samples: int = 0
+    train_seed: int = 1000
+    train_batches: Optional[int] = None
 
     def __post_init__(self) -> None:
         problems = []
+        if isinstance(self.train_samples, bool) or not isinstance(self.train_samples, int) or self.train_samples < 0:
+            problems.append(f"train_samples={self.train_samples!r}: must be an integer >= 0")
+        if self.train_samples and self.train_seed == self.seed:
+            problems.append(f"train_seed={self.train_seed}: must differ from seed={self.seed} (training samples would "
+                            f"be the evaluation samples)")
+        if self.train_batches is not None and (isinstance(self.train_batches, bool)
+                                               or not isinstance(self.train_batches, int) or self.train_batches < 1):
+            problems.append(f"train_batches={self.train_batches!r}: must be null or an integer >= 1")
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown or not self.tasks:
             what = f"unknown {', '.join(map(repr, unknown))}; " if unknown else "empty; "
@@ -646,6 +662,7 @@ class LongContextSuiteDataModule(StreamDataModule):
         self.cfg = cfg if cfg is not None else SuiteConfig(**kwargs)
         self.tokenizer = tokenizer
         self._suite: Optional[LongContextSuite] = None
+        self._train_suite: Optional[LongContextSuite] = None
 
     @property
     def suite(self) -> LongContextSuite:
@@ -665,8 +682,26 @@ class LongContextSuiteDataModule(StreamDataModule):
         return self.eval_loader(suite, self.cfg.batch_size, self.cfg.num_workers,
                                 collate_fn=functools.partial(collate_suite, pad_id=pad))
 
+    @property
+    def train_suite(self) -> LongContextSuite:
+        """The training split (``train_samples`` per cell, ``train_seed``)."""
+        if self._train_suite is None:
+            import dataclasses
+
+            suite = self.suite
+            cfg = dataclasses.replace(self.cfg, seed=self.cfg.train_seed, samples_per_cell=self.cfg.train_samples,
+                                      train_samples=0, train_seed=self.cfg.train_seed + 1)
+            self._train_suite = LongContextSuite(cfg, self.tokenizer, suite.haystack)
+        return self._train_suite
+
     def train_dataloader(self):
-        raise ValueError("the long-context suite is evaluation data; run recipes.evaluate (validate/test/predict)")
+        if not self.cfg.train_samples:
+            raise ValueError("the long-context suite is evaluation data (data.args.train_samples=0); run "
+                             "recipes.evaluate, or set data.args.train_samples to train on the suite's tasks")
+        train = self.train_suite
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        return self.train_loader(train, self.cfg.batch_size, self.cfg.train_batches, seed=self.cfg.train_seed,
+                                 dataset_size=len(train), collate_fn=functools.partial(collate_suite, pad_id=pad))
 
     def val_dataloader(self):
         return self._loader()

@@ -236,6 +236,14 @@ SOFTPLUS_PAPER = Paper(
          "log-domain LSSAR)",
 )
 
+INDEXMEM_PAPER = Paper(
+    title="IndexMem: Learned KV-Cache Eviction with Latent Memory",
+    venue="ICML 2026",
+    arxiv="2605.25475",
+    code="no public code; our instantiation of the abstract (MLP indexer on hidden states, linear-attention memory "
+         "with a gated residual readout)",
+)
+
 PROPHETKV_PAPER = Paper(
     title="ProphetKV: User-Query-Driven Selective Recomputation for Efficient KV Cache Reuse in Retrieval-Augmented "
           "Generation",
@@ -422,6 +430,22 @@ METHODS: Dict[str, MethodSpec] = {
             tags=("llm", "attention", "length-extrapolation"),
             logs=("train/loss",) + _stages("loss", "loss_len*", "ppl", "ppl_len*", "ppl_pos*of*", "passkey_acc_len*",
                                            "passkey_loss_len*", "suite_acc*"),
+        ),
+        MethodSpec(
+            name="indexmem_train",
+            target="lightning_modules.indexmem.module:IndexMemModule",
+            config="lightning_modules.indexmem.config:IndexMemTrainConfig",
+            paper=INDEXMEM_PAPER,
+            description="IndexMem training with the LLM frozen: per-layer learned indexers (teacher attention "
+                        "targets) and latent-memory readouts, streaming each sample through the evicting policy",
+            kind="finetune",
+            default_data="longctx_suite",
+            tiny={"model": "tiny-llama", "keep": 48, "compression_ratio": None, "chunk": 32, "window": 4},
+            requires=("transformers", "safetensors"),
+            extra="llm",
+            tags=("llm", "kv-cache", "eviction", "learned"),
+            logs=("train/loss", "train/answer", "train/indexer", "train/recall", "train/gate")
+            + _stages("answer", "answer_full", "indexer", "recall"),
         ),
         MethodSpec(
             name="draft_distill",
@@ -671,6 +695,17 @@ CALLBACKS: Dict[str, CallbackSpec] = {
             description="the long-context suite's task x length table, records and depth x length heat map",
             stages=("validate", "test", "predict"),
             paper=RULER_PAPER,
+        ),
+        CallbackSpec(
+            name="indexmem",
+            target="lightning_modules.indexmem.callback:IndexMemCallback",
+            config="lightning_modules.indexmem.config:IndexMemConfig",
+            description="IndexMem: a trained indexer picks the kept KV entries, evicted ones fold into a latent "
+                        "memory read back as a gated residual (its state counts against the budget)",
+            stages=("validate", "test", "predict"),
+            requires=("transformers", "safetensors"),
+            extra="llm",
+            paper=INDEXMEM_PAPER,
         ),
         CallbackSpec(
             name="kv_reuse",

@@ -81,11 +81,16 @@ class CachedLM:
         each row's last position ``[B, V]``."""
         return self.feed_logits(input_ids, attention_mask, 1)[:, -1]
 
-    @torch.no_grad()
     def feed_logits(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                    n_logits: int = 1) -> torch.Tensor:
+                    n_logits: int = 1, grad: bool = False) -> torch.Tensor:
         """Feed ``input_ids [B, n]`` and return the float32 logits of the last ``n_logits`` positions
-        ``[B, n_logits, V]`` (a verification call reads all of them)."""
+        ``[B, n_logits, V]`` (a verification call reads all of them). ``grad``: keep the autograd graph (a
+        training driver streaming a sequence through a compressed cache, IndexMem's); otherwise no graph."""
+        with torch.set_grad_enabled(bool(grad) and torch.is_grad_enabled()):
+            return self._feed_logits(input_ids, attention_mask, n_logits)
+
+    def _feed_logits(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                     n_logits: int) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, n], got {list(input_ids.shape)}")
         b, n = input_ids.shape

@@ -15,7 +15,8 @@ A policy decides, per layer and per KV head, which cache entries stay readable. 
   ``mask`` (kept in memory, never read again), ``sparse_read`` (read only for this step; the cache stays
   whole), ``recompute`` (handed to a driver that recomputes them).
 * :class:`Compensator` - optional: receives evicted entries (``write``) and adds its own attention part at
-  every later call (``read``), merged by log-sum-exp.
+  every later call: merged by log-sum-exp (``read``) or added as a residual before ``o_proj``
+  (``read_residual``, ``merge = "residual"``).
 * :class:`Schedule` - when the policy acts: once after the first prefill, every N decode steps, or (sparse
   reads) before every decode step.
 
@@ -47,6 +48,7 @@ __all__ = [
     "SharedTopKSelector",
     "top_capacity",
     "Compensator",
+    "compensator_merge",
     "OffloadCompensator",
     "KVPolicy",
     "PolicyBatch",
@@ -85,6 +87,9 @@ class Budget:
     at every step stays at its budget instead of shrinking by the ratio again.
         layer_scale: optional per-layer multipliers of the capacity (PyramidKV-style curves).
         head_scale: optional per-KV-head multipliers, one list shared by all layers or one list per layer.
+        aux_tokens: token equivalents per KV head held by the policy's compensator state (IndexMem's latent
+            memory): they count against the budget, so the cache keeps ``capacity - aux_tokens`` entries (at least
+            one) and the policy's total memory equals a plain policy's at the same ``keep`` / ratio.
     """
 
     keep: Optional[int] = None
@@ -94,8 +99,11 @@ class Budget:
     window_fraction: float = 0.0
     layer_scale: Optional[List[float]] = None
     head_scale: Optional[List[Any]] = None
+    aux_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.aux_tokens, bool) or not isinstance(self.aux_tokens, int) or self.aux_tokens < 0:
+            raise ValueError(f"budget.aux_tokens must be an integer >= 0, got {self.aux_tokens!r}")
         if self.keep is not None and self.compression_ratio is not None:
             raise ValueError("budget: set either keep or compression_ratio, not both")
         if self.keep is not None and self.keep < 1:
@@ -118,6 +126,7 @@ class Budget:
         core = "full" if self.unlimited else (f"keep{self.keep}" if self.keep is not None
                                               else f"r{self.compression_ratio:g}")
         extra = [f"sink{self.sink}"] * bool(self.sink) + [f"win{self.window}"] * bool(self.window)
+        extra += [f"aux{self.aux_tokens}"] * bool(self.aux_tokens)
         return "+".join([core, *extra])
 
     def _head_scale(self, layer: int, n_heads: int) -> List[float]:
@@ -143,7 +152,7 @@ class Budget:
                 raise ValueError(f"budget.layer_scale has {len(self.layer_scale)} entries; layer {layer} has none")
             base = base * self.layer_scale[layer]
         base = base * torch.tensor(self._head_scale(layer, n_heads), dtype=torch.float64, device=n.device)
-        cap = torch.floor(base + 1e-9).long().clamp_min(1)
+        cap = (torch.floor(base + 1e-9).long() - int(self.aux_tokens)).clamp_min(1)
         return torch.minimum(cap, n_valid.long())
 
 
@@ -199,6 +208,8 @@ class KVObservation:
         window: the layer's sliding window (None: full attention). On such a layer ``valid`` already excludes
             the entries the next query cannot see; for every remaining entry the window is implied by causality
             for all of this call's queries, so statistics over ``valid`` need no window of their own.
+        hidden: the attention module's input hidden states of this call ``[B, Nq, D]`` (after the layer's input
+            norm; learned scorers such as IndexMem's indexer read them); None when the caller had none.
     """
 
     layer: int
@@ -212,6 +223,7 @@ class KVObservation:
     out: Optional[torch.Tensor] = None
     lse: Optional[torch.Tensor] = None
     window: Optional[int] = None
+    hidden: Optional[torch.Tensor] = None
     _cache: Dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -223,7 +235,8 @@ class KVObservation:
         sl = slice(b, b + 1)
         return KVObservation(self.layer, self.phase, self.q[sl], self.k[sl], self.v[sl], self.slots[sl],
                              self.valid[sl], self.scale, None if self.out is None else self.out[sl],
-                             None if self.lse is None else self.lse[sl], self.window)
+                             None if self.lse is None else self.lse[sl], self.window,
+                             None if self.hidden is None else self.hidden[sl])
 
     def _key_mask(self) -> Optional[torch.Tensor]:
         return None if bool(self.valid.all()) else self.valid
@@ -367,7 +380,12 @@ class SharedTopKSelector:
 
 @runtime_checkable
 class Compensator(Protocol):
-    """Holds what a policy evicted and contributes its own attention part at later calls."""
+    """Holds what a policy evicted and contributes its own attention part at later calls.
+
+    ``merge`` says how: ``"lse"`` (the default, and what an object without the attribute does) - ``read``
+    returns ``(o, lse)`` of its own attention, merged with the cache's by log-sum-exp (:class:`OffloadCompensator`:
+    exact); ``"residual"`` - ``read_residual(layer, q, scale, hidden)`` returns ``r [B, Hq, Nq, dv]`` (or None),
+    added to the attention output before ``o_proj`` (IndexMem's gated latent-memory readout)."""
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
               evicted: torch.Tensor) -> None:
@@ -377,6 +395,14 @@ class Compensator(Protocol):
         """``(o [B, Hq, Nq, dv], lse [B, Hq, Nq])`` for queries ``q [B, Hq, Nq, d]`` (None: nothing held)."""
 
     def reset(self) -> None: ...
+
+
+def compensator_merge(comp: Any) -> str:
+    """``"lse"`` or ``"residual"``: how ``comp``'s contribution joins the attention output."""
+    merge = getattr(comp, "merge", "lse")
+    if merge not in ("lse", "residual"):
+        raise ValueError(f"compensator {type(comp).__name__}.merge={merge!r}: valid values are lse, residual")
+    return merge
 
 
 class OffloadCompensator:

@@ -43,7 +43,8 @@ import kernels
 from kernels.reference.colstats import MOMENTS as COLSTATS_MOMENTS
 from lightning_modules.llm.attention import (ATTN_NAME, RUNNER_ATTR, SCORE_ATTR, causal_attention, ensure_registered,
                                             mask_to_key_mask)
-from lightning_modules.llm.policy import Action, KVObservation, KVPolicy, PolicyBatch, Schedule
+from lightning_modules.llm.policy import (Action, KVObservation, KVPolicy, PolicyBatch, Schedule,
+                                         compensator_merge)
 
 __all__ = ["LayerRunner", "PolicySession", "install_policy", "attach_runners", "active_session", "attention_modules",
            "cache_bytes", "window_attention", "SESSION_ATTR", "ROLES", "RunnerStack", "runner_stack", "call_phase",
@@ -95,6 +96,7 @@ class LayerRunner:
         self.session = session
         self.state = LayerState()
         self.cache: Any = None
+        self.hidden: Optional[torch.Tensor] = None  # this call's attention input [B, Nq, D] (the pre-hook's)
 
     # ------------------------------------------------------------------ bookkeeping
     def _start(self) -> None:
@@ -174,7 +176,9 @@ class LayerRunner:
         pol = self.policy
         read = valid
         if pol.action is Action.SPARSE_READ and phase in ("decode", "verify") and pol.acts_on(self.layer):
-            obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, window=window)
+            obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, window=window,
+                                hidden=self.hidden if self.hidden is not None and self.hidden.shape[1] == n_q
+                                else None)
             read = self._combine([p.decide(ob, self.scorers[i]) if p.acts_on(self.layer) else ob.valid
                                   for i, p, ob in self._views(obs)])
             # the call's own entries are always read (a verification's queries attend to each other causally)
@@ -193,13 +197,18 @@ class LayerRunner:
             # entries the next query cannot see (slot <= next slot - window) are dead: never read again
             valid = valid & (slots > st.seen + n_q - window)
         comp = pol.compensator
-        if comp is not None:
+        hidden = self.hidden if self.hidden is not None and self.hidden.shape[1] == n_q else None
+        if comp is not None and compensator_merge(comp) == "residual":
+            extra = comp.read_residual(self.layer, query, scale, hidden)
+            if extra is not None:
+                o = o + extra.to(o.dtype)
+        elif comp is not None:
             extra = comp.read(self.layer, query, scale)
             if extra is not None:
                 o, lse = kernels.merge_lse(o, lse, extra[0].to(o.dtype), extra[1].to(lse.dtype))
 
         obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, out=o, lse=lse,
-                            window=window)
+                            window=window, hidden=hidden)
         if phase == "prefill" and self.session.record_prefill:
             self.session.prefill_observations[self.layer] = obs
         self._after_attention(obs)
@@ -230,9 +239,14 @@ class LayerRunner:
             if pol.action is Action.SPARSE_READ or not self._due(obs.phase, pol.schedule):
                 keeps.append(ob.valid)
                 continue
-            if st.capacity[i] is None:
-                st.capacity[i] = pol.budget.capacity(ob.valid.sum(-1), self.layer, ob.valid.shape[1])
-            keeps.append(pol.decide(ob, self.scorers[i], st.capacity[i]))
+            if pol.budget.compression_ratio is None:
+                capacity = None  # an absolute keep: decided afresh each time (a first decision on a short stream
+                # must not freeze the capacity at that call's few entries)
+            else:
+                if st.capacity[i] is None:
+                    st.capacity[i] = pol.budget.capacity(ob.valid.sum(-1), self.layer, ob.valid.shape[1])
+                capacity = st.capacity[i]
+            keeps.append(pol.decide(ob, self.scorers[i], capacity))
             acted = True
         rows = self._rows(obs.k.shape[0])
         slots, valid = obs.slots.expand(rows, -1, -1), obs.valid.expand(rows, -1, -1)
@@ -690,6 +704,8 @@ def install_policy(model: torch.nn.Module, policy: KVPolicy, keep_log: bool = Fa
 
         def grab_cache(mod, args, kwargs):
             runner.cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            runner.hidden = hidden if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
 
         handles.append(module.register_forward_pre_hook(grab_cache, with_kwargs=True))
         return runner
