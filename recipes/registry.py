@@ -575,6 +575,14 @@ DATAMODULES: Dict[str, DataSpec] = {
             paper=MEGXL_PAPER,
         ),
         DataSpec(
+            name="copy_retrieval",
+            target="datamodules.synth.copy_retrieval:CopyRetrievalDataModule",
+            config="datamodules.synth.copy_retrieval:CopyRetrievalConfig",
+            description="synthetic long-range copy and key-value retrieval token sequences (small vocabulary, any "
+                        "length), scored on the copied / retrieved tokens; retrieval probes per length",
+            tiny={"seq_len": 32, "batch_size": 2, "train_batches": 2, "eval_size": 2, "passkey_samples": 2},
+        ),
+        DataSpec(
             name="text",
             target="datamodules.text:TextDataModule",
             config="datamodules.text:TextDataConfig",

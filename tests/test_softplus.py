@@ -230,3 +230,50 @@ def test_lssa_lm_recipe_trains_evaluates_lengths_and_passkeys_and_exports(tmp_pa
     assert model.config.attention_score["score_mode"] == "lssar"
     with pytest.raises(ValueError, match="attention.score_mode"):
         build("lssa_lm", ["method.args.attention={score_mode: bogus}"], ["tiny"])
+
+
+# ---------------------------------------------------------------------------------------------- synthetic tasks
+def test_copy_and_retrieval_sequences_score_exactly_their_answers():
+    import random
+
+    from datamodules.synth.copy_retrieval import BOS, FIRST_SYMBOL, QUERY, SEP, make_sequence
+
+    for length in (40, 129, 300):
+        s = make_sequence("copy", length, random.Random(length), 20, 4)
+        ids, mask = s["input_ids"].tolist(), s["loss_mask"].tolist()
+        m = (length - 2) // 2
+        assert len(ids) == length and ids[0] == BOS and ids[m + 1] == SEP
+        assert ids[m + 2:2 * m + 2] == ids[1:m + 1] and sum(mask) == m
+        assert all(mask[t] == (m + 2 <= t < 2 * m + 2) for t in range(length))
+        r = make_sequence("retrieval", length, random.Random(length + 1), 20, 3)
+        ids, mask = r["input_ids"].tolist(), r["loss_mask"].tolist()
+        assert len(ids) == length and sum(mask) == 3
+        for t in (t for t in range(length) if mask[t]):  # brute force: the latest pair of the queried key
+            assert ids[t - 2] == QUERY
+            key, pairs_end = ids[t - 1], ids.index(QUERY)
+            latest = [ids[j + 1] for j in range(1, pairs_end, 2) if ids[j] == key][-1]
+            assert ids[t] == latest and ids[t] >= FIRST_SYMBOL
+
+
+def test_masked_targets_drive_the_training_loss_and_the_per_length_metrics():
+    from lightning_modules.softplus.module import SoftplusLM
+
+    lm = SoftplusLM(dict(model="tiny-llama", tiny={"vocab_size": 64}, attention={"score_mode": "softmax"}))
+    ids = torch.randint(4, 64, (2, 30), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, 30, dtype=torch.bool)
+    mask[:, 20:] = True
+    losses = lm.token_losses(ids)
+    expect = losses[:, 19:].mean()
+    assert torch.allclose(lm.training_loss({"input_ids": ids, "loss_mask": mask}), expect)
+    assert not torch.allclose(lm.training_loss({"input_ids": ids}), expect)
+
+
+def test_lssa_copy_recipe_runs_and_reports_every_length():
+    from recipes.api import build
+
+    run = build("lssa_copy", ["data.args.seq_len=32", "data.args.eval_seq_lens=[32,64]",
+                              "data.args.passkey_lengths=[32,64]"], ["tiny"])
+    run.fit()
+    metrics = run.test("last")
+    for key in ("test/loss", "test/loss_len64", "test/passkey_acc_len64", "test/ppl_len64"):
+        assert key in metrics and math.isfinite(metrics[key]), key

@@ -114,9 +114,18 @@ class LanguageModel(SharedEvalStages, LongContextModule):
             parts.append(F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none"))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
+    @staticmethod
+    def target_mask(batch: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """``[B, T-1]`` targets that count (the batch's ``loss_mask [B, T]`` marks scored tokens; None = all)."""
+        mask = batch.get("loss_mask")
+        return None if mask is None else mask[:, 1:].to(torch.bool)
+
     def training_loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """The training objective of a batch (next-token cross-entropy here)."""
-        return self.token_losses(batch["input_ids"]).mean()
+        """The training objective of a batch: next-token cross-entropy (over the ``loss_mask`` targets when the
+        batch has one, e.g. the synthetic copy / retrieval sequences)."""
+        losses = self.token_losses(batch["input_ids"])
+        mask = self.target_mask(batch)
+        return losses.mean() if mask is None else (losses * mask).sum() / mask.sum().clamp_min(1)
 
     def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.training_loss(batch)
@@ -145,17 +154,20 @@ class LanguageModel(SharedEvalStages, LongContextModule):
         if "answer_mask" in batch:
             return self.probe_step(stage, batch)
         losses = self.token_losses(batch["input_ids"])  # [B, T-1]
+        mask = self.target_mask(batch)
+        weight = torch.ones_like(losses) if mask is None else mask.to(losses.dtype)
         length = int(batch["input_ids"].shape[1])
         primary = self._primary.setdefault(stage, length)  # the first loader's length (the training length)
         k = self.cfg.position_buckets
         edges = torch.linspace(0, losses.shape[1], k + 1).round().long().tolist()
-        sums = torch.stack([losses[:, a:b].sum() for a, b in zip(edges[:-1], edges[1:])])
-        counts = torch.tensor([float(losses.shape[0] * (b - a)) for a, b in zip(edges[:-1], edges[1:])])
+        sums = torch.stack([(losses * weight)[:, a:b].sum() for a, b in zip(edges[:-1], edges[1:])])
+        counts = torch.stack([weight[:, a:b].sum() for a, b in zip(edges[:-1], edges[1:])]).detach().cpu().float()
         prev = self._sums.get((stage, length))
         now = torch.stack([sums.detach().cpu(), counts])
         self._sums[(stage, length)] = now if prev is None else prev + now
         name = f"{stage}/loss" if length == primary else f"{stage}/loss_len{length}"
-        self.log(name, losses.mean(), prog_bar=stage == "val" and length == primary, batch_size=losses.shape[0],
+        mean = (losses * weight).sum() / weight.sum().clamp_min(1)
+        self.log(name, mean, prog_bar=stage == "val" and length == primary, batch_size=losses.shape[0],
                  sync_dist=True, add_dataloader_idx=False)
 
     def eval_epoch_end(self, stage: str) -> None:
