@@ -235,3 +235,49 @@ def test_recipe_trains_exports_and_the_callback_evaluates_the_bank(tmp_path):
     metrics = ev.test()
     assert "test/acc" in metrics
     assert ev.model.records[0]["policy"].startswith("indexmem[indexer+mem@keep64]")
+
+
+def test_replaying_one_recorded_prefill_equals_running_indexmem_alone():
+    from lightning_modules.llm.generation import generate_under_policies
+
+    model = _model()
+    bank = _bank(model, open_gate=True)
+    ctx, q = _ids(80, seed=1), _ids(6, seed=2)
+    cfg = IndexMemConfig(keep=30, compression_ratio=None, sink=2, window=4)
+    replayed = generate_under_policies(model, ctx, None, {"im": cfg.build(bank)}, 6, (), q)["im"].tokens
+    with install_policy(model, cfg.build(bank)):
+        lm = CachedLM(model)
+        lm.feed(ctx)
+        first = lm.feed(q)
+        alone = lm.greedy(first, 6)
+    assert replayed == alone
+
+
+@needs_tokenizer
+def test_training_resumes_after_a_crash_to_the_same_bank(isolated_runs):
+    import lightning.pytorch as pl
+
+    from recipes.api import build
+    from recipes.fit import run_stages
+
+    class Crash(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:  # after step 2's checkpoint, mid-epoch (3 samples an epoch)
+                raise RuntimeError("injected crash")
+
+    small = ["data.args.lengths=[256]", "data.args.train_samples=3", "data.args.samples_per_cell=1",
+             "data.args.tasks=[niah_single]", "checkpoint.every_n_train_steps=2"]
+    reference = build("indexmem_smollm2", small + ["name=reference"], ["tiny"])
+    run_stages(reference)
+    crashed = build("indexmem_smollm2", small, ["tiny"], extra_callbacks=[Crash()])
+    with pytest.raises(RuntimeError, match="injected crash"):
+        run_stages(crashed)
+    ckpt = torch.load(crashed.run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 2 and all(k.startswith("bank.") for k in ckpt["state_dict"])
+    resumed = build("indexmem_smollm2", small + ["resume=auto"], ["tiny"])
+    assert resumed.run_dir == crashed.run_dir
+    run_stages(resumed)
+    a = IndexMemBank.load(reference.run_dir / "indexmem").state_dict()
+    b = IndexMemBank.load(resumed.run_dir / "indexmem").state_dict()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-6), k
