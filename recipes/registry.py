@@ -600,7 +600,7 @@ DATAMODULES: Dict[str, DataSpec] = {
             config="datamodules.longctx_tasks:SuiteConfig",
             description="RULER-style needle, multi-key/value, variable-tracking, common-word and QA tasks on "
                         "real-text haystacks at chosen lengths, chat-formatted",
-            tiny={"lengths": [256, 384], "samples_per_cell": 1, "tasks": ["niah_single", "qa_facts"]},
+            tiny={"lengths": [256, 384], "samples_per_cell": 1, "tasks": ["niah_single", "qa_facts"], "train_samples": 1},
             requires=("transformers",),
             extra="llm",
             paper=RULER_PAPER,

@@ -130,7 +130,8 @@ class IndexMemModule(SharedEvalStages, LongContextModule):
         return pcfg.build(self.bank)
 
     def sample_losses(self, ctx: torch.Tensor, q: torch.Tensor, ans: torch.Tensor, grad: bool) -> Dict[str, torch.Tensor]:
-        """``answer`` (student CE), ``indexer`` (KL) and, for monitoring, ``answer_full`` and ``recall``."""
+        """``answer`` (student CE), ``indexer`` (KL), ``recall`` (of the teacher's top-budget keys by the indexer's)
+        and, without gradients, ``answer_full`` (the full-cache CE)."""
         ids = torch.cat([ctx, q, ans]).unsqueeze(0)
         n_ctx, n_tail = ctx.numel(), q.numel() + ans.numel()
         observations = teacher_pass(self.model, ids)
@@ -148,13 +149,16 @@ class IndexMemModule(SharedEvalStages, LongContextModule):
             top_s = scores.detach().topk(k, dim=-1).indices
             hit = torch.zeros_like(target, dtype=torch.bool).scatter_(-1, top_s, True)
             recalls.append(torch.gather(hit, -1, top_t).float().mean())
-        with torch.no_grad():
-            full = self.model(input_ids=ids, use_cache=False).logits[:, -ans.numel() - 1:-1].float()
         tail = torch.cat([q, ans[:-1]]).unsqueeze(0)
         logits, _ = stream_answer_logits(self.model, policy, ctx.unsqueeze(0), tail, ans.numel(), self.cfg.chunk,
                                          grad)
-        return {"answer": F.cross_entropy(logits[0], ans), "answer_full": F.cross_entropy(full[0], ans),
-                "indexer": torch.stack(kl).mean(), "recall": torch.stack(recalls).mean()}
+        out = {"answer": F.cross_entropy(logits[0], ans), "indexer": torch.stack(kl).mean(),
+               "recall": torch.stack(recalls).mean()}
+        if not grad:  # evaluation also reports the full-cache answer loss (the ceiling), training skips the pass
+            with torch.no_grad():
+                full = self.model(input_ids=ids, use_cache=False).logits[:, -ans.numel() - 1:-1].float()
+            out["answer_full"] = F.cross_entropy(full[0], ans)
+        return out
 
     def batch_losses(self, batch: Dict[str, Any], grad: bool) -> Dict[str, torch.Tensor]:
         parts = [self.sample_losses(*row, grad=grad) for row in self._rows(batch)]
