@@ -26,6 +26,9 @@ cat "$OUT/env.json"
 start=$(date +%s)
 timeout 270 "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider -o addopts="" --timeout 250 \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
+# K6 (LSSAR forward) compiled: its interpreter parity tests run on CUDA when TRITON_INTERPRET is unset
+timeout 120 "$PY" -m pytest -q tests/kernels/test_triton_lssar.py -p no:cacheprovider -o addopts="" 2>&1 \
+  | tee "$OUT/gpu_lssar.log"
 tests_rc=${PIPESTATUS[0]}
 echo "gpu parity tests: exit $tests_rc after $(( $(date +%s) - start )) s"
 timeout 200 "$PY" -m bench.triton_attention_gpu --budget-s 170 --out "$OUT/triton_attention_gpu.json" 2>&1 | tee "$OUT/bench.log"

@@ -119,8 +119,10 @@ def test_triton_backend_through_the_dispatcher(monkeypatch):
     go = torch.randn_like(o)
     for a, e in zip(torch.autograd.grad(o, (q, k, v), go), torch.autograd.grad(ro, (q, k, v), go)):
         assert_close(a, e, ratio=1e-5)
-    with pytest.raises(RuntimeError, match="lssar"):  # no triton kernel: a forced triton backend refuses
-        kernels.attention(q, k, v, score_mode="lssar")
+    o, _ = kernels.attention(q, k, v, score_mode="lssar")  # K6, the LSSAR forward
+    assert_close(o, attention_reference(q, k, v, score_mode="lssar")[0], ratio=2e-4)
+    with pytest.raises(RuntimeError, match="LSSAR"):  # no K6 for layouts: a forced triton backend refuses
+        kernels.attention(q, k, v, score_mode="lssar", layout=lay)
 
 
 @pytest.mark.parametrize("n_q,causal", [(1, True), (5, False)])
