@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
-from typing import Any, Callable, ClassVar, Dict, Mapping, Type
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Type
 
 import lightning.pytorch as pl
 import numpy as np
@@ -56,6 +58,17 @@ def check_field(ok: bool, owner: str, name: str, value: Any, valid: str) -> None
     """Raise ``ValueError('<owner>.<name>=<value>: <valid>')`` unless ``ok`` (the config validation convention)."""
     if not ok:
         raise ValueError(f"{owner}.{name}={value!r}: {valid}")
+
+
+def run_path(module: pl.LightningModule, path: Any) -> Optional[Path]:
+    """``path`` (``~`` expanded) with a relative one resolved against the attached trainer's run directory
+    (``default_root_dir``); None for an empty path. Without a trainer a relative path stays relative (to the cwd)."""
+    if path is None or str(path) == "":
+        return None
+    out = Path(os.path.expanduser(str(path)))
+    if not out.is_absolute() and getattr(module, "_trainer", None) is not None:
+        out = Path(module.trainer.default_root_dir) / out
+    return out
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -244,6 +245,20 @@ def test_parameter_count_is_reported_after_setup_builds_the_rest(tmp_path):
     trainer.fit(model, data)
     assert header == 20 and callback.after_setup == 20 + 500
     assert len(lines) == 1 and "520" in lines[0] and "20" in lines[0]
+
+
+def test_run_path_resolves_relative_paths_in_the_run_dir(tmp_path, monkeypatch):
+    from lightning_modules.base import run_path
+
+    model = _BuildsInSetup()
+    assert run_path(model, None) is None and run_path(model, "") is None
+    assert run_path(model, "export") == Path("export")  # no trainer yet: relative to the cwd
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert run_path(model, "~/x") == tmp_path / "home" / "x"
+    model.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
+                               default_root_dir=str(tmp_path / "run"))
+    assert run_path(model, "export") == tmp_path / "run" / "export"
+    assert run_path(model, tmp_path / "abs") == tmp_path / "abs"
 
 
 def test_build_reports_the_parameter_count_only_when_it_changes(isolated_runs, capsys):

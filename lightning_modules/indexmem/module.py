@@ -24,13 +24,12 @@ top-budget entries by the indexer's.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from lightning_modules.base import LongContextModule, SharedEvalStages
+from lightning_modules.base import LongContextModule, SharedEvalStages, run_path
 from lightning_modules.indexmem.bank import IndexMemBank
 from lightning_modules.indexmem.config import IndexMemTrainConfig
 from lightning_modules.llm.loading import load_causal_lm
@@ -183,8 +182,7 @@ class IndexMemModule(SharedEvalStages, LongContextModule):
     def on_train_end(self) -> None:
         if self.cfg.export_dir is None or self._trainer is None or not self.trainer.is_global_zero:
             return
-        folder = Path(self.cfg.export_dir)
-        folder = folder if folder.is_absolute() else Path(self.trainer.default_root_dir) / folder
+        folder = run_path(self, self.cfg.export_dir)
         self.bank.save(folder)
         print(f"[litctx] IndexMem bank written to {folder} (callbacks.kv: {{name: indexmem, args: {{weights: "
               f"{folder}}}}})", flush=True)

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from lightning_modules.base import LongContextModule, SharedEvalStages
+from lightning_modules.base import LongContextModule, SharedEvalStages, run_path
 from lightning_modules.llm.generation import greedy_generate, stop_token_ids
 from lightning_modules.llm.loading import load_causal_lm
 from lightning_modules.llm.suite_metrics import score_prediction, summarise
@@ -208,8 +208,7 @@ class LanguageModel(SharedEvalStages, LongContextModule):
     def on_train_end(self) -> None:
         if self.cfg.export_dir is None or self._trainer is None or not self.trainer.is_global_zero:
             return
-        folder = Path(self.cfg.export_dir)
-        folder = folder if folder.is_absolute() else Path(self.trainer.default_root_dir) / folder
+        folder = run_path(self, self.cfg.export_dir)
         print(f"[litctx] model written to {self.export(folder, self.export_model())} (load_causal_lm or "
               f"method.args.model reads it)", flush=True)
 

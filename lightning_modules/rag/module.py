@@ -16,12 +16,11 @@ reuse method and decoding) and metrics are logged per stage: ``{stage}/acc``, ``
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from lightning_modules.base import LongContextModule, SharedEvalStages, check_field, is_int
+from lightning_modules.base import LongContextModule, SharedEvalStages, check_field, is_int, run_path
 from lightning_modules.llm.generation import stop_token_ids
 from lightning_modules.llm.loading import load_causal_lm
 from lightning_modules.llm.suite_metrics import score_prediction
@@ -192,12 +191,7 @@ class RAGEvalModule(SharedEvalStages, LongContextModule):
 
     # ------------------------------------------------------------------ resumable records
     def _results_path(self) -> Optional[Path]:
-        if not self.cfg.results_file:
-            return None
-        path = Path(os.path.expanduser(self.cfg.results_file))
-        if not path.is_absolute() and self._trainer is not None:
-            path = Path(self.trainer.default_root_dir) / path
-        return path
+        return run_path(self, self.cfg.results_file)
 
     def _start(self) -> None:
         self.records = []
