@@ -133,7 +133,8 @@ def run_suite(args, bank_dir: Path) -> None:
 def report(args, bank_dir: Path) -> str:
     from lightning_modules.llm.suite_metrics import paired_bootstrap
 
-    recs = [r for r in read_jsonl(RESULTS) if r["length"] in args.lengths and r["ratio"] in args.ratios]
+    every = [r for r in read_jsonl(RESULTS) if r["length"] in args.lengths]
+    recs = [r for r in every if r["ratio"] in args.ratios and r["arm"] != "full"]
     if not recs:
         return "No records yet: run `python -m bench.indexmem`."
     by: Dict[Tuple[str, float, int], Dict[str, float]] = {}
@@ -145,12 +146,14 @@ def report(args, bank_dir: Path) -> str:
              f"accuracy in %, n samples per cell; bank: `{bank_dir.relative_to(REPO) if bank_dir.is_relative_to(REPO) else bank_dir}`).",
              "", "| arm | " + " | ".join(f"{100 * (1 - r):.0f}% @ {n}" for r, n in cells) + " |",
              "|---" * (len(cells) + 1) + "|"]
-    for arm in arms:
+    full = {n: {r["id"]: float(r["score"]) for r in every if r["arm"] == "full" and r["length"] == n}
+            for _, n in cells}
+    for arm in arms + ["full"]:
         row = []
         for r, n in cells:
-            d = by.get((arm, r, n), {})
+            d = full[n] if arm == "full" else by.get((arm, r, n), {})
             row.append(f"{100 * sum(d.values()) / len(d):.1f} (n={len(d)})" if d else "-")
-        lines.append(f"| {arm} | " + " | ".join(row) + " |")
+        lines.append(f"| {arm if arm != 'full' else 'full cache (reference)'} | " + " | ".join(row) + " |")
     lines += ["", "**IndexMem minus the best heuristic at matched memory** (the heuristic with the highest mean in "
               "the cell; paired by sample, 95% bootstrap interval, points):", ""]
     wins = 0
@@ -195,6 +198,9 @@ def figure(args) -> None:
                     pts.append((100 * (1 - r), 100 * sum(s) / len(s)))
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=arm, lw=2.5 if arm == "indexmem" else 1.2)
+        full = [x["score"] for x in recs if x["arm"] == "full" and x["length"] == n]
+        if full:
+            ax.axhline(100 * sum(full) / len(full), color="k", ls="--", lw=1, label="full cache")
         ax.set_title(f"{n} tokens")
         ax.set_xlabel("budget (% of the context, memory included)")
         ax.set_ylabel("accuracy (%)")
