@@ -178,8 +178,26 @@ def report(args, bank_dir: Path) -> str:
                 parts.append(f"{what} ({a} - {b}) {100 * x['diff']:+.1f} [{100 * x['lo']:+.1f}, {100 * x['hi']:+.1f}]")
         lines.append("; ".join(parts))
     lines += ["", f"Cells where IndexMem's interval lies above the best heuristic: {wins} of {len(cells)} "
-              f"(the acceptance asks for at least two budgets)."]
+              f"(the acceptance asks for at least two budgets).", ""]
+    lines += per_task_table(every, args)
     return "\n".join(lines)
+
+
+def per_task_table(every: List[Dict[str, Any]], args) -> List[str]:
+    """Accuracy (%) per task and length, pooled over the budgets (the full cache once per sample)."""
+    arms = ["indexmem", "indexer@B-33", "snapkv+mem", "snapkv", "tova", "full"]
+    cols = sorted({(r["task"], r["length"]) for r in every}, key=lambda c: (c[1], args.tasks.index(c[0])
+                                                                             if c[0] in args.tasks else 99))
+    out = ["Per task (accuracy in %, pooled over the budgets above; n = samples x budgets):", "",
+           "| arm | " + " | ".join(f"{t} @ {n}" for t, n in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for arm in arms:
+        row = []
+        for t, n in cols:
+            s = [float(r["score"]) for r in every if r["arm"] == arm and r["task"] == t and r["length"] == n
+                 and (arm == "full" or r["ratio"] in args.ratios)]
+            row.append(f"{100 * sum(s) / len(s):.0f} (n={len(s)})" if s else "-")
+        out.append(f"| {arm} | " + " | ".join(row) + " |")
+    return out
 
 
 def figure(args) -> None:
