@@ -19,13 +19,16 @@ The bank is trained by ``python -m recipes.fit --recipe indexmem_smollm2`` into 
 (``--weights`` takes another). Each sample's context is prefilled once and every arm compresses that prefill
 (:func:`lightning_modules.llm.generation.record_prefill`), asks the question and decodes greedily (kvpress's
 compress-then-ask protocol). One record per (sample, arm, ratio) goes to
-``bench/results/indexmem_smollm2.jsonl``, so a rerun continues. Reported: accuracy per arm x ratio x length,
+``bench/results/indexmem_smollm2.jsonl``, so a rerun continues; a learned arm's record names its bank (``bank``,
+a hash of the weights; records without one are the session-17 bank, ``s17``), and the report pools banks and
+shows each one's accuracy (``--bank ID`` keeps one, ``--rerun-learned`` redoes the learned arms with this bank). Reported: accuracy per arm x ratio x length,
 IndexMem minus the best heuristic per cell with a 95% paired bootstrap interval, and the ablations.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import subprocess
 import sys
@@ -51,6 +54,17 @@ HEURISTICS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "tova+obc": ("tova", {"score": "obcache_kv"}),
 }
 LEARNED = ("indexmem", "indexer@B-33", "indexer", "snapkv+mem")
+LEGACY_BANK = "s17"  # learned records written before records named their bank (the session-17 training)
+
+
+def bank_id(bank_dir: Path) -> str:
+    """A short hash of a trained bank's weights file: a learned arm's records name the bank that produced them."""
+    return hashlib.sha256((Path(bank_dir) / "indexmem.safetensors").read_bytes()).hexdigest()[:12]
+
+
+def record_bank(r: Dict[str, Any]) -> str | None:
+    """The bank of a learned arm's record (``None`` for heuristics and the full cache)."""
+    return r.get("bank", LEGACY_BANK) if r["arm"] in LEARNED else None
 
 
 def train_bank(args) -> Path:
@@ -95,7 +109,11 @@ def run_suite(args, bank_dir: Path) -> None:
     model.requires_grad_(False)
     bank = IndexMemBank.load(bank_dir)
     bank.check_model(model)
-    done = {(r["id"], r["arm"], r["ratio"]) for r in read_jsonl(RESULTS)}
+    this_bank = bank_id(bank_dir)
+    # a learned arm counts as done for a sample only with this bank; with --rerun-learned other banks' records
+    # are redone, otherwise (default) a learned record of any bank stands (the report pools banks, marked)
+    done = {(r["id"], r["arm"], r["ratio"]) for r in read_jsonl(RESULTS)
+            if not (args.rerun_learned and record_bank(r) not in (None, this_bank))}
     haystack = Haystack(pydoc_documents(), tok)
     stops = stop_token_ids(tok, model)
     keys = [(n, t, i) for n in args.lengths for i in range(args.samples) for t in args.tasks]
@@ -124,16 +142,19 @@ def run_suite(args, bank_dir: Path) -> None:
             text = tok.decode(res.tokens[0], skip_special_tokens=True)
             recs.append({"id": sid, "task": task, "length": length, "depth": s["depth"], "arm": m, "ratio": r,
                          "score": score_prediction(text, s["answers"], s["metric"]), "prediction": text,
-                         "compressed_bytes": res.compressed_bytes, "compress_s": res.compress_seconds})
+                         "compressed_bytes": res.compressed_bytes, "compress_s": res.compress_seconds,
+                         **({"bank": this_bank} if m in LEARNED else {})})
         append_jsonl(RESULTS, recs)
         print(f"[{count + 1}/{len(keys)}] {sid}: {len(recs)} runs ({(clock(model.device) - t0) / 60:.1f} min)",
               flush=True)
 
 
-def report(args, bank_dir: Path) -> str:
+def report(args, bank_dir: Path, records: List[Dict[str, Any]]) -> str:
     from lightning_modules.llm.suite_metrics import paired_bootstrap
 
-    every = [r for r in read_jsonl(RESULTS) if r["length"] in args.lengths]
+    if args.bank:  # only this bank's learned records (the heuristics do not depend on it)
+        records = [r for r in records if record_bank(r) in (None, args.bank)]
+    every = [r for r in records if r["length"] in args.lengths]
     recs = [r for r in every if r["ratio"] in args.ratios and r["arm"] != "full"]
     if not recs:
         return "No records yet: run `python -m bench.indexmem`."
@@ -179,6 +200,15 @@ def report(args, bank_dir: Path) -> str:
         lines.append("; ".join(parts))
     lines += ["", f"Cells where IndexMem's interval lies above the best heuristic: {wins} of {len(cells)} "
               f"(the acceptance asks for at least two budgets).", ""]
+    banks: Dict[str, set] = {}
+    for r in recs:
+        if record_bank(r) is not None:
+            banks.setdefault(record_bank(r), set()).add(r["id"])
+    if banks:
+        lines += ["Banks behind the learned arms (the records of several trainings of the recipe are pooled unless "
+                  "`--bank` picks one): " + "; ".join(f"`{b}` {len(ids)} samples" for b, ids in sorted(banks.items())), ""]
+        if len(banks) > 1:
+            lines += bank_table(recs, banks) + [""]
     lines += per_task_table(every, args)
     return "\n".join(lines)
 
@@ -200,9 +230,24 @@ def per_task_table(every: List[Dict[str, Any]], args) -> List[str]:
     return out
 
 
-def figure(args) -> None:
+def bank_table(recs: List[Dict[str, Any]], banks: Dict[str, set]) -> List[str]:
+    """IndexMem's accuracy (%) per bank, pooled over budgets and lengths, beside the best heuristic on the same
+    samples: does a retrained bank behave like the first?"""
+    out = ["| bank | samples | indexmem | indexer@B-33 | snapkv | tova |", "|---|---|---|---|---|---|"]
+    for b, ids in sorted(banks.items()):
+        row = []
+        for arm in ("indexmem", "indexer@B-33", "snapkv", "tova"):
+            s = [float(r["score"]) for r in recs if r["arm"] == arm and r["id"] in ids
+                 and (record_bank(r) is None or record_bank(r) == b)]
+            row.append(f"{100 * sum(s) / len(s):.1f}" if s else "-")
+        out.append(f"| `{b}` | {len(ids)} | " + " | ".join(row) + " |")
+    return out
+
+
+def figure(args, recs: List[Dict[str, Any]]) -> None:
     plt = pyplot()
-    recs = list(read_jsonl(RESULTS))
+    if args.bank:
+        recs = [r for r in recs if record_bank(r) in (None, args.bank)]
     if plt is None or not recs:
         return
     lengths = sorted({r["length"] for r in recs if r["length"] in args.lengths})
@@ -236,13 +281,18 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=10, help="samples per (task, length)")
     parser.add_argument("--tasks", nargs="+", default=TASKS)
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--bank", default=None, help="report only the learned records of this bank id (default: "
+                        "pool every bank; ids are in the report)")
+    parser.add_argument("--rerun-learned", action="store_true",
+                        help="redo the learned arms whose records came from another bank")
     args = parser.parse_args(argv)
     bank_dir = Path(args.weights) if args.weights else TRAIN_RUN / "indexmem"
     if not args.report_only:
         bank_dir = train_bank(args)
         run_suite(args, bank_dir)
-    body = report(args, bank_dir)
-    figure(args)
+    records = read_jsonl(RESULTS)
+    body = report(args, bank_dir, records)
+    figure(args, records)
     write_section("indexmem", body + f"\n\n![IndexMem](figures/{FIGURE.name})",
                   "IndexMem: learned eviction with latent memory vs heuristics (SmolLM2-135M)")
     print(body)

@@ -175,6 +175,15 @@ def test_fair_budget_rule_and_config_errors():
         IndexMemBank.load("/nonexistent")
 
 
+def test_training_budget_resolves_a_ratio_like_the_policy_budget():
+    cfg = IndexMemTrainConfig(compression_ratio=0.8)
+    for n in (40, 1000, 1005, 1023):  # 1000 * 0.2 is just below 200 in floats
+        streamed = cfg.policy_config(n)
+        want = int(Budget(compression_ratio=0.8).capacity(torch.tensor([[n]]), 0, 1)[0, 0])
+        assert streamed.keep == want and streamed.streaming
+    assert IndexMemTrainConfig(keep=64, compression_ratio=None).policy_config(1000).keep == 64
+
+
 def test_bank_save_load_roundtrip_and_shape_check(tmp_path):
     model = _model()
     bank = _bank(model, open_gate=True)

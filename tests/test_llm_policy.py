@@ -40,6 +40,18 @@ def test_capacity_matches_its_definition(keep, ratio):
             assert int(cap[b, h]) == min(max(want, 1), int(n_valid[b, h]))
 
 
+@pytest.mark.parametrize("ratio", [0.8, 0.9, 0.75, 0.3])
+def test_keep_for_is_the_unscaled_capacity(ratio):
+    # 1000 * (1 - 0.8) is 199.99999999999997 in floats: a plain floor gives 199, the budget 200
+    budget = Budget(compression_ratio=ratio)
+    ns = list(range(1, 60)) + [1000, 1005, 2048, 4095]
+    caps = budget.capacity(torch.tensor([ns]), 0, len(ns))[0]
+    for n, cap in zip(ns, caps.tolist()):
+        assert budget.keep_for(n) == cap, (n, ratio)
+    assert Budget(compression_ratio=0.8).keep_for(1000) == 200
+    assert Budget(keep=7).keep_for(1000) == 7 and Budget().keep_for(13) == 13
+
+
 def test_budget_rejects_bad_values_with_the_key_named():
     with pytest.raises(ValueError, match="either keep or compression_ratio"):
         Budget(keep=3, compression_ratio=0.5)

@@ -10,8 +10,6 @@ lifts this, for ablations only).
 
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, Optional
 
@@ -167,8 +165,8 @@ class IndexMemTrainConfig:
         """The streaming evaluation config of this run's budget for a context of ``n_ctx`` tokens (the policy the
         training streams through). A ratio becomes that context's absolute keep: streaming decides at every chunk,
         so a ratio would resolve against the first chunk only."""
-        keep = self.keep
-        if keep is None:
-            keep = max(1, math.floor(n_ctx * (1.0 - self.compression_ratio)))
+        from lightning_modules.llm.policy import Budget
+
+        keep = self.keep if self.keep is not None else Budget(compression_ratio=self.compression_ratio).keep_for(n_ctx)
         return IndexMemConfig(compression_ratio=self.compression_ratio, keep=keep, sink=self.sink,
                               window=self.window, streaming=True)

@@ -25,6 +25,7 @@ A policy decides, per layer and per KV head, which cache entries stay readable. 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Tuple, runtime_checkable
@@ -120,6 +121,15 @@ class Budget:
     @property
     def unlimited(self) -> bool:
         return self.keep is None and self.compression_ratio is None
+
+    def keep_for(self, n: int) -> int:
+        """The unscaled capacity for a sequence of ``n`` valid entries (``keep``, or ``floor(n * (1 - ratio))``;
+        ``n`` when unlimited), with the rounding :meth:`capacity` uses; before ``aux_tokens`` and the scales."""
+        if self.unlimited:
+            return int(n)
+        if self.keep is not None:
+            return int(self.keep)
+        return max(1, math.floor(n * (1.0 - self.compression_ratio) + 1e-9))
 
     def tag(self) -> str:
         """Short label for names and records, e.g. ``r0.75`` or ``keep64+sink4``."""
