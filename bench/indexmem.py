@@ -19,10 +19,11 @@ The bank is trained by ``python -m recipes.fit --recipe indexmem_smollm2`` into 
 (``--weights`` takes another). Each sample's context is prefilled once and every arm compresses that prefill
 (:func:`lightning_modules.llm.generation.record_prefill`), asks the question and decodes greedily (kvpress's
 compress-then-ask protocol). One record per (sample, arm, ratio) goes to
-``bench/results/indexmem_smollm2.jsonl``, so a rerun continues; a learned arm's record names its bank (``bank``,
-a hash of the weights; records without one are the session-17 bank, ``s17``), and the report pools banks and
-shows each one's accuracy (``--bank ID`` keeps one, ``--rerun-learned`` redoes the learned arms with this bank). Reported: accuracy per arm x ratio x length,
-IndexMem minus the best heuristic per cell with a 95% paired bootstrap interval, and the ablations.
+``bench/results/indexmem_smollm2.jsonl``, so a rerun continues. A learned arm's record names its bank (``bank``, a
+hash of the weights; records without one are the session-17 bank, ``s17``); the report pools banks and shows each
+one's accuracy (``--bank ID`` keeps one, ``--rerun-learned`` redoes the learned arms with this bank). Reported:
+accuracy per arm x ratio x length, IndexMem minus the best heuristic per cell with a 95% paired bootstrap interval,
+and the ablations.
 """
 
 from __future__ import annotations
@@ -152,8 +153,6 @@ def run_suite(args, bank_dir: Path) -> None:
 def report(args, bank_dir: Path, records: List[Dict[str, Any]]) -> str:
     from lightning_modules.llm.suite_metrics import paired_bootstrap
 
-    if args.bank:  # only this bank's learned records (the heuristics do not depend on it)
-        records = [r for r in records if record_bank(r) in (None, args.bank)]
     every = [r for r in records if r["length"] in args.lengths]
     recs = [r for r in every if r["ratio"] in args.ratios and r["arm"] != "full"]
     if not recs:
@@ -202,11 +201,13 @@ def report(args, bank_dir: Path, records: List[Dict[str, Any]]) -> str:
               f"(the acceptance asks for at least two budgets).", ""]
     banks: Dict[str, set] = {}
     for r in recs:
-        if record_bank(r) is not None:
-            banks.setdefault(record_bank(r), set()).add(r["id"])
+        b = record_bank(r)
+        if b is not None:
+            banks.setdefault(b, set()).add(r["id"])
     if banks:
+        listed = "; ".join(f"`{b}` {len(ids)} samples" for b, ids in sorted(banks.items()))
         lines += ["Banks behind the learned arms (the records of several trainings of the recipe are pooled unless "
-                  "`--bank` picks one): " + "; ".join(f"`{b}` {len(ids)} samples" for b, ids in sorted(banks.items())), ""]
+                  f"`--bank` picks one): {listed}", ""]
         if len(banks) > 1:
             lines += bank_table(recs, banks) + [""]
     lines += per_task_table(every, args)
@@ -231,8 +232,8 @@ def per_task_table(every: List[Dict[str, Any]], args) -> List[str]:
 
 
 def bank_table(recs: List[Dict[str, Any]], banks: Dict[str, set]) -> List[str]:
-    """IndexMem's accuracy (%) per bank, pooled over budgets and lengths, beside the best heuristic on the same
-    samples: does a retrained bank behave like the first?"""
+    """Accuracy (%) per bank, pooled over budgets and lengths: the learned arms with that bank beside SnapKV and
+    TOVA on the same samples (does a retrained bank behave like the first?)."""
     out = ["| bank | samples | indexmem | indexer@B-33 | snapkv | tova |", "|---|---|---|---|---|---|"]
     for b, ids in sorted(banks.items()):
         row = []
@@ -246,8 +247,6 @@ def bank_table(recs: List[Dict[str, Any]], banks: Dict[str, set]) -> List[str]:
 
 def figure(args, recs: List[Dict[str, Any]]) -> None:
     plt = pyplot()
-    if args.bank:
-        recs = [r for r in recs if record_bank(r) in (None, args.bank)]
     if plt is None or not recs:
         return
     lengths = sorted({r["length"] for r in recs if r["length"] in args.lengths})
@@ -291,6 +290,8 @@ def main(argv: List[str] | None = None) -> int:
         bank_dir = train_bank(args)
         run_suite(args, bank_dir)
     records = read_jsonl(RESULTS)
+    if args.bank:  # only this bank's learned records (the heuristics do not depend on the bank)
+        records = [r for r in records if record_bank(r) in (None, args.bank)]
     body = report(args, bank_dir, records)
     figure(args, records)
     write_section("indexmem", body + f"\n\n![IndexMem](figures/{FIGURE.name})",

@@ -35,6 +35,7 @@ import torch
 import kernels
 
 _MOMENTS = ("attention", "output", "logit")
+_FLOOR_SLACK = 1e-9  # capacities are floor(x + slack): 1000 * (1 - 0.8) is 199.99999999999997 in floats
 
 __all__ = [
     "Action",
@@ -124,12 +125,13 @@ class Budget:
 
     def keep_for(self, n: int) -> int:
         """The unscaled capacity for a sequence of ``n`` valid entries (``keep``, or ``floor(n * (1 - ratio))``;
-        ``n`` when unlimited), with the rounding :meth:`capacity` uses; before ``aux_tokens`` and the scales."""
+        ``n`` when unlimited), rounded as :meth:`capacity` rounds; before ``aux_tokens`` and the scales, and not
+        capped at ``n``."""
         if self.unlimited:
             return int(n)
         if self.keep is not None:
             return int(self.keep)
-        return max(1, math.floor(n * (1.0 - self.compression_ratio) + 1e-9))
+        return max(1, math.floor(n * (1.0 - self.compression_ratio) + _FLOOR_SLACK))
 
     def tag(self) -> str:
         """Short label for names and records, e.g. ``r0.75`` or ``keep64+sink4``."""
@@ -162,7 +164,7 @@ class Budget:
                 raise ValueError(f"budget.layer_scale has {len(self.layer_scale)} entries; layer {layer} has none")
             base = base * self.layer_scale[layer]
         base = base * torch.tensor(self._head_scale(layer, n_heads), dtype=torch.float64, device=n.device)
-        cap = (torch.floor(base + 1e-9).long() - int(self.aux_tokens)).clamp_min(1)
+        cap = (torch.floor(base + _FLOOR_SLACK).long() - int(self.aux_tokens)).clamp_min(1)
         return torch.minimum(cap, n_valid.long())
 
 
