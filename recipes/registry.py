@@ -127,7 +127,7 @@ class DataSpec:
     paper: Optional[Paper] = None
     tokenizer_arg: Optional[str] = None
     """The data arg naming a tokenizer; :func:`create_datamodule` loads it (registered names such as
-    ``smollm2-135m`` included) and passes it as ``tokenizer=``."""
+    ``smollm2-135m`` included) and passes it as ``tokenizer=``; a null value passes none."""
 
 
 @dataclass(frozen=True)
@@ -242,6 +242,14 @@ INDEXMEM_PAPER = Paper(
     arxiv="2605.25475",
     code="no public code; our instantiation of the abstract (MLP indexer on hidden states, linear-attention memory "
          "with a gated residual readout)",
+)
+
+LOSA_PAPER = Paper(
+    title="LoSA: Locality-Aware Sparse Attention for Block-Wise Diffusion Language Models",
+    venue="ICML 2026",
+    arxiv="2604.12056",
+    code="no public code found; re-implemented from the abstract and our research note (block-diffusion LM built "
+         "here: BD3-LM / Fast-dLLM v2 style)",
 )
 
 PROPHETKV_PAPER = Paper(
@@ -539,6 +547,23 @@ METHODS: Dict[str, MethodSpec] = {
             tags=("spiking", "synthetic", "timesteps"),
             logs=("train/loss", "train/acc") + _stages("loss", "acc"),
         ),
+        MethodSpec(
+            name="bdlm",
+            target="lightning_modules.bdlm.module:BlockDiffusionLM",
+            config="lightning_modules.bdlm.module:BlockDiffusionLMConfig",
+            paper=LOSA_PAPER,
+            description="a block-diffusion LM over a causal LM (block-causal attention, a mask token, the masked-"
+                        "diffusion loss over all blocks in one pass); sampled block by block with confidence "
+                        "unmasking; exact match on the multi-key task",
+            kind="finetune",
+            default_data="multi_key",
+            tiny={"model": "tiny-llama", "sampler": {"steps": 2}},
+            requires=("transformers",),
+            extra="llm",
+            tags=("llm", "diffusion", "block-diffusion"),
+            logs=("train/loss", "train/masked_acc") + _stages("loss", "loss_len*", "exact_match", "exact_match_len*",
+                                                              "token_acc", "token_acc_len*"),
+        ),
     ]
 }
 
@@ -581,6 +606,17 @@ DATAMODULES: Dict[str, DataSpec] = {
             description="synthetic long-range copy and key-value retrieval token sequences (small vocabulary, any "
                         "length), scored on the copied / retrieved tokens; retrieval probes per length",
             tiny={"seq_len": 32, "batch_size": 2, "train_batches": 2, "eval_size": 2, "passkey_samples": 2},
+        ),
+        DataSpec(
+            name="multi_key",
+            target="datamodules.synth.multi_key:MultiKeyDataModule",
+            config="datamodules.synth.multi_key:MultiKeyConfig",
+            description="multi-key retrieval (LoSA's KV-inflation task): the answer block concatenates the values "
+                        "of several queried keys; synthetic ids or a tokenizer's single-token words",
+            tiny={"symbols": 16, "keys_per_question": 2, "value_tokens": 2, "block_size": 4, "context_tokens": 64,
+                  "eval_context_tokens": [64, 96], "batch_size": 2, "train_batches": 2, "eval_size": 2},
+            paper=LOSA_PAPER,
+            tokenizer_arg="tokenizer",
         ),
         DataSpec(
             name="text",
@@ -714,6 +750,47 @@ CALLBACKS: Dict[str, CallbackSpec] = {
             requires=("transformers", "safetensors"),
             extra="llm",
             paper=INDEXMEM_PAPER,
+        ),
+        CallbackSpec(
+            name="losa",
+            target="lightning_modules.losa.callback:BlockSparseCallback",
+            config="lightning_modules.losa.method:LoSAConfig",
+            description="LoSA on a block-diffusion LM's denoising steps: cached prefix attention for stable block "
+                        "tokens, Quest for the tokens whose hidden state changed most (union density, bytes)",
+            stages=("validate", "test"),
+            requires=("transformers",),
+            extra="llm",
+            paper=LOSA_PAPER,
+        ),
+        CallbackSpec(
+            name="block_quest",
+            target="lightning_modules.losa.callback:BlockSparseCallback",
+            config="lightning_modules.losa.method:BlockQuestConfig",
+            description="Quest for every block query at every denoising step (LoSA's baseline: KV inflation)",
+            stages=("validate", "test"),
+            requires=("transformers",),
+            extra="llm",
+            paper=LOSA_PAPER,
+        ),
+        CallbackSpec(
+            name="block_fixed",
+            target="lightning_modules.losa.callback:BlockSparseCallback",
+            config="lightning_modules.losa.method:BlockFixedConfig",
+            description="SparseD-like: a dense first denoising step fixes each query's pages for the block",
+            stages=("validate", "test"),
+            requires=("transformers",),
+            extra="llm",
+            paper=LOSA_PAPER,
+        ),
+        CallbackSpec(
+            name="block_dense",
+            target="lightning_modules.losa.callback:BlockSparseCallback",
+            config="lightning_modules.losa.method:BlockDenseConfig",
+            description="dense prefix attention at every denoising step, with the same accounting as the sparse arms",
+            stages=("validate", "test"),
+            requires=("transformers",),
+            extra="llm",
+            paper=LOSA_PAPER,
         ),
         CallbackSpec(
             name="kv_reuse",
@@ -1004,7 +1081,7 @@ def create_datamodule(name: str, args: Mapping[str, Any] | Any = None, **kwargs:
     cfg = args if args is not None and not isinstance(args, Mapping) else _validate_args(
         spec.config, spec.target, args or {}, "data.args"
     )
-    if spec.tokenizer_arg and "tokenizer" not in kwargs:
+    if spec.tokenizer_arg and "tokenizer" not in kwargs and getattr(cfg, spec.tokenizer_arg) is not None:
         from lightning_modules.llm.loading import load_tokenizer
 
         kwargs["tokenizer"] = load_tokenizer(getattr(cfg, spec.tokenizer_arg))

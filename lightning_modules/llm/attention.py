@@ -37,6 +37,8 @@ ATTN_NAME = "litctx"
 RUNNER_ATTR = "_litctx_layer_runner"
 """Attribute of an attention module that holds its installed policy runner (see ``session.py``)."""
 SCORE_ATTR = "_litctx_score"
+BLOCK_ATTR = "_litctx_block_diffusion"
+"""Attribute of an attention module of a block-diffusion LM (see ``block_attention.py``). Absent = causal."""
 """Attribute of an attention module that holds a persistent score setting (LSSA / LSSAR: an object with
 ``score_mode`` and ``kernel_kwargs``; installed by :mod:`lightning_modules.softplus.attention`). Absent = softmax."""
 
@@ -180,6 +182,18 @@ def litctx_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     runner = getattr(module, RUNNER_ATTR, None)
     score = score_setting(module)
+    block = getattr(module, BLOCK_ATTR, None)
+    if block is not None:  # a block-diffusion LM (lightning_modules.llm.block_attention)
+        compute = getattr(runner, "parts", {}).get("compute") if runner is not None else None
+        if runner is not None and not getattr(compute, "serves_block_diffusion", False):
+            raise RuntimeError(f"layer {getattr(module, 'layer_idx', '?')} is block-diffusion attention; only a "
+                               f"runner that serves it (serves_block_diffusion) may run it, not "
+                               f"{', '.join(getattr(runner, 'what', {}).values()) or type(runner).__name__}")
+        if compute is not None:
+            out = compute.attend(module, query, key, value, attention_mask, scale, window=window)
+        else:  # block.attend: block_attention.block_diffusion_attention (that module imports this one)
+            out = block.attend(query, key, value, attention_mask, scale)
+        return out.transpose(1, 2).contiguous(), None
     if runner is not None:
         if score is not None:
             raise RuntimeError(f"layer {getattr(module, 'layer_idx', '?')} uses score_mode={score.score_mode!r} "

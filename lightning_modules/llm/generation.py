@@ -122,6 +122,21 @@ class CachedLM:
         self.calls += 1
         return out.logits[:, -n_logits:].float()
 
+    def peek(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run ``input_ids [B, n]`` against the cache and return the float32 logits of all ``n`` positions
+        ``[B, n, V]`` without keeping them: afterwards the cache, mask and positions are what they were (a
+        block-diffusion denoising step reads the committed prefix and appends nothing). Refused under a KV policy
+        (its per-layer bookkeeping would move)."""
+        if active_session(self.model) is not None:
+            raise RuntimeError("peek() with a KV policy installed: the policy's runners would record the entries")
+        state = self.snapshot()
+        calls = self.calls
+        try:
+            return self.feed_logits(input_ids, attention_mask, input_ids.shape[1])
+        finally:
+            self.restore(state)
+            self.calls = calls + 1
+
     @torch.no_grad()
     def greedy(self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: Iterable[int] = ()) -> List[List[int]]:
         """Greedy tokens after ``first_logits [B, V]``, stopping per row at a stop id (not included)."""

@@ -41,8 +41,8 @@ import torch
 
 import kernels
 from kernels.reference.colstats import MOMENTS as COLSTATS_MOMENTS
-from lightning_modules.llm.attention import (ATTN_NAME, RUNNER_ATTR, SCORE_ATTR, causal_attention, ensure_registered,
-                                            mask_to_key_mask)
+from lightning_modules.llm.attention import (ATTN_NAME, BLOCK_ATTR, RUNNER_ATTR, SCORE_ATTR, causal_attention,
+                                            ensure_registered, mask_to_key_mask)
 from lightning_modules.llm.policy import (Action, KVObservation, KVPolicy, PolicyBatch, Schedule,
                                          compensator_merge)
 
@@ -664,6 +664,10 @@ def attach_runners(model: torch.nn.Module, make_runner: Callable[[torch.nn.Modul
             model.set_attn_implementation(ATTN_NAME)
         for m in modules:
             runners[m.layer_idx] = make_runner(m)
+            if getattr(m, BLOCK_ATTR, None) is not None and not (
+                    role == "compute" and getattr(runners[m.layer_idx], "serves_block_diffusion", False)):
+                raise RuntimeError(f"cannot install {what}: layer {m.layer_idx} is block-diffusion attention "
+                                   f"(model.config.block_diffusion) and {what} computes causal attention")
             stack = runner_stack(m)
             if stack is None:
                 stack = RunnerStack(model, m.layer_idx)

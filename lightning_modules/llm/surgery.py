@@ -220,6 +220,9 @@ SURGERIES: Dict[str, Surgery] = {
                    "L2A: sliding-window attention plus routed global attention"),
     "softplus": Surgery("softplus", "attention_score", "lightning_modules.softplus.attention:apply_from_config",
                         "Softplus attention: LSSA / LSSAR score mode in every layer (no new parameters)"),
+    "block_diffusion": Surgery("block_diffusion", "block_diffusion",
+                               "lightning_modules.llm.block_attention:apply_from_config",
+                               "a block-diffusion LM: block-causal attention and a mask token (no new parameters)"),
 }
 
 

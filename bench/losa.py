@@ -1,0 +1,221 @@
+"""LoSA against dense, Quest and a fixed (SparseD-like) pattern on the denoising steps of a trained block-diffusion
+LM, on the multi-key task (the answer block reads several prompt regions: KV inflation).
+
+    python -m bench.losa --model runs/bdlm_cpu/<run>/hf           # run (or continue), then write the report
+    python -m bench.losa --model ... --lengths 512 --samples 10 --budgets 16 64
+    python -m bench.losa --report-only
+
+Per sample the prompt is prefilled once (dense in every arm: the arms differ only on denoising steps) and each arm
+samples the answer block from that prefill with the model's sampler (8 steps per block unless ``--steps``).
+Arms (``lightning_modules.losa.method.prefix_grid``): ``dense``; at each per-query budget ``b`` (prefix entries per
+query, Quest pages of 16): ``quest_b{b}`` (every block query, every step), ``fixed_b{b}`` (pages fixed by the dense
+first step) and ``losa_ka{k}_b{b}`` for each ``k_a``. One JSON record per (sample, arm) goes to
+``bench/results/losa_<model>.jsonl``, so a rerun continues. Reported per context length and arm: exact match,
+token accuracy, union-of-pages density over all denoising steps and over the steps after the first, K/V bytes
+read per denoising step relative to dense, prefix+block attention CPU time relative to dense, LoSA minus Quest at
+equal budget (exact match, 95% paired bootstrap) and the active share per layer; a figure of accuracy against
+density.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from bench._report import REPO, pyplot, save_figure, write_section
+
+from litctx_common.io import append_jsonl, read_jsonl
+
+RESULTS_DIR = REPO / "bench" / "results"
+FIGURE_DIR = REPO / "docs" / "figures"
+
+
+def results_path(model: str) -> Path:
+    return RESULTS_DIR / f"losa_{Path(model).parent.name or Path(model).name}.jsonl"
+
+
+def load(model_dir: str):
+    """The block-diffusion model, its tokenizer (None for a synthetic-vocabulary model) and its setting."""
+    from lightning_modules.llm.block_attention import block_setting
+    from lightning_modules.llm.loading import load_causal_lm
+
+    has_tokenizer = (Path(model_dir) / "tokenizer_config.json").is_file()
+    model, tok = load_causal_lm(model_dir, with_tokenizer=has_tokenizer, expect_surgery="block_diffusion")
+    model.requires_grad_(False)
+    return model, tok, block_setting(model)
+
+
+def samples(tok: Any, setting: Any, length: int, n: int, seed: int) -> List[Dict[str, Any]]:
+    from datamodules.synth.multi_key import MultiKeyConfig, MultiKeyDataModule
+
+    cfg = MultiKeyConfig(tokenizer="model" if tok is not None else None, block_size=setting.block_size,
+                         context_tokens=length, eval_size=n, seed=seed, batch_size=1)
+    dm = MultiKeyDataModule(cfg, tokenizer=tok)
+    data = dm.split("test")
+    return [dm.collate([data[i]]) for i in range(n)]
+
+
+def run_sample(model: Any, batch: Dict[str, Any], arms: List[Any], steps: int, done: set, out: Path) -> None:
+    import torch
+
+    from lightning_modules.bdlm.module import score_answers
+    from lightning_modules.llm.block_sampler import BlockDiffusionSampler, BlockSamplerConfig, left_pad_to_blocks
+    from lightning_modules.llm.block_attention import block_setting
+    from lightning_modules.llm.generation import CachedLM
+    from lightning_modules.losa.method import install_block_sparse
+
+    setting = block_setting(model)
+    p, a = int(batch["prompt_len"]), int(batch["answer_len"])
+    todo = [arm for arm in arms if (batch["id"][0], arm.label) not in done]
+    if not todo:
+        return
+    ids, mask = left_pad_to_blocks(batch["input_ids"][:, :p], batch["attention_mask"][:, :p], setting.block_size,
+                                   int(batch["pad_id"]))
+    lm = CachedLM(model)
+    with torch.no_grad():
+        first = lm.feed(ids, mask)
+    held = lm.snapshot()
+    records = []
+    for arm in todo:
+        lm.restore(held)
+        with install_block_sparse(model, arm) as (session, hook):
+            res = BlockDiffusionSampler(lm, BlockSamplerConfig(steps=steps), [hook]).run(
+                first, a, [int(batch["eos_id"])])
+        exact, acc = score_answers(res.tokens, batch)
+        s = session.summary()
+        records.append({"id": batch["id"][0], "length": int(batch["length"][0]), "arm": arm.label,
+                        "method": arm.method, "budget": getattr(arm, "budget", None),
+                        "active": getattr(arm, "active", None) if arm.method == "losa" else None,
+                        "exact": float(exact[0]), "token_acc": float(acc[0]), "density": s["density"],
+                        "density_later": s["density_later"], "bytes_per_step": s["bytes_per_step"],
+                        "dense_bytes_per_step": s["dense_bytes_per_step"], "seconds": s["seconds"],
+                        "prefix_valid": int(mask.sum()),
+                        "active_share_by_layer": {str(k): v for k, v in s["active_share_by_layer"].items()},
+                        "tokens": res.tokens[0]})
+    append_jsonl(out, records)
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) -> str:
+    from lightning_modules.llm.suite_metrics import paired_bootstrap
+
+    by: Dict[tuple, Dict[str, Dict[str, Any]]] = {}
+    for r in records:
+        by.setdefault((r["length"],), {}).setdefault(r["arm"], {})[r["id"]] = r
+    lines = [f"Model `{model}`; command `python -m bench.losa --model {model}`; one greedy sample per prompt "
+             f"(deterministic), so the spread is over prompts: 95% paired bootstrap intervals over them.", ""]
+    for (length,), arms in sorted(by.items()):
+        dense = arms.get("dense", {})
+        ids = sorted(set.intersection(*[set(v) for v in arms.values()])) if arms else []
+        lines += [f"### {length}-token prompts ({len(ids)} samples in every arm)", "",
+                  "| arm | exact match | token acc | density (all steps) | density (later steps) | bytes / dense "
+                  "| attention time / dense |", "|---|---|---|---|---|---|---|"]
+        d_bytes = mean([dense[i]["bytes_per_step"] for i in ids]) if dense else float("nan")
+        d_sec = mean([dense[i]["seconds"] for i in ids]) if dense else float("nan")
+        for arm in sorted(arms, key=_arm_key):
+            rs = [arms[arm][i] for i in ids]
+            lines.append(f"| {arm} | {100 * mean([r['exact'] for r in rs]):.0f}% | {mean([r['token_acc'] for r in rs]):.3f} "
+                         f"| {mean([r['density'] for r in rs]):.3f} | {mean([r['density_later'] for r in rs]):.3f} "
+                         f"| {mean([r['bytes_per_step'] for r in rs]) / d_bytes:.3f} "
+                         f"| {mean([r['seconds'] for r in rs]) / d_sec:.2f} |")
+        lines += ["", "LoSA minus Quest at the same per-query budget (exact match, percentage points, and density "
+                  "over all steps):", "", "| budget | k_a | exact-match diff [95% CI] | density LoSA / Quest | "
+                  "LoSA wins? |", "|---|---|---|---|---|"]
+        for arm in sorted(arms, key=_arm_key):
+            if not arm.startswith("losa_ka"):
+                continue
+            budget = arm.rsplit("_b", 1)[1]
+            quest = arms.get(f"quest_b{budget}")
+            if not quest:
+                continue
+            a = [arms[arm][i]["exact"] for i in ids]
+            b = [quest[i]["exact"] for i in ids]
+            ci = paired_bootstrap(a, b)
+            dens = mean([arms[arm][i]["density"] for i in ids]) / mean([quest[i]["density"] for i in ids])
+            wins = ci["diff"] >= 0 and dens < 1
+            lines.append(f"| {budget} | {arm.split('_')[1][2:]} | {100 * ci['diff']:+.1f} [{100 * ci['lo']:+.1f}, "
+                         f"{100 * ci['hi']:+.1f}] | {dens:.2f} | {'yes' if wins else '**no**'} |")
+        shares = [r["active_share_by_layer"] for arm in arms if arm.startswith("losa_ka5") for r in arms[arm].values()]
+        if shares:
+            layers = sorted(shares[0], key=int)
+            lines += ["", "Active share per layer (LoSA k_a = 5, later steps): "
+                      + ", ".join(f"L{k} {mean([s[k] for s in shares]):.2f}" for k in layers)]
+        lines.append("")
+    if figure is not None:
+        _figure(by, figure)
+        lines.append(f"![accuracy against density]({figure.relative_to(REPO / 'docs').as_posix()})")
+    return "\n".join(lines)
+
+
+def _arm_key(arm: str):
+    if arm == "dense":
+        return (0, 0, "")
+    kind, _, budget = arm.rpartition("_b")
+    return (1, int(budget), kind)
+
+
+def _figure(by, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(by), figsize=(5 * len(by), 4), squeeze=False)
+    for ax, ((length,), arms) in zip(axes[0], sorted(by.items())):
+        for family, marker in (("quest", "o"), ("fixed", "s"), ("losa_ka", "^"), ("dense", "*")):
+            pts = [(mean([r["density"] for r in rs.values()]), mean([r["exact"] for r in rs.values()]))
+                   for arm, rs in arms.items() if arm.startswith(family)]
+            if pts:
+                ax.scatter([p[0] for p in pts], [100 * p[1] for p in pts], marker=marker, label=family.rstrip("_ka"))
+        ax.set_xlabel("union-of-pages density (all denoising steps)")
+        ax.set_ylabel("exact match (%)")
+        ax.set_title(f"{length}-token prompts")
+        ax.legend()
+    save_figure(fig, path)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", required=True, help="a Hugging Face folder of a trained bdlm run (<run dir>/hf)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--samples", type=int, default=50)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--actives", type=int, nargs="+", default=[1, 3, 5, 8])
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=8, help="denoising steps per block")
+    ap.add_argument("--seed", type=int, default=0, help="the data seed (test split)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--report-only", action="store_true")
+    args = ap.parse_args(argv)
+
+    out = results_path(args.model)
+    if not args.report_only:
+        import torch
+
+        from lightning_modules.losa.method import prefix_grid
+
+        torch.set_num_threads(args.threads)
+        model, tok, setting = load(args.model)
+        arms = prefix_grid(args.budgets, args.actives, page_size=args.page_size)
+        done = {(r["id"], r["arm"]) for r in read_jsonl(out)}
+        for length in args.lengths:
+            for i, batch in enumerate(samples(tok, setting, length, args.samples, args.seed)):
+                run_sample(model, batch, arms, args.steps, done, out)
+                print(f"[losa] {length} tokens: sample {i + 1}/{args.samples}", flush=True)
+    records = list(read_jsonl(out))
+    if not records:
+        print(f"no records in {out}")
+        return 1
+    body = report(records, args.model, FIGURE_DIR / f"{out.stem}.png")
+    print(body)
+    write_section("losa", body, "LoSA: locality-aware sparse attention on a block-diffusion LM")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""LoSA: locality-aware sparse attention for the denoising steps of block-diffusion LMs, and its baselines."""
