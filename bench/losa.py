@@ -9,8 +9,8 @@ Per sample the prompt is prefilled once (dense in every arm: the arms differ onl
 samples the answer block from that prefill with the model's sampler (8 steps per block unless ``--steps``).
 Arms (``lightning_modules.losa.method.prefix_grid``): ``dense``; at each per-query budget ``b`` (prefix entries per
 query, Quest pages of 16): ``quest_b{b}`` (every block query, every step), ``fixed_b{b}`` (pages fixed by the dense
-first step) and ``losa_ka{k}_b{b}`` for each ``k_a``. One JSON record per (sample, arm) goes to
-``bench/results/losa_<model>.jsonl``, so a rerun continues. Reported per context length and arm: exact match,
+first step), ``losa_ka{k}_b{b}`` for each ``k_a`` and ``losa_thr{x}_b{b}`` (the threshold variant). One JSON
+record per (sample, arm) goes to ``bench/results/losa_<model>.jsonl``, so a rerun continues. Reported per context length and arm: exact match,
 token accuracy, union-of-pages density over all denoising steps and over the steps after the first, K/V bytes
 read per denoising step relative to dense, prefix+block attention CPU time relative to dense, LoSA minus Quest at
 equal budget (exact match, 95% paired bootstrap) and the active share per layer; a figure of accuracy against
@@ -33,7 +33,10 @@ FIGURE_DIR = REPO / "docs" / "figures"
 
 
 def results_path(model: str) -> Path:
-    return RESULTS_DIR / f"losa_{Path(model).parent.name or Path(model).name}.jsonl"
+    """``bench/results/losa_<recipe>_<run>.jsonl`` for ``runs/<recipe>/<run>/hf`` (else the folder's own name)."""
+    folder = Path(model).resolve()
+    parts = [folder.parent.parent.name, folder.parent.name] if folder.name == "hf" else [folder.name]
+    return RESULTS_DIR / f"losa_{'_'.join(p for p in parts if p)}.jsonl"
 
 
 def load(model_dir: str):
@@ -125,10 +128,10 @@ def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) ->
                          f"| {mean([r['bytes_per_step'] for r in rs]) / d_bytes:.3f} "
                          f"| {mean([r['seconds'] for r in rs]) / d_sec:.2f} |")
         lines += ["", "LoSA minus Quest at the same per-query budget (exact match, percentage points, and density "
-                  "over all steps):", "", "| budget | k_a | exact-match diff [95% CI] | density LoSA / Quest | "
+                  "over all steps):", "", "| budget | selection | exact-match diff [95% CI] | density LoSA / Quest | "
                   "LoSA wins? |", "|---|---|---|---|---|"]
         for arm in sorted(arms, key=_arm_key):
-            if not arm.startswith("losa_ka"):
+            if not arm.startswith("losa_"):
                 continue
             budget = arm.rsplit("_b", 1)[1]
             quest = arms.get(f"quest_b{budget}")
@@ -139,13 +142,15 @@ def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) ->
             ci = paired_bootstrap(a, b)
             dens = mean([arms[arm][i]["density"] for i in ids]) / mean([quest[i]["density"] for i in ids])
             wins = ci["diff"] >= 0 and dens < 1
-            lines.append(f"| {budget} | {arm.split('_')[1][2:]} | {100 * ci['diff']:+.1f} [{100 * ci['lo']:+.1f}, "
+            lines.append(f"| {budget} | {arm.split('_')[1]} | {100 * ci['diff']:+.1f} [{100 * ci['lo']:+.1f}, "
                          f"{100 * ci['hi']:+.1f}] | {dens:.2f} | {'yes' if wins else '**no**'} |")
-        shares = [r["active_share_by_layer"] for arm in arms if arm.startswith("losa_ka5") for r in arms[arm].values()]
-        if shares:
-            layers = sorted(shares[0], key=int)
-            lines += ["", "Active share per layer (LoSA k_a = 5, later steps): "
-                      + ", ".join(f"L{k} {mean([s[k] for s in shares]):.2f}" for k in layers)]
+        for family in sorted({a.rsplit("_b", 1)[0] for a in arms if a.startswith("losa_thr")}):
+            shares = [r["active_share_by_layer"] for arm in arms if arm.rsplit("_b", 1)[0] == family
+                      for r in arms[arm].values() if r["active_share_by_layer"]]
+            if shares:
+                layers = sorted(shares[0], key=int)
+                lines += ["", f"Active share per layer ({family}, later steps; top-k_a arms have k_a / B by "
+                          f"construction): " + ", ".join(f"L{k} {mean([s[k] for s in shares]):.2f}" for k in layers)]
         lines.append("")
     if figure is not None:
         _figure(by, figure)
@@ -166,11 +171,12 @@ def _figure(by, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(by), figsize=(5 * len(by), 4), squeeze=False)
     for ax, ((length,), arms) in zip(axes[0], sorted(by.items())):
-        for family, marker in (("quest", "o"), ("fixed", "s"), ("losa_ka", "^"), ("dense", "*")):
+        for family, marker in (("quest", "o"), ("fixed", "s"), ("losa_ka", "^"), ("losa_thr", "v"),
+                               ("dense", "*")):
             pts = [(mean([r["density"] for r in rs.values()]), mean([r["exact"] for r in rs.values()]))
                    for arm, rs in arms.items() if arm.startswith(family)]
             if pts:
-                ax.scatter([p[0] for p in pts], [100 * p[1] for p in pts], marker=marker, label=family.rstrip("_ka"))
+                ax.scatter([p[0] for p in pts], [100 * p[1] for p in pts], marker=marker, label=family)
         ax.set_xlabel("union-of-pages density (all denoising steps)")
         ax.set_ylabel("exact match (%)")
         ax.set_title(f"{length}-token prompts")
@@ -186,6 +192,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--samples", type=int, default=50)
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--actives", type=int, nargs="+", default=[1, 3, 5, 8])
+    ap.add_argument("--thresholds", type=float, nargs="*", default=[0.5],
+                    help="LoSA's threshold variant: active = change >= threshold x the block's largest change")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=8, help="denoising steps per block")
     ap.add_argument("--seed", type=int, default=0, help="the data seed (test split)")
@@ -201,7 +209,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         torch.set_num_threads(args.threads)
         model, tok, setting = load(args.model)
-        arms = prefix_grid(args.budgets, args.actives, page_size=args.page_size)
+        arms = prefix_grid(args.budgets, args.actives, page_size=args.page_size, thresholds=args.thresholds)
         done = {(r["id"], r["arm"]) for r in read_jsonl(out)}
         for length in args.lengths:
             for i, batch in enumerate(samples(tok, setting, length, args.samples, args.seed)):

@@ -323,4 +323,4 @@ def test_bench_runs_every_arm_from_one_prefill_and_reports_the_comparison(tmp_pa
     dense0 = [r for r in recs if r["arm"] == "dense" and r["id"] == batches[0]["id"][0]][0]
     assert dense0["tokens"] == plain and abs(dense0["density"] - 1.0) < 1e-9
     text = bench.report(recs, "hf", None)
-    assert "| 8 | 1 |" in text and "quest_b8" in text and "fixed_b8" in text
+    assert "| 8 | ka1 |" in text and "quest_b8" in text and "fixed_b8" in text
