@@ -36,8 +36,8 @@ from lightning_modules.base import check_field
 from lightning_modules.llm.block_attention import BLOCK_ATTR, block_diffusion_attention
 from lightning_modules.llm.block_sampler import DENOISE_PHASE, BlockHook
 from lightning_modules.llm.session import PHASE_ATTR, attach_runners
-from lightning_modules.losa.sparse import (page_density, quest_per_query, read_bytes, top_pages_per_query,
-                                           union_attention)
+from lightning_modules.llm.sparse_read import kv_read_bytes
+from lightning_modules.losa.sparse import page_density, quest_per_query, top_pages_per_query, union_attention
 from litctx_common.timing import Stopwatch
 
 __all__ = ["BlockDenseConfig", "BlockQuestConfig", "BlockFixedConfig", "LoSAConfig", "BLOCK_SPARSE_METHODS",
@@ -185,8 +185,8 @@ class BlockSparseSession:
     """Shared by one model's runners: the sampler's position (block, step) and the per-call records.
 
     ``records``: one dict per denoising call and layer: ``layer``, ``block``, ``step``, ``density`` (mean over rows
-    and KV heads of union pages / valid pages), ``active`` (queries that read the prefix), ``queries``, ``bytes``
-    (K/V of the union and the block + page metadata), ``dense_bytes`` (a dense step's K/V), ``seconds``."""
+    and KV heads of union pages / valid pages; ``density_heads`` per KV head), ``active`` (queries that read the prefix), ``queries``, ``bytes``
+    (K/V of the union and the block + page metadata, ``sparse_read.kv_read_bytes``), ``dense_bytes`` (a dense step's K/V), ``seconds``."""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
@@ -366,12 +366,13 @@ class BlockSparseRunner:
                 self.state, self.session.step, query, key[:, :, :p], value[:, :, :p], vp, scale, hidden)
             o, _ = kernels.merge_lse(o_p.to(o_b.dtype), lse_p.to(lse_b.dtype), o_b, lse_b)
         union = read.any(2) & vp
+        density = page_density(read & vp.unsqueeze(2), vp, self.session.strategy.cfg.page_size)  # [B, Hk]
         self.session.records.append({
             "layer": self.layer, "block": self.session.block, "step": self.session.step,
-            "density": float(page_density(read & vp.unsqueeze(2), vp, self.session.strategy.cfg.page_size).mean()),
+            "density": float(density.mean()), "density_heads": density.mean(0).tolist(),
             "active": int(active), "queries": n,
-            "bytes": read_bytes(union, key, value) + read_bytes(vb_mask, key, value) + meta,
-            "dense_bytes": read_bytes(valid, key, value), "seconds": watch.seconds})
+            "bytes": kv_read_bytes(union, key, value, n_new=n) + meta,
+            "dense_bytes": kv_read_bytes(vp, key, value, n_new=n), "seconds": watch.seconds})
         return o.to(query.dtype)
 
 

@@ -1,5 +1,5 @@
 """Per-query sparse prefix reads for block-diffusion denoising steps: Quest selection per query, the union of the
-queries' read sets, attention over that union, and the accounting (union density, bytes).
+queries' read sets, attention over that union, and the union-of-pages density (bytes: ``sparse_read.kv_read_bytes``).
 
 Shapes: ``query [B, Hq, n, d]`` (the block queries that read the prefix sparsely), ``key, value [B, Hk, P, d|dv]``
 (the committed prefix), ``valid [B, 1|Hk, P]`` (readable prefix entries; padding False), read sets ``[B, Hk, n, P]``
@@ -16,8 +16,7 @@ import torch
 from lightning_modules.llm.policy import top_capacity
 from lightning_modules.llm.sparse_read import page_bounds, page_scores
 
-__all__ = ["quest_per_query", "top_pages_per_query", "union_attention", "union_pages", "page_density",
-           "read_bytes"]
+__all__ = ["quest_per_query", "top_pages_per_query", "union_attention", "union_pages", "page_density"]
 
 
 def _valid(valid: Optional[torch.Tensor], key: torch.Tensor) -> torch.Tensor:
@@ -108,9 +107,3 @@ def page_density(read: torch.Tensor, valid: torch.Tensor, page_size: int) -> tor
     b, hk, p = valid.shape
     total = union_pages(valid.unsqueeze(2), page_size).sum(-1).float()
     return pages / total.clamp_min(1)
-
-
-def read_bytes(read_union: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
-    """K/V bytes of the entries ``read_union [B, Hk, P]`` (each read once per call, whatever query needs it)."""
-    per_entry = key.shape[-1] * key.element_size() + value.shape[-1] * value.element_size()
-    return int(read_union.sum()) * per_entry
