@@ -10,11 +10,11 @@ samples the answer block from that prefill with the model's sampler (8 steps per
 Arms (``lightning_modules.losa.method.prefix_grid``): ``dense``; at each per-query budget ``b`` (prefix entries per
 query, Quest pages of 16): ``quest_b{b}`` (every block query, every step), ``fixed_b{b}`` (pages fixed by the dense
 first step), ``losa_ka{k}_b{b}`` for each ``k_a`` and ``losa_thr{x}_b{b}`` (the threshold variant). One JSON
-record per (sample, arm) goes to ``bench/results/losa_<model>.jsonl``, so a rerun continues. Reported per context length and arm: exact match,
-token accuracy, union-of-pages density over all denoising steps and over the steps after the first, K/V bytes
-read per denoising step relative to dense, prefix+block attention CPU time relative to dense, LoSA minus Quest at
-equal budget (exact match, 95% paired bootstrap) and the active share per layer; a figure of accuracy against
-density.
+record per (sample, arm) goes to ``bench/results/losa_<recipe>_<run>.jsonl``, so a rerun continues. Reported per
+context length and arm: exact match, token accuracy, union-of-pages density over all denoising steps and over
+the steps after the first, K/V bytes read per denoising step relative to dense, prefix+block attention CPU time
+relative to dense, LoSA minus Quest at equal budget (exact match, 95% paired bootstrap) and the active share per
+layer; a figure of accuracy against density.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) ->
         d_sec = mean([dense[i]["seconds"] for i in ids]) if dense else float("nan")
         for arm in sorted(arms, key=_arm_key):
             rs = [arms[arm][i] for i in ids]
-            lines.append(f"| {arm} | {100 * mean([r['exact'] for r in rs]):.0f}% | {mean([r['token_acc'] for r in rs]):.3f} "
+            lines.append(f"| {arm} | {100 * mean([r['exact'] for r in rs]):.0f}% "
+                         f"| {mean([r['token_acc'] for r in rs]):.3f} "
                          f"| {mean([r['density'] for r in rs]):.3f} | {mean([r['density_later'] for r in rs]):.3f} "
                          f"| {mean([r['bytes_per_step'] for r in rs]) / d_bytes:.3f} "
                          f"| {mean([r['seconds'] for r in rs]) / d_sec:.2f} |")

@@ -337,7 +337,8 @@ def test_multi_key_samples_read_back_their_values():
     assert [t for k in asked for t in records[k]] == s["answer"][:6]
     batch = collate_multi_key([s, make_sample(cfg, vocab, 80, random.Random(1))], 8, vocab.pad, vocab.eos)
     assert batch["prompt_len"] % 8 == 0 and batch["input_ids"].shape[1] == batch["prompt_len"] + 8
-    assert bool(batch["loss_mask"][:, batch["prompt_len"]:].all()) and not bool(batch["loss_mask"][:, :batch["prompt_len"]].any())
+    p = batch["prompt_len"]
+    assert bool(batch["loss_mask"][:, p:].all()) and not bool(batch["loss_mask"][:, :p].any())
     dm = MultiKeyDataModule(cfg)
     assert dm.method_hints() == {"block_size": 8, "vocab_size": 48, "mask_token_id": MASK}
     with pytest.raises(ValueError, match="context length 20"):

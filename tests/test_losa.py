@@ -88,7 +88,8 @@ def test_quest_per_query_reads_each_querys_best_pages_up_to_the_budget():
                         bounds.append(float("-inf"))
                         continue
                     kk = k[b, h, pg]
-                    bound = max(float((torch.maximum(q[b, hh, i] * kk.max(0).values, q[b, hh, i] * kk.min(0).values)).sum())
+                    bound = max(float(torch.maximum(q[b, hh, i] * kk.max(0).values,
+                                                    q[b, hh, i] * kk.min(0).values).sum())
                                 for hh in (2 * h, 2 * h + 1))
                     bounds.append(bound)
                 order = sorted(range(len(pages)), key=lambda p: (-bounds[p], p))

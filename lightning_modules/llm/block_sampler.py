@@ -40,7 +40,8 @@ from lightning_modules.llm.session import call_phase
 DENOISE_PHASE = "denoise"
 """The call phase (``session.call_phase``) of a denoising forward; prefill and commit calls carry none."""
 
-__all__ = ["DENOISE_PHASE", "BlockSamplerConfig", "BlockHook", "BlockDiffusionSampler", "unmask_counts", "left_pad_to_blocks",
+__all__ = ["DENOISE_PHASE", "BlockSamplerConfig", "BlockHook", "BlockDiffusionSampler", "unmask_counts",
+           "left_pad_to_blocks",
            "block_generate"]
 
 

@@ -185,8 +185,9 @@ class BlockSparseSession:
     """Shared by one model's runners: the sampler's position (block, step) and the per-call records.
 
     ``records``: one dict per denoising call and layer: ``layer``, ``block``, ``step``, ``density`` (mean over rows
-    and KV heads of union pages / valid pages; ``density_heads`` per KV head), ``active`` (queries that read the prefix), ``queries``, ``bytes``
-    (K/V of the union and the block + page metadata, ``sparse_read.kv_read_bytes``), ``dense_bytes`` (a dense step's K/V), ``seconds``."""
+    and KV heads of union pages / valid pages; ``density_heads`` per KV head), ``active`` (queries that read the
+    prefix), ``queries``, ``bytes`` (K/V of the union and the block + page metadata, ``sparse_read.kv_read_bytes``),
+    ``dense_bytes`` (a dense step's K/V), ``seconds``."""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy

@@ -1,5 +1,6 @@
 """Per-query sparse prefix reads for block-diffusion denoising steps: Quest selection per query, the union of the
-queries' read sets, attention over that union, and the union-of-pages density (bytes: ``sparse_read.kv_read_bytes``).
+queries' read sets, attention over that union, and the union-of-pages density (bytes:
+``sparse_read.kv_read_bytes``).
 
 Shapes: ``query [B, Hq, n, d]`` (the block queries that read the prefix sparsely), ``key, value [B, Hk, P, d|dv]``
 (the committed prefix), ``valid [B, 1|Hk, P]`` (readable prefix entries; padding False), read sets ``[B, Hk, n, P]``
