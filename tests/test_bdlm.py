@@ -345,6 +345,51 @@ def test_multi_key_samples_read_back_their_values():
         MultiKeyConfig(context_tokens=20)
 
 
+def test_multi_key_further_questions_are_block_aligned_and_answer_their_own_keys():
+    cfg = MultiKeyConfig(symbols=40, keys_per_question=3, value_tokens=2, block_size=8, context_tokens=96,
+                         questions=3)
+    vocab = Vocabulary(cfg)
+    one = make_sample(cfg, vocab, 96, random.Random(5))
+    s = make_sample(cfg, vocab, 96, random.Random(5), questions=3)
+    assert s["prompt"] == one["prompt"] and s["answer"] == one["answer"]  # the first question is the eval form
+    p = s["prompt"]
+    records = {p[i]: p[i + 2:i + 4] for i in range(1, len(p) - 4) if p[i + 1] == vocab.colon[0]}
+    asked = [p[p.index(vocab.question[0]) + 1:-1]] + [q[1:-1] for q, _ in s["extra"]]
+    assert len(s["extra"]) == 2 and len({k for ks in asked for k in ks}) == 9  # distinct keys while they last
+    for keys, (_, answer) in zip(asked[1:], s["extra"]):
+        assert answer[:6] == [t for k in keys for t in records[k]] and answer[6:] == [vocab.eos, vocab.eos]
+    other = make_sample(cfg, vocab, 80, random.Random(6), questions=3)
+    batch = collate_multi_key([s, other], 8, vocab.pad, vocab.eos)
+    ids, attn, loss = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    pl, a = batch["prompt_len"], batch["answer_len"]
+    assert ids.shape[1] == pl + a + 2 * (8 + a)  # a 5-token question padded in front to one block, then 8
+    for row, sample in enumerate([s, other]):
+        scored = loss[row].nonzero().flatten().tolist()
+        assert len(scored) == 3 * a and all(c % 8 == 0 for c in scored[::a])  # answers start on blocks
+        assert ids[row, scored].tolist() == sample["answer"] + sample["extra"][0][1] + sample["extra"][1][1]
+        for q, _ in sample["extra"]:
+            start = scored[a] - len(q) if q is sample["extra"][0][0] else scored[2 * a] - len(q)
+            assert ids[row, start:start + len(q)].tolist() == q and bool(attn[row, start:start + len(q)].all())
+            assert not bool(attn[row, start - (8 - len(q)):start].any())  # the padding in front is masked
+    with pytest.raises(ValueError, match="as many questions"):
+        collate_multi_key([s, one], 8, vocab.pad, vocab.eos)
+    with pytest.raises(ValueError, match="questions=0"):
+        MultiKeyConfig(questions=0)
+
+
+def test_multi_question_batches_train_every_answer_block():
+    from lightning_modules.bdlm.module import noise_blocks
+
+    cfg = MultiKeyConfig(symbols=40, keys_per_question=2, value_tokens=2, block_size=4, context_tokens=48,
+                         questions=2, batch_size=2, train_batches=1)
+    dm = MultiKeyDataModule(cfg)
+    batch = next(iter(dm.train_dataloader()))
+    nz = noise_blocks(batch["input_ids"], batch["loss_mask"], 4, MASK, 0.999)
+    answer_blocks = sorted({c // 4 for c in batch["loss_mask"][0].nonzero().flatten().tolist()})
+    assert nz["blocks"].tolist() == answer_blocks and len(answer_blocks) == 2
+    assert dm.split("val")[0].get("extra") is None  # evaluation samples ask one question
+
+
 def test_multi_key_text_form_uses_single_token_words():
     from lightning_modules.llm.loading import load_tokenizer
 
@@ -366,3 +411,25 @@ def test_bdlm_tiny_recipe_trains_and_evaluates(tmp_path):
     run.fit()
     metrics = run.test("last")
     assert {"test/exact_match", "test/token_acc", "test/loss", "test/exact_match_len96"} <= set(metrics)
+
+
+def test_induction_head_scores_equal_a_loop_over_the_attention_maps():
+    from bench.induction_heads import report, scores
+    from lightning_modules.llm.loading import load_causal_lm
+
+    model, _ = load_causal_lm("tiny-llama", attn_implementation="eager", with_tokenizer=False,
+                              tiny={"num_hidden_layers": 2, "vocab_size": 64})
+    rows = scores(model, 6, 2, seed=3, low=4)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(4, 64, (2, 6), generator=gen)
+    with torch.no_grad():
+        att = model(input_ids=torch.cat([x, x], 1), output_attentions=True).attentions
+    for layer, r in enumerate(rows):
+        heads = att[layer].shape[1]
+        ind = [sum(float(att[layer][b, h, 6 + i, i + 1]) for b in range(2) for i in range(1, 5)) / 8
+               for h in range(heads)]
+        prev = [sum(float(att[layer][b, h, t, t - 1]) for b in range(2) for t in range(1, 12)) / 22
+                for h in range(heads)]
+        assert abs(r["induction"] - max(ind)) < 1e-6 and r["induction_head"] == ind.index(max(ind))
+        assert abs(r["previous"] - max(prev)) < 1e-6 and r["previous_head"] == prev.index(max(prev))
+    assert "| 1 |" in report("tiny", rows, 6, 2)

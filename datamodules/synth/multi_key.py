@@ -17,6 +17,15 @@ A sample is a pure function of ``(seed, split, context length, index)``. The ans
 a multiple of ``block_size``; batches left-pad the prompts to a common multiple of ``block_size`` so that every
 answer starts on a block boundary: ``{"input_ids", "attention_mask", "loss_mask": [B, P + A], "prompt_len": P,
 "answer_len": A, "n_answer": [B], "length": [B], "eos_id": int, "pad_id": int}``.
+
+**More questions per training sample** (``questions > 1``, the training split only). The answer is the only
+scored part of a sample, so one question gives a few dozen target tokens per context of hundreds; a training
+sample may instead ask ``questions`` questions about the same context (distinct keys while the records last).
+The first question and its answer sit exactly as in an evaluation sample; each further question follows the
+previous answer, with padding (``attention_mask`` 0) in front of it so that its answer starts on a block
+boundary too. ``loss_mask`` covers every answer; ``prompt_len`` / ``answer_len`` / ``n_answer`` describe the
+first. The ``[B, T]`` batch then has ``T = P + A + (questions - 1) x (Q' + A)`` with ``Q'`` the question padded
+to whole blocks.
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ class MultiKeyConfig(LoaderConfig):
         eval_context_tokens: validation / test prompt lengths (one loader each; default: ``context_tokens``).
         train_size: distinct training samples (None: ``train_batches x batch_size``).
         eval_size: samples per evaluation length.
+        questions: questions asked about each training context (see the module docstring; validation and test
+            samples always ask one, in the evaluation form).
     """
 
     tokenizer: Optional[str] = None
@@ -62,10 +73,12 @@ class MultiKeyConfig(LoaderConfig):
     train_size: Optional[int] = None
     eval_size: int = 50
     batch_size: int = 16
+    questions: int = 1
 
     def __post_init__(self) -> None:
         problems = self.loader_problems()
-        for name in ("symbols", "keys_per_question", "value_tokens", "block_size", "context_tokens", "eval_size"):
+        for name in ("symbols", "keys_per_question", "value_tokens", "block_size", "context_tokens", "eval_size",
+                     "questions"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r}: must be an integer >= 1")
@@ -131,8 +144,11 @@ def single_token_words(tokenizer: Any, n: int) -> List[int]:
     return [found[int(i * step)] for i in range(n)]
 
 
-def make_sample(cfg: MultiKeyConfig, vocab: Vocabulary, length: int, rng: random.Random) -> Dict[str, Any]:
-    """One sample: ``prompt`` (at most ``length`` tokens) and ``answer`` (EOS-padded to whole blocks) id lists."""
+def make_sample(cfg: MultiKeyConfig, vocab: Vocabulary, length: int, rng: random.Random,
+                questions: int = 1) -> Dict[str, Any]:
+    """One sample: ``prompt`` (the context and the first question, at most ``length`` tokens) and ``answer``
+    (EOS-padded to whole blocks) id lists; with ``questions > 1`` also ``extra``: ``[question, answer]`` id lists
+    of the further questions (their keys distinct from every earlier question's while the records last)."""
     k, m = cfg.keys_per_question, cfg.value_tokens
     record = 1 + len(vocab.colon) + m + len(vocab.semi)
     question = len(vocab.question) + k * (1 + len(vocab.comma)) + len(vocab.answer)
@@ -144,49 +160,78 @@ def make_sample(cfg: MultiKeyConfig, vocab: Vocabulary, length: int, rng: random
     prompt = list(vocab.bos)
     for key, val in zip(keys, values):
         prompt += [key] + vocab.colon + val + vocab.semi
-    asked = rng.sample(range(n_records), k)
-    prompt += vocab.question
-    for j, i in enumerate(asked):
-        prompt += [keys[i]] + (vocab.comma if j < k - 1 else [])
-    prompt += vocab.answer
-    answer = [t for i in asked for t in values[i]]
-    n_answer = len(answer)
-    answer += [vocab.eos] * ((-n_answer) % cfg.block_size)
-    return {"prompt": prompt, "answer": answer, "n_answer": n_answer, "length": length,
-            "depths": [i / max(1, n_records - 1) for i in asked]}
+    unasked = list(range(n_records))
+    qas = []
+    for _ in range(questions):
+        if len(unasked) < k:  # every record asked: start over
+            unasked = list(range(n_records))
+        asked = rng.sample(unasked, k)
+        unasked = [i for i in unasked if i not in asked]
+        question = list(vocab.question)
+        for j, i in enumerate(asked):
+            question += [keys[i]] + (vocab.comma if j < k - 1 else [])
+        question += vocab.answer
+        answer = [t for i in asked for t in values[i]]
+        n_answer = len(answer)
+        answer += [vocab.eos] * ((-n_answer) % cfg.block_size)
+        qas.append((question, answer, n_answer, asked))
+    question, answer, n_answer, asked = qas[0]
+    sample = {"prompt": prompt + question, "answer": answer, "n_answer": n_answer, "length": length,
+              "depths": [i / max(1, n_records - 1) for i in asked]}
+    if questions > 1:
+        sample["extra"] = [[q, a] for q, a, _, _ in qas[1:]]
+    return sample
 
 
 class MultiKeySamples(Dataset):
     """``n`` samples of one split at one context length."""
 
-    def __init__(self, cfg: MultiKeyConfig, vocab: Vocabulary, split: str, length: int, n: int) -> None:
+    def __init__(self, cfg: MultiKeyConfig, vocab: Vocabulary, split: str, length: int, n: int,
+                 questions: int = 1) -> None:
         self.cfg, self.vocab, self.split, self.length, self.n = cfg, vocab, split, int(length), int(n)
+        self.questions = int(questions)
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> Dict[str, Any]:
         rng = random.Random(stable_seed("multi_key", self.cfg.seed, self.split, self.length, i))
-        sample = make_sample(self.cfg, self.vocab, self.length, rng)
+        sample = make_sample(self.cfg, self.vocab, self.length, rng, self.questions)
         sample["id"] = f"{self.split}-{self.length}-{i}"
         return sample
 
 
 def collate_multi_key(samples: Sequence[Dict[str, Any]], block_size: int, pad_id: int, eos_id: int) -> Dict[str, Any]:
-    """Left-pad the prompts to a common multiple of ``block_size`` and append the answers (see the module
-    docstring for the batch)."""
-    widths = {len(s["answer"]) for s in samples}
+    """Left-pad the prompts to a common multiple of ``block_size`` and append the answers; further questions
+    (``extra``) follow, each padded in front to whole blocks (see the module docstring for the batch)."""
+    widths = {len(s["answer"]) for s in samples} | {len(qa[1]) for s in samples for qa in s.get("extra", ())}
     if len(widths) != 1:
         raise ValueError(f"answers of one batch must have one length, got {sorted(widths)}")
     a = widths.pop()
+    if a % block_size:
+        raise ValueError(f"answers hold {a} tokens, not a multiple of block_size={block_size}")
+    n_extra = {len(s.get("extra", ())) for s in samples}
+    if len(n_extra) != 1:
+        raise ValueError(f"samples of one batch must ask as many questions, got {sorted(q + 1 for q in n_extra)}")
+    n_extra = n_extra.pop()
     p = max(len(s["prompt"]) for s in samples)
     p += (-p) % block_size
+    q_width = [max(len(s["extra"][j][0]) for s in samples) for j in range(n_extra)]
+    q_width = [w + (-w) % block_size for w in q_width]
     ids, attn, loss = [], [], []
     for s in samples:
         pad = p - len(s["prompt"])
-        ids.append([pad_id] * pad + s["prompt"] + s["answer"])
-        attn.append([0] * pad + [1] * (len(s["prompt"]) + a))
-        loss.append([False] * p + [True] * a)
+        row = [pad_id] * pad + s["prompt"] + s["answer"]
+        row_attn = [0] * pad + [1] * (len(s["prompt"]) + a)
+        row_loss = [False] * p + [True] * a
+        for (question, answer), width in zip(s.get("extra", ()), q_width):
+            gap = width - len(question)
+            row += [pad_id] * gap + question + answer
+            row_attn += [0] * gap + [1] * (len(question) + a)
+            row_loss += [False] * width + [True] * a
+        ids.append(row)
+        attn.append(row_attn)
+        loss.append(row_loss)
     return {"input_ids": torch.tensor(ids, dtype=torch.long), "attention_mask": torch.tensor(attn, dtype=torch.long),
             "loss_mask": torch.tensor(loss, dtype=torch.bool), "prompt_len": p, "answer_len": a,
             "n_answer": [s["n_answer"] for s in samples], "length": [s["length"] for s in samples],
@@ -218,7 +263,8 @@ class MultiKeyDataModule(SplitsDataModule):
         if self._splits:
             return
         n_train = self.cfg.train_size or max(1, (self.cfg.train_batches or 1000) * self.cfg.batch_size)
-        self._splits["train"] = MultiKeySamples(self.cfg, self.vocab, "train", self.cfg.context_tokens, n_train)
+        self._splits["train"] = MultiKeySamples(self.cfg, self.vocab, "train", self.cfg.context_tokens, n_train,
+                                                questions=self.cfg.questions)
         for split in ("val", "test"):
             lengths = self.cfg.eval_lengths
             self._splits[split] = MultiKeySamples(self.cfg, self.vocab, split, lengths[0], self.cfg.eval_size)
