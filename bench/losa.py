@@ -128,9 +128,13 @@ def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) ->
                          f"| {mean([r['density'] for r in rs]):.3f} | {mean([r['density_later'] for r in rs]):.3f} "
                          f"| {mean([r['bytes_per_step'] for r in rs]) / d_bytes:.3f} "
                          f"| {mean([r['seconds'] for r in rs]) / d_sec:.2f} |")
-        lines += ["", "LoSA minus Quest at the same per-query budget (exact match, percentage points, and density "
-                  "over all steps):", "", "| budget | selection | exact-match diff [95% CI] | density LoSA / Quest | "
-                  "LoSA wins? |", "|---|---|---|---|---|"]
+        lines += ["", "LoSA minus Quest at the same per-query budget: exact match and token accuracy (percentage "
+                  "points, 95% paired bootstrap over prompts) and the ratio of union densities over all steps. "
+                  "*yes*: LoSA reads less and neither accuracy is lower; *tie*: it reads less and an accuracy is "
+                  "lower but its interval includes 0; **no**: it reads more, or an accuracy is lower with the "
+                  "interval below 0.", "",
+                  "| budget | selection | exact-match diff [95% CI] | token-acc diff [95% CI] | density LoSA / Quest "
+                  "| LoSA holds? |", "|---|---|---|---|---|---|"]
         for arm in sorted(arms, key=_arm_key):
             if not arm.startswith("losa_"):
                 continue
@@ -138,13 +142,14 @@ def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) ->
             quest = arms.get(f"quest_b{budget}")
             if not quest:
                 continue
-            a = [arms[arm][i]["exact"] for i in ids]
-            b = [quest[i]["exact"] for i in ids]
-            ci = paired_bootstrap(a, b)
+            cis = [paired_bootstrap([arms[arm][i][key] for i in ids], [quest[i][key] for i in ids])
+                   for key in ("exact", "token_acc")]
             dens = mean([arms[arm][i]["density"] for i in ids]) / mean([quest[i]["density"] for i in ids])
-            wins = ci["diff"] >= 0 and dens < 1
-            lines.append(f"| {budget} | {arm.split('_')[1]} | {100 * ci['diff']:+.1f} [{100 * ci['lo']:+.1f}, "
-                         f"{100 * ci['hi']:+.1f}] | {dens:.2f} | {'yes' if wins else '**no**'} |")
+            verdict = losa_verdict(dens, cis)
+            lines.append(f"| {budget} | {arm.split('_')[1]} | "
+                         + " | ".join(f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]"
+                                      for c in cis)
+                         + f" | {dens:.2f} | {verdict} |")
         for family in sorted({a.rsplit("_b", 1)[0] for a in arms if a.startswith("losa_thr")}):
             shares = [r["active_share_by_layer"] for arm in arms if arm.rsplit("_b", 1)[0] == family
                       for r in arms[arm].values() if r["active_share_by_layer"]]
@@ -157,6 +162,14 @@ def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) ->
         _figure(by, figure)
         lines.append(f"![accuracy against density]({figure.relative_to(REPO / 'docs').as_posix()})")
     return "\n".join(lines)
+
+
+def losa_verdict(density_ratio: float, intervals: List[Dict[str, float]]) -> str:
+    """``yes`` (reads less, no accuracy lower), ``tie`` (reads less, a lower accuracy whose paired interval
+    includes 0) or ``**no**`` (reads as much or more, or an accuracy lower with its interval below 0)."""
+    if not density_ratio < 1 or any(c["hi"] < 0 for c in intervals):
+        return "**no**"
+    return "yes" if all(c["diff"] >= 0 for c in intervals) else "tie"
 
 
 def _arm_key(arm: str):

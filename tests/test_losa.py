@@ -325,3 +325,17 @@ def test_bench_runs_every_arm_from_one_prefill_and_reports_the_comparison(tmp_pa
     assert dense0["tokens"] == plain and abs(dense0["density"] - 1.0) < 1e-9
     text = bench.report(recs, "hf", None)
     assert "| 8 | ka1 |" in text and "quest_b8" in text and "fixed_b8" in text
+
+
+def test_bench_verdict_requires_less_reading_and_no_significant_accuracy_loss():
+    """The LoSA - Quest verdict: fewer pages read and no lower accuracy is ``yes``; a lower accuracy inside a
+    0-including interval is a ``tie``; reading as much, or an interval below 0, is ``no``."""
+    from bench.losa import losa_verdict
+
+    up = {"diff": 0.02, "lo": -0.01, "hi": 0.05}
+    down_ns = {"diff": -0.02, "lo": -0.06, "hi": 0.01}
+    down = {"diff": -0.05, "lo": -0.09, "hi": -0.01}
+    assert losa_verdict(0.5, [up, up]) == "yes"
+    assert losa_verdict(0.5, [up, down_ns]) == "tie"
+    assert losa_verdict(0.5, [up, down]) == "**no**"
+    assert losa_verdict(1.0, [up, up]) == "**no**"
