@@ -367,8 +367,8 @@ def test_multi_key_further_questions_are_block_aligned_and_answer_their_own_keys
         scored = loss[row].nonzero().flatten().tolist()
         assert len(scored) == 3 * a and all(c % 8 == 0 for c in scored[::a])  # answers start on blocks
         assert ids[row, scored].tolist() == sample["answer"] + sample["extra"][0][1] + sample["extra"][1][1]
-        for q, _ in sample["extra"]:
-            start = scored[a] - len(q) if q is sample["extra"][0][0] else scored[2 * a] - len(q)
+        for j, (q, _) in enumerate(sample["extra"], start=1):
+            start = scored[j * a] - len(q)  # the question ends where its answer starts
             assert ids[row, start:start + len(q)].tolist() == q and bool(attn[row, start:start + len(q)].all())
             assert not bool(attn[row, start - (8 - len(q)):start].any())  # the padding in front is masked
     with pytest.raises(ValueError, match="as many questions"):

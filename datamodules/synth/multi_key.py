@@ -167,16 +167,16 @@ def make_sample(cfg: MultiKeyConfig, vocab: Vocabulary, length: int, rng: random
             unasked = list(range(n_records))
         asked = rng.sample(unasked, k)
         unasked = [i for i in unasked if i not in asked]
-        question = list(vocab.question)
+        q_ids = list(vocab.question)
         for j, i in enumerate(asked):
-            question += [keys[i]] + (vocab.comma if j < k - 1 else [])
-        question += vocab.answer
+            q_ids += [keys[i]] + (vocab.comma if j < k - 1 else [])
+        q_ids += vocab.answer
         answer = [t for i in asked for t in values[i]]
         n_answer = len(answer)
         answer += [vocab.eos] * ((-n_answer) % cfg.block_size)
-        qas.append((question, answer, n_answer, asked))
-    question, answer, n_answer, asked = qas[0]
-    sample = {"prompt": prompt + question, "answer": answer, "n_answer": n_answer, "length": length,
+        qas.append((q_ids, answer, n_answer, asked))
+    q_ids, answer, n_answer, asked = qas[0]
+    sample = {"prompt": prompt + q_ids, "answer": answer, "n_answer": n_answer, "length": length,
               "depths": [i / max(1, n_records - 1) for i in asked]}
     if questions > 1:
         sample["extra"] = [[q, a] for q, a, _, _ in qas[1:]]
