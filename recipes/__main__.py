@@ -1,4 +1,4 @@
-"""``litctx COMMAND ...`` (or ``python -m recipes COMMAND ...``): fit, evaluate, ls, show."""
+"""``litctx COMMAND ...`` (or ``python -m recipes COMMAND ...``): fit, evaluate, ls, show, serve."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ COMMANDS = {
     "evaluate": ("recipes.evaluate", "validate/test/predict a trained run"),
     "ls": ("recipes.ls", "list methods, datamodules, callbacks and recipes"),
     "show": ("recipes.show", "print a recipe's resolved config with provenance"),
+    "serve": ("recipes.serve", "serve a local model on an OpenAI-compatible endpoint"),
 }
 
 

@@ -3,15 +3,16 @@ deterministic: tests and CI) or by a language model the toolkit loads.
 
 The citation questions (LongBench-Cite's): does the cited evidence support a statement fully, partly or not
 (1 / 0.5 / 0); is one cited sentence relevant to it; does a statement need a citation at all. PersistBench and
-HGMem add their own questions to the same protocol later.
+HGMem ask their own questions through the same backends (:mod:`lightning_modules.persistbench.judges`).
 
 * :class:`LexicalJudge` - content-word overlap: a statement's content words (lower-cased words and numbers minus
   stop words) found in the evidence; ``>= full`` of them is full support, ``>= partial`` partial; a cited
   sentence is relevant when it shares ``>= relevant`` of them, or a number or a capitalised name; a statement
   needs a citation when it states something checkable (a number, a capitalised name past its first word, or at
   least ``min_claim_words`` content words). A proxy, not a reader: it rewards verbatim quotes.
-* :class:`ModelJudge` - asks a causal LM (any model :func:`~lightning_modules.llm.loading.load_causal_lm` loads,
-  greedy, chat template) with our own rubric prompts and reads a bracketed verdict (``[[Fully supported]]``
+* :class:`ModelJudge` - asks a language model through any chat backend (:mod:`lightning_modules.llm.chat`: a local
+  model :func:`~lightning_modules.llm.loading.load_causal_lm` loads, greedy, chat template; or an OpenAI-compatible
+  endpoint) with our own rubric prompts and reads a bracketed verdict (``[[Fully supported]]``
   ...). An unreadable verdict counts as the lowest score and is counted in ``unparsed``. The judge's name and
   prompt version go with every record.
 """
@@ -105,39 +106,52 @@ PROMPT_VERSION = "v1"
 
 @dataclass
 class ModelJudge:
-    """A causal LM as the judge (see the module docstring). ``model``: a name or folder for ``load_causal_lm``,
-    or a loaded ``(model, tokenizer)`` pair."""
+    """A language model as the judge, through any chat backend (see the module docstring).
+
+    Args:
+        model: a name or folder for the local backend (``load_causal_lm``), or a loaded ``(model, tokenizer)``
+            pair; used when ``backend`` is None.
+        backend: a chat backend spec (``{name: openai, base_url: ..., model: ...}``, see
+            :func:`~lightning_modules.llm.chat.build_backend`) or object; it overrides ``model``.
+        max_new_tokens: the verdict's length cap.
+    """
 
     model: Any = "smollm2-135m"
+    backend: Any = None
     max_new_tokens: int = 12
     unparsed: int = 0
     calls: int = 0
-    _lm: Any = field(default=None, init=False, repr=False)
+    _backend: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.model, tuple):
-            self._lm = self.model
+        if self.backend is not None:
+            from lightning_modules.llm.chat import backend_options_check
+
+            backend_options_check(self.backend, "judge_args.backend")
+            label = getattr(self.backend, "identity", None) or (self.backend if isinstance(self.backend, str)
+                                                               else self.backend.get("name", "local"))
+        elif isinstance(self.model, tuple):
             label = type(self.model[0]).__name__
         else:
             label = str(self.model)
         self.name = f"model:{label}:{PROMPT_VERSION}"
 
+    @property
+    def chat(self) -> Any:
+        """The chat backend (built on first use)."""
+        if self._backend is None:
+            from lightning_modules.llm.chat import LocalChatBackend, build_backend
+
+            self._backend = (build_backend(self.backend, "judge_args.backend") if self.backend is not None
+                             else LocalChatBackend(self.model))
+        return self._backend
+
     def _ask(self, prompt: str) -> str:
-        import torch
+        from lightning_modules.llm.structured import strip_reasoning
 
-        from lightning_modules.llm.generation import CachedLM, stop_token_ids
-        from lightning_modules.llm.loading import load_causal_lm
-
-        if self._lm is None:
-            self._lm = load_causal_lm(str(self.model))
-        model, tok = self._lm
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                       tokenize=False) if getattr(tok, "chat_template", None) else prompt
-        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
-        lm = CachedLM(model)
-        out = lm.greedy(lm.feed(ids), self.max_new_tokens, stop_token_ids(tok, model))[0]
+        reply = self.chat.complete([{"role": "user", "content": prompt}], max_tokens=self.max_new_tokens)
         self.calls += 1
-        return tok.decode(out, skip_special_tokens=True)
+        return strip_reasoning(reply)
 
     def _verdict(self, reply: str, options: Dict[str, float], default: float) -> float:
         low = reply.lower()
