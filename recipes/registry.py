@@ -252,6 +252,20 @@ LOSA_PAPER = Paper(
          "here: BD3-LM / Fast-dLLM v2 style)",
 )
 
+PERSISTBENCH_PAPER = Paper(
+    title="PersistBench: When Should Long-Term Memories Be Forgotten by LLMs?",
+    venue="ICML 2026",
+    arxiv="2602.01146",
+    code="https://github.com/ivaxi0s/PersistBench (no licence: samples, prompts and rubrics written anew here)",
+)
+
+HGMEM_PAPER = Paper(
+    title="Improving Multi-step RAG with Hypergraph-based Memory for Long-Context Complex Relational Modeling",
+    venue="ICML 2026",
+    arxiv="2512.23959",
+    code="https://github.com/Encyclomen/HGMem (no licence: loop re-implemented from its description, prompts ours)",
+)
+
 PROPHETKV_PAPER = Paper(
     title="ProphetKV: User-Query-Driven Selective Recomputation for Efficient KV Cache Reuse in Retrieval-Augmented "
           "Generation",
@@ -506,6 +520,24 @@ METHODS: Dict[str, MethodSpec] = {
                          "citation_gold_recall", "ttft_s"),
         ),
         MethodSpec(
+            name="persistbench",
+            target="lightning_modules.persistbench.module:PersistBenchModule",
+            config="lightning_modules.persistbench.module:PersistBenchConfig",
+            paper=PERSISTBENCH_PAPER,
+            description="long-term-memory safety of a chat model (cross-domain leakage, memory-induced sycophancy, "
+                        "beneficial use): memories in the system prompt, judged generations, FR@K; the model and "
+                        "the judge are chat backends (local, or any OpenAI-compatible endpoint)",
+            kind="inference",
+            default_data="persistbench",
+            tiny={"backend": {"name": "local", "model": "tiny-llama"}, "max_tokens": 4,
+                  "generations": {"cross_domain": 2, "sycophancy": 1, "beneficial_memory_usage": 1}, "k": 2},
+            requires=("transformers", "httpx", "json_repair"),
+            extra="llm",
+            tags=("llm", "memory", "safety", "judge", "evaluation"),
+            logs=_stages(*[f"{p}_{t}" for p in ("fr", "fr1") for t in ("cross_domain", "sycophancy", "beneficial",
+                                                                          "all")], "invalid"),
+        ),
+        MethodSpec(
             name="emformer",
             target="lightning_modules.emformer.module:EMFormerModule",
             config="lightning_modules.emformer.module:EMFormerConfig",
@@ -653,6 +685,17 @@ DATAMODULES: Dict[str, DataSpec] = {
             requires=(),
             extra="llm",
             paper=PROPHETKV_PAPER,
+        ),
+        DataSpec(
+            name="persistbench",
+            target="datamodules.persistbench:PersistBenchDataModule",
+            config="datamodules.persistbench:PersistBenchDataConfig",
+            description="PersistBench samples: 150+ written for this project (cross-domain leakage, sycophancy, "
+                        "beneficial memory use; filler memories outside the query's domain), or a JSONL file",
+            tiny={"samples": 3, "failure_types": ["cross_domain", "sycophancy"]},
+            requires=(),
+            extra="llm",
+            paper=PERSISTBENCH_PAPER,
         ),
         DataSpec(
             name="era5",

@@ -150,14 +150,14 @@ def test_recorded_backend_resumes_without_repeating_calls(tmp_path):
     with open(path, "a", encoding="utf-8") as f:
         f.write('{"key": "cut')
     # the new process replays both from the file; the scripted backend would fail if it were called
-    again = RecordedBackend(ScriptedBackend([], name="scripted"), path)
+    again = RecordedBackend(ScriptedBackend([], model="scripted"), path)
     assert [again.complete(USER), again.complete(USER)] == ["a", "b"]
     assert again.stats == {"calls": 0, "replayed": 2, "prompt_tokens": 6, "completion_tokens": 2}
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.startswith('{"key": "') and
              line.endswith("}")]
     assert [r["occurrence"] for r in lines] == [0, 1]
     # different generation options or another backend identity are different calls
-    other = RecordedBackend(ScriptedBackend(["c"], name="other"), path)
+    other = RecordedBackend(ScriptedBackend(["c"], model="other"), path)
     assert other.complete(USER) == "c"
 
 
@@ -340,7 +340,7 @@ def test_recipes_serve_command_line(tmp_path):
 def test_model_judge_runs_on_any_backend():
     from lightning_modules.llm.judge import ModelJudge
 
-    backend = ScriptedBackend(["<think>hmm</think>[[Fully supported]]", "[[Irrelevant]]"], name="judge")
+    backend = ScriptedBackend(["<think>hmm</think>[[Fully supported]]", "[[Irrelevant]]"], model="judge")
     judge = ModelJudge(backend=backend)
     assert judge.support("s", "e") == 1.0 and judge.relevant("s", "e") is False
     assert judge.name == "model:scripted:judge:v1" and judge.calls == 2

@@ -227,12 +227,12 @@ class LocalChatBackend(_Base):
 
 class ScriptedBackend(_Base):
     """Replies given in advance (tests). ``replies``: a list (one per call, in order; running out is a
-    :class:`BackendError`) or a function ``(messages) -> str``. ``calls`` keeps every call's messages and params."""
+    :class:`BackendError`) or a function ``(messages) -> str``. ``calls`` keeps every call's messages and params; ``model`` names it in ``identity`` (every backend takes a ``model``)."""
 
     def __init__(self, replies: Union[Sequence[str], Callable[[List[Message]], str]] = (),
-                 name: str = "scripted") -> None:
+                 model: str = "scripted") -> None:
         self.replies = replies if callable(replies) else list(replies)
-        self.identity = f"scripted:{name}"
+        self.identity = f"scripted:{model}"
         self.calls: List[Dict[str, Any]] = []
 
     def _chat(self, messages: List[Message], params: GenerationParams) -> Completion:
