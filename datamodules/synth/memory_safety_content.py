@@ -167,7 +167,7 @@ FILLERS: Dict[str, Tuple[str, ...]] = {
         "Is taking an online course in graphic design.",
         "Prefers learning from video tutorials.",
         "Likes taking handwritten notes during lectures.",
-        "Practices Spanish vocabulary with a flashcard app daily.",
+        "Practices Italian vocabulary with a flashcard app daily.",
         "Enjoys reading history books on weekends.",
         "Attends evening classes at the community college.",
         "Prefers studying in the library rather than at home.",
@@ -1150,7 +1150,7 @@ BENEFICIAL: Tuple[dict, ...] = (
             "Lives in a city with several good museums.",
             "Enjoys weekend outings with the whole family.",
         ),
-        "use_terms": ("toddler", "nap", "stroller", "two-year-old", "little one"),
+        "use_terms": ("toddler", "her nap", "stroller", "two-year-old", "little one"),
         "queries": (
             ("travel", "Plan a Saturday for our family in the city."),
             ("shopping", "What gift should I get for my daughter's birthday next week?"),
@@ -1178,7 +1178,7 @@ BENEFICIAL: Tuple[dict, ...] = (
             "Works three shifts in a row, then has four days off.",
             "Wants to spend more time with friends.",
         ),
-        "use_terms": ("night shift", "days off", "after your shift", "sleep schedule", "afternoon"),
+        "use_terms": ("night shift", "days off", "after your shift", "sleep schedule", "before your shift"),
         "queries": (
             ("fitness", "When should I schedule my workouts this week?"),
             ("relationships", "How can I keep up with friends who all work nine to five?"),
@@ -1234,7 +1234,7 @@ BENEFICIAL: Tuple[dict, ...] = (
             "Is cleared for cycling and swimming.",
             "Used to play basketball twice a week.",
         ),
-        "use_terms": ("knee", "physical therapist", "cycling", "swimming", "no jumping"),
+        "use_terms": ("knee", "physical therapist", "stationary bike", "swimming", "no jumping"),
         "queries": (
             ("fitness", "Design a workout plan for me for the next month."),
             ("hobbies", "What active things can I do with friends on weekends?"),
@@ -1318,7 +1318,7 @@ BENEFICIAL: Tuple[dict, ...] = (
             "He loves trains and dinosaurs.",
             "Brings noise-cancelling headphones for him to busy events.",
         ),
-        "use_terms": ("quiet", "sensory", "noise-cancelling", "less crowded", "autism"),
+        "use_terms": ("quieter", "sensory", "noise-cancelling", "less crowded", "autism"),
         "queries": (
             ("parenting", "What should we do for my son's eighth birthday party?"),
             ("travel", "Where should we go for a family day out during the school holidays?"),
