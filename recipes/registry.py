@@ -538,6 +538,26 @@ METHODS: Dict[str, MethodSpec] = {
                                                                           "all")], "invalid"),
         ),
         MethodSpec(
+            name="hgmem",
+            target="lightning_modules.hgmem.module:HGMemEvalModule",
+            config="lightning_modules.hgmem.module:HGMemEvalConfig",
+            paper=HGMEM_PAPER,
+            description="multi-step RAG with a hypergraph working memory (retrieve, evolve, merge, sufficiency check, "
+                        "subqueries) over a knowledge-graph index, and the baselines single-step RAG and flat memory "
+                        "(loop.strategy); any chat backend",
+            kind="inference",
+            default_data="multihop",
+            tiny={"backend": {"name": "local", "model": "tiny-llama"},
+                  "loop": {"max_turns": 1, "max_tokens": 8, "answer_max_tokens": 4, "describe_missing_rounds": 1,
+                           "evidence_tokens": 200, "chunk_tokens": 200, "answer_tokens": 300},
+                  "index": {"embedder": "hashing"}, "draw": 1},
+            requires=("transformers", "networkx", "json_repair"),
+            extra="llm",
+            tags=("llm", "rag", "memory", "multi-hop", "evaluation"),
+            logs=_stages("acc", "calls_per_q", "tokens_per_q", "rounds", "memory_points", "merges", "rejected",
+                         "retrieved_recall", "context_recall"),
+        ),
+        MethodSpec(
             name="emformer",
             target="lightning_modules.emformer.module:EMFormerModule",
             config="lightning_modules.emformer.module:EMFormerConfig",
@@ -696,6 +716,19 @@ DATAMODULES: Dict[str, DataSpec] = {
             requires=(),
             extra="llm",
             paper=PERSISTBENCH_PAPER,
+        ),
+        DataSpec(
+            name="multihop",
+            target="datamodules.multihop:MultiHopDataModule",
+            config="datamodules.multihop:MultiHopDataConfig",
+            description="multi-hop questions (2-3 linked facts across documents, gold supporting sentences) over a "
+                        "generated corpus of people, organisations, cities and books, or a folder of documents with "
+                        "a questions file",
+            tiny={"samples": 2, "people": 12, "organisations": 4, "schools": 2, "publishers": 2, "cities": 4,
+                  "books": 6},
+            requires=(),
+            extra="llm",
+            paper=HGMEM_PAPER,
         ),
         DataSpec(
             name="era5",

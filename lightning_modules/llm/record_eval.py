@@ -33,6 +33,8 @@ class RecordEvalModule(SharedEvalStages, LongContextModule):
 
     record_keys: Tuple[str, ...] = ("id",)
     """The record fields that identify one unit of work (with the provenance)."""
+    score_range: Tuple[float, float] = (0.0, 1.0)
+    """The range of a record's ``score``."""
 
     def __init__(self, cfg: Any = None, optim: Any = None) -> None:
         super().__init__(cfg, optim)

@@ -112,6 +112,7 @@ class PersistBenchModule(RecordEvalModule):
 
     config_class = PersistBenchConfig
     record_keys = ("id", "generation")
+    score_range = (1, 5)
 
     def __init__(self, cfg: Any = None, optim: Any = None) -> None:
         super().__init__(cfg, optim)
