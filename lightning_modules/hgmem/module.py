@@ -155,7 +155,8 @@ class HGMemEvalModule(RecordEvalModule):
             from lightning_modules.llm.chat import build_backend
             from lightning_modules.llm.chat_records import RecordedBackend
 
-            self._raw = build_backend(self.cfg.backend, "hgmem.backend")
+            if self._raw is None:  # may be given (a bench shares one loaded model between modules)
+                self._raw = build_backend(self.cfg.backend, "hgmem.backend")
             self._backend = RecordedBackend(self._raw, run_path(self, self.cfg.calls_file))
         return self._backend
 

@@ -72,7 +72,9 @@ class RecordEvalModule(SharedEvalStages, LongContextModule):
         return rec
 
     # ------------------------------------------------------------------ stages
-    def _start(self) -> None:
+    def start_records(self) -> None:
+        """Load the results file for a new pass (Lightning calls this at each evaluation epoch start; call it
+        yourself when running samples without a Trainer)."""
         self.records = []
         self._done = {}
         path = self.results_path()
@@ -120,13 +122,13 @@ class RecordEvalModule(SharedEvalStages, LongContextModule):
         return None
 
     def on_validation_epoch_start(self) -> None:
-        self._start()
+        self.start_records()
 
     def on_test_epoch_start(self) -> None:
-        self._start()
+        self.start_records()
 
     def on_predict_epoch_start(self) -> None:
-        self._start()
+        self.start_records()
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
         return self.eval_step("predict", batch)

@@ -130,7 +130,8 @@ class PersistBenchModule(RecordEvalModule):
             from lightning_modules.llm.chat import build_backend
             from lightning_modules.llm.chat_records import RecordedBackend
 
-            self._raw_backend = build_backend(self.cfg.backend, "persistbench.backend")
+            if self._raw_backend is None:  # may be given (a bench shares one loaded model between modules)
+                self._raw_backend = build_backend(self.cfg.backend, "persistbench.backend")
             self._backend = RecordedBackend(self._raw_backend, self._calls_path())
         return self._backend
 
