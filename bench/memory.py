@@ -9,7 +9,8 @@ the rule-based judge and by an LLM judge, with their agreement.
 
 Parts:
 
-* ``multihop`` - the ``hgmem_smollm2`` recipe's settings (one source of truth), ``loop.strategy`` single_step, flat
+* ``multihop`` - the diagnostic first (the answer prompt with exactly the gold supporting sentences: can the model
+  chain the facts when retrieval is perfect?), then the ``hgmem_smollm2`` recipe's settings (one source of truth), ``loop.strategy`` single_step, flat
   and hgmem over the same ``--questions`` questions: accuracy (the gold entity in the answer) with 95% paired
   bootstrap intervals of the differences, LLM calls and tokens per question, the share of the gold supporting
   documents the retrieval found and the answer read, memory points, merges and rejected steps.
@@ -73,6 +74,34 @@ def run_multihop(args) -> None:
                   f"pred={rec['prediction'][:60]!r}", flush=True)
 
 
+def run_gold_context(args) -> None:
+    """The diagnostic: the same answer prompt with exactly the gold supporting sentences as its sources (can the
+    model chain the facts when retrieval is perfect?)."""
+    from datamodules.multihop import MultiHopDataModule
+    from lightning_modules.hgmem import prompts as P
+    from lightning_modules.llm.chat import build_backend
+    from lightning_modules.llm.chat_records import RecordedBackend
+    from lightning_modules.llm.suite_metrics import score_prediction
+    from litctx_common.io import append_jsonl
+
+    path = multihop_path("gold_context")
+    done = {r["id"] for r in read_jsonl(path)}
+    samples = [s for s in MultiHopDataModule(samples=args.questions, seed=args.seed).samples if s["id"] not in done]
+    if not samples:
+        return
+    backend = RecordedBackend(build_backend({"name": "local", "model": "smollm2-135m"}),
+                              WORK / "calls_multihop_gold_context.jsonl")
+    for s in samples:
+        sources = "\n".join(f"[{g['doc']}] {g['sentence']}" for g in s["gold"])
+        messages = [{"role": "system", "content": P.fmt(P.ANSWER_SYSTEM, context=f"Sources:\n{sources}")},
+                    {"role": "user", "content": P.fmt(P.ANSWER_USER, question=s["question"])}]
+        raw = backend.complete(messages, max_tokens=48, temperature=0.0)
+        pred = P.read_answer(raw)
+        append_jsonl(path, [{"id": s["id"], "hops": s["hops"], "prediction": pred, "answers": s["answers"],
+                             "score": score_prediction(pred, s["answers"], "any")}])
+        print(f"[gold_context] {s['id']} pred={pred[:60]!r} gold={s['answers']}", flush=True)
+
+
 def run_persistbench(args) -> None:
     from datamodules.persistbench import PersistBenchDataModule
     from lightning_modules.persistbench.module import PersistBenchModule
@@ -132,6 +161,11 @@ def multihop_report() -> List[str]:
                      f"{100 * _mean([r['context_recall'] for r in rs]):.0f}% | "
                      f"{_mean([r['memory_points'] for r in rs]):.1f} | {_mean([r['merges'] for r in rs]):.2f} | "
                      f"{_mean([r['rejected'] for r in rs]):.1f} |")
+    gold = {r["id"]: r for r in read_jsonl(multihop_path("gold_context"), key=lambda r: r["id"])}
+    if all(i in gold for i in common):
+        acc = [gold[i]["score"] for i in common]
+        lines.append(f"| (diagnostic) gold sentences as the only sources | {100 * _mean(acc):.1f}% | "
+                     f"{_fmt_interval(paired_bootstrap(acc, single))} | 1.0 | - | 100% | 100% | - | - | - |")
     hg = [recs["hgmem"][i] for i in common]
     lines += ["", f"HGMem minus flat memory: {_fmt_interval(paired_bootstrap([r['score'] for r in hg], [recs['flat'][i]['score'] for i in common]))} points."]
     return lines
@@ -195,7 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--parts", nargs="+", choices=["multihop", "persistbench"], default=["multihop", "persistbench"])
     p.add_argument("--questions", type=int, default=16, help="multi-hop questions (default: %(default)s)")
-    p.add_argument("--per-type", type=int, default=10, help="PersistBench samples per failure type (default: %(default)s)")
+    p.add_argument("--per-type", type=int, default=6, help="PersistBench samples per failure type (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=128, help="PersistBench answer length (default: %(default)s)")
     p.add_argument("--judge-max-tokens", type=int, default=60, help="the LLM judge's reply cap (default: %(default)s)")
     p.add_argument("--judge-backend", default=None,
@@ -207,6 +241,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.report_only:
         if "multihop" in args.parts:
             run_multihop(args)
+            run_gold_context(args)
         if "persistbench" in args.parts:
             run_persistbench(args)
     print(report(args))
