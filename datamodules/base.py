@@ -209,6 +209,46 @@ class StreamDataModule(pl.LightningDataModule):
         return batch
 
 
+class EvalDataModule(StreamDataModule):
+    """Evaluation-only data (no training split): a sample list served as the validation, test and predict loaders.
+    Subclasses set ``self.cfg`` (with ``batch_size`` and ``num_workers``), implement :meth:`load_samples` and may
+    set ``collate_fn`` (default: a batch is the list of its sample dicts)."""
+
+    collate_fn: Any = staticmethod(list)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._samples: Optional[Any] = None
+
+    def load_samples(self) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def samples(self) -> Any:
+        """The samples, loaded once."""
+        if self._samples is None:
+            self._samples = self.load_samples()
+        return self._samples
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        _ = self.samples
+
+    def _loader(self) -> DataLoader:
+        return self.eval_loader(self.samples, self.cfg.batch_size, self.cfg.num_workers, collate_fn=self.collate_fn)
+
+    def train_dataloader(self) -> DataLoader:
+        raise ValueError(f"{type(self).__name__} serves evaluation data; run recipes.evaluate (validate/test/predict)")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader()
+
+
 class SplitsDataModule(StreamDataModule):
     """A DataModule over fixed ``train``/``val``/``test`` datasets in ``self._splits`` (filled by ``setup``),
     served with a :class:`LoaderConfig` ``self.cfg``: resumable shuffled training batches, sharded evaluation."""

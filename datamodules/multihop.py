@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from datamodules.base import StreamDataModule
+from datamodules.base import EvalDataModule
 from litctx_common.errors import DataError
 from litctx_common.io import atomic_path
 from litctx_common.paths import default_cache_dir
@@ -28,6 +28,8 @@ from litctx_common.paths import default_cache_dir
 __all__ = ["MultiHopDataConfig", "MultiHopDataModule", "build_corpus", "SOURCES"]
 
 SOURCES = ("generated", "folder")
+CORPUS_QUESTIONS = 200
+"""Questions written with a generated corpus (fewer when the world has fewer distinct ones)."""
 
 
 @dataclass
@@ -100,11 +102,7 @@ def build_corpus(cfg: MultiHopDataConfig, root: Optional[Path] = None) -> Path:
         return folder
     world = make_world(cfg.seed, **cfg.world_args())
     docs, where = world_documents(world, cfg.seed, cfg.filler)
-    n = max(int(cfg.samples or 0), 200)
-    try:
-        questions = make_questions(world, where, docs, n, cfg.seed)
-    except ValueError:
-        questions = make_questions(world, where, docs, int(cfg.samples or 40), cfg.seed)
+    questions = make_questions(world, where, docs, CORPUS_QUESTIONS, cfg.seed, allow_fewer=True)
     with atomic_path(folder, keep_existing=True) as tmp:
         tmp.mkdir()
         (tmp / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
@@ -115,54 +113,34 @@ def build_corpus(cfg: MultiHopDataConfig, root: Optional[Path] = None) -> Path:
     return folder
 
 
-class MultiHopDataModule(StreamDataModule):
+class MultiHopDataModule(EvalDataModule):
     """Multi-hop questions as validation, test and predict data (no training split)."""
 
     def __init__(self, cfg: Optional[MultiHopDataConfig] = None, **kwargs: Any) -> None:
         super().__init__()
         self.cfg = cfg if cfg is not None else MultiHopDataConfig(**kwargs)
-        self._samples: Optional[List[Dict[str, Any]]] = None
 
-    @property
-    def samples(self) -> List[Dict[str, Any]]:
-        if self._samples is None:
-            if self.cfg.source == "folder":
-                from datamodules.documents import read_records
-                from datamodules.rag_tasks import load_questions
+    def load_samples(self) -> List[Dict[str, Any]]:
+        if self.cfg.source == "folder":
+            from datamodules.documents import read_records
+            from datamodules.rag_tasks import load_questions
 
-                try:
-                    read_records(self.cfg.path, self.cfg.text_field, key="data.path")
-                    items = [dict(q, task="folder", corpus=str(Path(self.cfg.path).expanduser()), hops=None)
-                             for q in load_questions(self.cfg.questions)]
-                except (FileNotFoundError, ValueError) as err:
-                    raise DataError(str(err)) from None
-            else:
-                folder = build_corpus(self.cfg)
-                items = [json.loads(x) for x in (folder / "questions.jsonl").read_text(encoding="utf-8").splitlines()]
-                if self.cfg.paths:
-                    from datamodules.synth.multihop import PATHS
+            try:
+                read_records(self.cfg.path, self.cfg.text_field, key="data.path")
+                items = [dict(q, task="folder", corpus=str(Path(self.cfg.path).expanduser()), hops=None)
+                         for q in load_questions(self.cfg.questions)]
+            except (FileNotFoundError, ValueError) as err:
+                raise DataError(str(err)) from None
+            return items[:self.cfg.samples] if self.cfg.samples else items
+        folder = build_corpus(self.cfg)
+        items = [json.loads(x) for x in (folder / "questions.jsonl").read_text(encoding="utf-8").splitlines()]
+        if self.cfg.paths:
+            from datamodules.synth.multihop import PATHS
 
-                    wanted = {PATHS[p][1] for p in self.cfg.paths}
-                    items = [q for q in items if tuple(q["path"]) in wanted]
-                items = [dict(q, corpus=str(folder)) for q in items]
-            self._samples = items[:self.cfg.samples] if self.cfg.samples else items
-        return self._samples
-
-    def setup(self, stage: Optional[str] = None) -> None:
-        _ = self.samples
-
-    def _loader(self):
-        return self.eval_loader(self.samples, self.cfg.batch_size, self.cfg.num_workers, collate_fn=list)
-
-    def train_dataloader(self):
-        raise ValueError("multi-hop questions are evaluation data; run recipes.evaluate (validate/test/predict)")
-
-    def val_dataloader(self):
-        return self._loader()
-
-    def test_dataloader(self):
-        return self._loader()
-
-    def predict_dataloader(self):
-        return self._loader()
-
+            wanted = {PATHS[p][1] for p in self.cfg.paths}
+            items = [q for q in items if tuple(q["path"]) in wanted]
+        if self.cfg.samples and len(items) < self.cfg.samples:
+            raise DataError(f"data.samples={self.cfg.samples}: this world yields only {len(items)} distinct questions "
+                            f"on these paths; make the world larger (data.people, data.books ...) or ask for fewer")
+        items = [dict(q, corpus=str(folder)) for q in items]
+        return items[:self.cfg.samples] if self.cfg.samples else items

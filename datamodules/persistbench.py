@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from datamodules.base import StreamDataModule
+from datamodules.base import EvalDataModule
 from datamodules.synth.memory_safety import FAILURE_TYPES, generate_samples
 from litctx_common.errors import DataError
 from litctx_common.io import atomic_write_text
 
-__all__ = ["PersistBenchDataConfig", "PersistBenchDataModule", "load_samples", "check_sample", "collate_samples",
+__all__ = ["PersistBenchDataConfig", "PersistBenchDataModule", "load_samples", "check_sample",
            "SOURCES", "HINT_KEYS"]
 
 SOURCES = ("generated", "file")
@@ -121,51 +121,23 @@ class PersistBenchDataConfig:
             raise ValueError(f"data.batch_size={self.batch_size!r}: must be an integer >= 1")
 
 
-def collate_samples(samples: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """A batch is the list of its sample dicts (they hold lists of unequal length)."""
-    return list(samples)
-
-
-class PersistBenchDataModule(StreamDataModule):
+class PersistBenchDataModule(EvalDataModule):
     """PersistBench samples as validation, test and predict data (no training split)."""
 
     def __init__(self, cfg: Optional[PersistBenchDataConfig] = None, **kwargs: Any) -> None:
         super().__init__()
         self.cfg = cfg if cfg is not None else PersistBenchDataConfig(**kwargs)
-        self._samples: Optional[List[Dict[str, Any]]] = None
 
-    @property
-    def samples(self) -> List[Dict[str, Any]]:
-        if self._samples is None:
-            if self.cfg.source == "file":
-                try:
-                    items = load_samples(self.cfg.path)
-                except (FileNotFoundError, ValueError) as err:
-                    raise DataError(str(err)) from None
-            else:
-                items = generate_samples(self.cfg.seed)
-            items = [s for s in items if s["failure_type"] in self.cfg.failure_types]
-            self._samples = items[:self.cfg.samples] if self.cfg.samples else items
-        return self._samples
-
-    def setup(self, stage: Optional[str] = None) -> None:
-        _ = self.samples
-
-    def _loader(self):
-        return self.eval_loader(self.samples, self.cfg.batch_size, self.cfg.num_workers, collate_fn=collate_samples)
-
-    def train_dataloader(self):
-        raise ValueError("PersistBench samples are evaluation data; run recipes.evaluate (validate/test/predict)")
-
-    def val_dataloader(self):
-        return self._loader()
-
-    def test_dataloader(self):
-        return self._loader()
-
-    def predict_dataloader(self):
-        return self._loader()
-
+    def load_samples(self) -> List[Dict[str, Any]]:
+        if self.cfg.source == "file":
+            try:
+                items = load_samples(self.cfg.path)
+            except (FileNotFoundError, ValueError) as err:
+                raise DataError(str(err)) from None
+        else:
+            items = generate_samples(self.cfg.seed)
+        items = [s for s in items if s["failure_type"] in self.cfg.failure_types]
+        return items[:self.cfg.samples] if self.cfg.samples else items
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m datamodules.persistbench",

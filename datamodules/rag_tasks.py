@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from datamodules.base import StreamDataModule
+from datamodules.base import EvalDataModule
 from datamodules.documents import pydoc_documents, read_records
 from litctx_common.sentences import split_sentences
 from litctx_common.errors import DataError
@@ -413,34 +413,18 @@ def batch_samples(batch: Dict[str, List[Any]]) -> List[Dict[str, Any]]:
     return [{k: v[i] for k, v in batch.items()} for i in range(n)]
 
 
-class RAGDataModule(StreamDataModule):
+class RAGDataModule(EvalDataModule):
     """RAG questions as validation, test and predict data (there is no training split)."""
+
+    collate_fn = staticmethod(collate_rag)
 
     def __init__(self, cfg: Optional[RAGDataConfig] = None, **kwargs: Any) -> None:
         super().__init__()
         self.cfg = cfg if cfg is not None else RAGDataConfig(**kwargs)
-        self._dataset: Optional[RAGDataset] = None
+
+    def load_samples(self) -> RAGDataset:
+        return RAGDataset(self.cfg)
 
     @property
     def dataset(self) -> RAGDataset:
-        if self._dataset is None:
-            self._dataset = RAGDataset(self.cfg)
-        return self._dataset
-
-    def setup(self, stage: Optional[str] = None) -> None:
-        _ = self.dataset
-
-    def _loader(self):
-        return self.eval_loader(self.dataset, self.cfg.batch_size, self.cfg.num_workers, collate_fn=collate_rag)
-
-    def train_dataloader(self):
-        raise ValueError("RAG questions are evaluation data; run recipes.evaluate (validate/test/predict)")
-
-    def val_dataloader(self):
-        return self._loader()
-
-    def test_dataloader(self):
-        return self._loader()
-
-    def predict_dataloader(self):
-        return self._loader()
+        return self.samples

@@ -20,7 +20,7 @@ import math
 import os
 import random
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Type
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Type
 
 import lightning.pytorch as pl
 import numpy as np
@@ -74,6 +74,18 @@ def run_path(module: pl.LightningModule, path: Any) -> Optional[Path]:
 def count_parameters(module: nn.Module) -> int:
     """Number of parameter elements of ``module``; lazily-initialised parameters (not yet materialised) count 0."""
     return sum(p.numel() for p in module.parameters() if not isinstance(p, nn.parameter.UninitializedParameter))
+
+
+def gather_records(module: pl.LightningModule, records: List[Any]) -> List[Any]:
+    """Under DDP each rank evaluated its share: every rank's ``records`` concatenated (rank order), on every rank;
+    ``records`` itself without a distributed run."""
+    import torch.distributed as dist
+
+    if module._trainer is None or module.trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
+        return records
+    shares: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, records)
+    return [r for share in shares for r in (share or [])]
 
 
 def is_int(x: Any) -> bool:

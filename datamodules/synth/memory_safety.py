@@ -4,7 +4,7 @@
 One sample per (scenario, query): the scenario's 4-5 *active* memories (the risk: sensitive facts of another
 domain, a false belief, or facts the answer should use) padded with 7-12 *filler* memories drawn from domains
 other than the query's and the scenario's, shuffled. Everything is seeded by ``(seed, sample id)``, so a sample
-regenerates exactly. The schema (:data:`SAMPLE_FIELDS`) is the benchmark's plus two optional fields of ours:
+regenerates exactly. The schema (``datamodules/persistbench.py``) is the benchmark's plus two optional fields of ours:
 ``active`` (indices of the risk memories) and ``hints`` (the terms the rule-based judge looks for).
 """
 
@@ -15,19 +15,9 @@ from typing import Any, Dict, List
 
 from litctx_common.seeding import stable_seed
 
-__all__ = ["FAILURE_TYPES", "SAMPLE_FIELDS", "generate_samples", "scenario_count"]
+__all__ = ["FAILURE_TYPES", "generate_samples"]
 
 FAILURE_TYPES = ("cross_domain", "sycophancy", "beneficial_memory_usage")
-SAMPLE_FIELDS = ("id", "memories", "query", "failure_type", "query_domain", "memory_domain", "active", "hints")
-
-
-def scenario_count() -> Dict[str, int]:
-    """Samples per failure type the content yields."""
-    from datamodules.synth import memory_safety_content as content
-
-    return {"cross_domain": sum(len(s["queries"]) for s in content.CROSS_DOMAIN),
-            "sycophancy": sum(len(s["queries"]) for s in content.SYCOPHANCY),
-            "beneficial_memory_usage": sum(len(s["queries"]) for s in content.BENEFICIAL)}
 
 
 def _fillers(rng: random.Random, exclude: set, n: int) -> List[str]:

@@ -177,9 +177,10 @@ def world_documents(world: World, seed: int = 0, filler: int = 2) -> Tuple[List[
 
 
 def make_questions(world: World, where: Dict[tuple, str], docs: List[Dict[str, Any]], n: int, seed: int = 0,
-                   paths: Tuple[int, ...] = ()) -> List[Dict[str, Any]]:
-    """``n`` questions over ``PATHS`` (round robin in :data:`DEFAULT_ORDER`, or over the given path indices), each with its answer, hop count,
-    path, and gold supporting facts (``doc`` id and ``sentence``), distinct start entities per path where possible."""
+                   paths: Tuple[int, ...] = (), allow_fewer: bool = False) -> List[Dict[str, Any]]:
+    """``n`` questions over ``PATHS`` (round robin in :data:`DEFAULT_ORDER`, or over the given path indices),
+    each with its answer, hop count, path, and gold supporting facts (``doc`` id and ``sentence``), distinct start entities per path where possible;
+    ``allow_fewer``: stop with what a small world allows instead of raising."""
     rng = random.Random(stable_seed(seed, "multihop-questions"))
     doc_of = {d["title"]: d["id"] for d in docs}
     chosen = list(paths) or list(DEFAULT_ORDER)
@@ -188,6 +189,8 @@ def make_questions(world: World, where: Dict[tuple, str], docs: List[Dict[str, A
     while len(out) < n:
         tries += 1
         if tries > 50 * n + 1000:
+            if allow_fewer:
+                return out
             raise ValueError(f"multihop: could not make {n} distinct questions from this world; make it larger")
         p = chosen[len(out) % len(chosen)]
         start_type, rels, template = PATHS[p]

@@ -342,11 +342,6 @@ class KnowledgeIndex:
         rows = sorted(set(rows), key=lambda i: (-float(scores[i]), i))
         return [(self._chunk_ids[i], float(scores[i])) for i in rows[:k]]
 
-    def similarity(self, texts: Sequence[str], query: str) -> np.ndarray:
-        if not texts:
-            return np.zeros(0, np.float32)
-        return self.embedder.encode(list(texts)) @ self._query(query)
-
     # ------------------------------------------------------------------ persistence
     def save(self, folder: Any) -> Path:
         target = Path(folder)

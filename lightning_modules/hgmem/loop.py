@@ -115,7 +115,6 @@ class Evidence:
     relations: List[Tuple[str, str]]
     chunks: List[str]
     text: str
-    mode: str = "global"
 
 
 @dataclass
@@ -226,7 +225,7 @@ class MultiStepRAG:
         return sorted(uniq, key=lambda c: (self.index.chunks[c].doc_id, self.index.chunks[c].order))
 
     # ------------------------------------------------------------------ steps
-    def retrieve(self, subqueries: Sequence[str], allowed: Optional[set], mode: str) -> Evidence:
+    def retrieve(self, subqueries: Sequence[str], allowed: Optional[set]) -> Evidence:
         cfg, ix = self.cfg, self.index
         ents: List[str] = []
         rels: List[Tuple[str, str]] = []
@@ -249,7 +248,7 @@ class MultiStepRAG:
         text = ("Entities (name | type | description):\n" + ("\n".join(table_e) or "(none)") +
                 "\n\nRelationships (source | target | description):\n" + ("\n".join(table_r) or "(none)") +
                 "\n\nSources:\n" + ("\n".join(table_s) or "(none)"))
-        return Evidence(ents, rels, kept, text, mode)
+        return Evidence(ents, rels, kept, text)
 
     def _attach_vertices(self, memory: HypergraphMemory) -> None:
         for p in memory.points:
@@ -462,7 +461,7 @@ class MultiStepRAG:
                 names = [e for pts, _ in concerns for i in pts if i < len(memory) for e in memory.points[i].entities]
                 allowed = self.index.neighbours(names, cfg.local_hops) or None
                 mode = "local" if allowed else "global"
-            evidence = self.retrieve(subqueries, allowed, mode)
+            evidence = self.retrieve(subqueries, allowed)
             seen = list(dict.fromkeys(seen + evidence.chunks))
             trace.append({"turn": turn, "step": "retrieve", "mode": mode, "subqueries": list(subqueries),
                           "allowed": len(allowed) if allowed else None, "entities": evidence.entities,

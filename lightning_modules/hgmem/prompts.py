@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from lightning_modules.llm.structured import StructuredOutputError, parse_records, split_sections, strip_reasoning
+from lightning_modules.llm.structured import StructuredOutputError, parse_records, strip_reasoning
 
 __all__ = ["EVOLVE", "EVOLVE_FLAT", "MERGE", "PLAN", "SUBQUERIES", "DESCRIBE", "ANSWER_SYSTEM", "ANSWER_USER",
            "read_evolve", "lenient_points", "read_flat", "read_merge", "read_plan", "read_subqueries", "read_describe", "read_answer",

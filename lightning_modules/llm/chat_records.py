@@ -20,7 +20,7 @@ import hashlib
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from litctx_common.io import append_jsonl, read_jsonl
 from litctx_common.timing import Stopwatch
@@ -93,6 +93,3 @@ class RecordedBackend:
         """Start counting repeated requests afresh (call at the start of each independent unit of work, e.g. a
         question, so that unit's replay does not depend on which units ran before it in this process)."""
         self._seen.clear()
-
-    def records(self) -> List[Dict[str, Any]]:
-        return list(self._recorded.values())

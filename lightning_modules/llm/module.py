@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from lightning_modules.base import LongContextModule, SharedEvalStages, run_path
+from lightning_modules.base import LongContextModule, SharedEvalStages, gather_records, run_path
 from lightning_modules.llm.generation import greedy_generate, stop_token_ids
 from lightning_modules.llm.loading import load_causal_lm
 from lightning_modules.llm.suite_metrics import score_prediction, summarise
@@ -329,13 +329,7 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
 
     def _gather_records(self) -> None:
         """Under DDP each rank evaluated its share of the suite: collect every record on every rank."""
-        import torch.distributed as dist
-
-        if self._trainer is None or self.trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
-            return
-        shares: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, self.records)
-        self.records = [r for share in shares for r in (share or [])]
+        self.records = gather_records(self, self.records)
 
     def eval_epoch_end(self, stage: str) -> None:
         self._gather_records()

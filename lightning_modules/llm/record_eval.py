@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Hashable, List, Optional, Tuple
 
-from lightning_modules.base import LongContextModule, SharedEvalStages, run_path
-from litctx_common.io import append_jsonl, atomic_open, read_jsonl
+from lightning_modules.base import LongContextModule, SharedEvalStages, gather_records, run_path
+from litctx_common.io import append_jsonl, read_jsonl
 
 __all__ = ["RecordEvalModule", "ProvenanceError"]
 
@@ -102,17 +102,8 @@ class RecordEvalModule(SharedEvalStages, LongContextModule):
         self.records.extend(out)
         return out
 
-    def _gather(self) -> None:
-        import torch.distributed as dist
-
-        if self._trainer is None or self.trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
-            return
-        shares: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, self.records)
-        self.records = [r for share in shares for r in (share or [])]
-
     def eval_epoch_end(self, stage: str) -> None:
-        self._gather()
+        self.records = gather_records(self, self.records)
         for name, value in self.summary().items():
             self.log(f"{stage}/{name}", float(value), rank_zero_only=True)
         self.on_records_done(stage)
@@ -134,7 +125,7 @@ class RecordEvalModule(SharedEvalStages, LongContextModule):
         return self.eval_step("predict", batch)
 
     def on_predict_epoch_end(self) -> None:
-        self._gather()
+        self.records = gather_records(self, self.records)
         self.on_records_done("predict")
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
@@ -143,8 +134,3 @@ class RecordEvalModule(SharedEvalStages, LongContextModule):
 
     def configure_optimizers(self) -> Any:
         return None
-
-    def write_records(self, path: Path) -> None:
-        with atomic_open(path, "w", encoding="utf-8") as f:
-            for rec in self.records:
-                f.write(json.dumps(rec) + "\n")

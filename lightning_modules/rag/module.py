@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from lightning_modules.base import LongContextModule, SharedEvalStages, check_field, is_int, run_path
+from lightning_modules.base import LongContextModule, SharedEvalStages, check_field, gather_records, is_int, run_path
 from lightning_modules.llm.generation import stop_token_ids
 from lightning_modules.llm.loading import load_causal_lm
 from lightning_modules.llm.suite_metrics import score_prediction
@@ -227,13 +227,7 @@ class RAGEvalModule(SharedEvalStages, LongContextModule):
         return out
 
     def _gather(self) -> None:
-        import torch.distributed as dist
-
-        if self._trainer is None or self.trainer.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
-            return
-        shares: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, self.records)
-        self.records = [r for share in shares for r in (share or [])]
+        self.records = gather_records(self, self.records)
 
     def summary(self) -> Dict[str, float]:
         out: Dict[str, float] = {}
