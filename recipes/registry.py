@@ -259,6 +259,12 @@ PERSISTBENCH_PAPER = Paper(
     code="https://github.com/ivaxi0s/PersistBench (no licence: samples, prompts and rubrics written anew here)",
 )
 
+CDIC_PAPER = Paper(
+    title="Context-Driven Incremental Compression for Multi-turn Dialogue (C-DIC)",
+    venue="ICML 2026",
+    arxiv="2606.12411",
+    code="code not public (\"Code: TBD\"); the slot memory, routing and ra-TBPTT are reconstructed (docs/cdic.md)",
+)
 HGMEM_PAPER = Paper(
     title="Improving Multi-step RAG with Hypergraph-based Memory for Long-Context Complex Relational Modeling",
     venue="ICML 2026",
@@ -452,6 +458,25 @@ METHODS: Dict[str, MethodSpec] = {
             tags=("llm", "attention", "length-extrapolation"),
             logs=("train/loss",) + _stages("loss", "loss_len*", "ppl", "ppl_len*", "ppl_pos*of*", "passkey_acc_len*",
                                            "passkey_loss_len*", "suite_acc*"),
+        ),
+        MethodSpec(
+            name="cdic",
+            target="lightning_modules.cdic.module:CDICModule",
+            config="lightning_modules.cdic.config:CDICConfig",
+            paper=CDIC_PAPER,
+            description="C-DIC on a frozen LM: K revisable per-thread compression states (KV of m tokens through "
+                        "position-conditional LoRA), retrieve -> revise -> write-back per turn, TBPTT over turns; "
+                        "baselines full / truncate / concat / merge as memory arms",
+            kind="finetune",
+            default_data="dialogue",
+            tiny={"model": "tiny-llama", "slots": 3, "comp_tokens": 2, "read_slots": 2, "lora_rank": 2,
+                  "tbptt_k1": 2, "tbptt_k2": 2, "embedder": "hashing", "open_threshold": 0.25},
+            requires=("transformers", "safetensors"),
+            extra="llm",
+            manual_optimization=True,
+            tags=("llm", "dialogue", "compression", "memory", "tbptt"),
+            logs=("train/loss",) + _stages("loss", "ppl", "recall_acc", "recall_acc_revised", "recall_acc_intro",
+                                           "memory_tokens", "context_tokens"),
         ),
         MethodSpec(
             name="indexmem_train",
@@ -716,6 +741,20 @@ DATAMODULES: Dict[str, DataSpec] = {
             requires=(),
             extra="llm",
             paper=PERSISTBENCH_PAPER,
+        ),
+        DataSpec(
+            name="dialogue",
+            target="datamodules.dialogue:DialogueDataModule",
+            config="datamodules.dialogue:DialogueDataConfig",
+            description="multi-session dialogues with interleaved threads whose facts are introduced, revised and "
+                        "recalled (generated, gold answers and distances), or real multi-session chat JSON "
+                        "(sessions of speaker turns: LoCoMo, LongMemEval, MSC layouts), served turn by turn",
+            tiny={"train_dialogues": 4, "val_dialogues": 1, "test_dialogues": 1, "turns": 6, "threads": 2,
+                  "min_gap": 1},
+            requires=("transformers",),
+            extra="llm",
+            paper=CDIC_PAPER,
+            tokenizer_arg="tokenizer",
         ),
         DataSpec(
             name="multihop",

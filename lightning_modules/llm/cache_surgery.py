@@ -39,7 +39,8 @@ import torch
 from lightning_modules.llm.surgery import anatomy, decoder_layers
 
 __all__ = ["KVSegment", "AssembledContext", "LayerStep", "model_fingerprint", "rotary_tables", "rerotate_keys",
-           "compute_segments", "assemble", "selective_forward", "check_cache_surgery"]
+           "compute_segments", "assemble", "selective_forward", "check_cache_surgery", "forward_over_past",
+           "place_states"]
 
 
 # ---------------------------------------------------------------------------------------------- model checks
@@ -131,6 +132,51 @@ def rerotate_keys(model: torch.nn.Module, keys: torch.Tensor, from_positions: to
     cos0, sin0, cos1, sin1 = (t.to(y.device) for t in (cos0, sin0, cos1, sin1))
     raw = (y * cos0 - _rotate_half(y) * sin0) / (cos0 * cos0 + sin0 * sin0)
     return (raw * cos1 + _rotate_half(raw) * sin1).to(keys.dtype)
+
+
+def place_states(model: torch.nn.Module, states: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                 start: int = 0) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Lay stored states out back to back from position ``start``: each ``(keys, values)`` is ``[L, Hk, m, d]``
+    with keys at the canonical positions ``0 .. m - 1``; the result is ``[L, Hk, sum m, d]`` with each state's keys
+    re-rotated to the positions it now occupies. Differentiable (re-rotation is linear in the keys). None when
+    ``states`` is empty."""
+    if not states:
+        return None
+    keys, values, pos = [], [], start
+    for k, v in states:
+        m = k.shape[2]
+        keys.append(k if pos == 0 else rerotate_keys(model, k, torch.arange(m), torch.arange(pos, pos + m)))
+        values.append(v)
+        pos += m
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+
+def forward_over_past(model: torch.nn.Module, inputs_embeds: torch.Tensor,
+                      past: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run ``inputs_embeds [1, n, h]`` through the model's decoder behind ``past`` (``(keys, values)``, each
+    ``[L, Hk, P, d]``, keys at positions ``0 .. P - 1``), at positions ``P .. P + n - 1``, with gradients through
+    both the inputs and the past. Returns the final-normed hidden states ``[1, n, h]`` and the new tokens' keys /
+    values ``[L, Hk, n, d]`` (keys RoPE-rotated at their positions). Apply the output head to the rows you need."""
+    from transformers import DynamicCache
+
+    inner = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    cache = DynamicCache(config=model.config)
+    p = 0
+    if past is not None:
+        keys, values = past
+        p = keys.shape[2]
+        for layer in range(keys.shape[0]):
+            cache.update(keys[layer:layer + 1], values[layer:layer + 1], layer)
+    n = inputs_embeds.shape[1]
+    device = inputs_embeds.device
+    out = inner(inputs_embeds=inputs_embeds, cache=cache, use_cache=True,
+                position_ids=torch.arange(p, p + n, device=device).unsqueeze(0),
+                attention_mask=torch.ones(1, p + n, dtype=torch.long, device=device))
+    layers = cache.layers
+    new_k = torch.cat([layer.keys[:, :, p:] for layer in layers], dim=0)
+    new_v = torch.cat([layer.values[:, :, p:] for layer in layers], dim=0)
+    return out.last_hidden_state, new_k, new_v
 
 
 # ---------------------------------------------------------------------------------------------- segments
