@@ -351,6 +351,29 @@ class CDICModule(SharedEvalStages, LongContextModule):
         super().on_save_checkpoint(checkpoint)
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("model.")}
 
+    @classmethod
+    def from_export(cls, folder: Any, **overrides: Any) -> "CDICModule":
+        """A module rebuilt from a folder written at train end (``cdic.json`` + ``cdic.safetensors``); ``overrides``
+        change evaluation-time fields (``routing``, ``open_threshold``, ...)."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if not (folder / "cdic.json").is_file() or not (folder / "cdic.safetensors").is_file():
+            raise FileNotFoundError(f"{folder}: expected cdic.json and cdic.safetensors (the folder a cdic training "
+                                    f"run writes at its end, <run dir>/cdic)")
+        cfg = {**json.loads((folder / "cdic.json").read_text()), **overrides}
+        module = cls(cfg)
+        tensors = load_file(str(folder / "cdic.safetensors"))
+        expected = set(module.trained_state())
+        if set(tensors) != expected:
+            raise ValueError(f"{folder}: holds {sorted(set(tensors) ^ expected)[:6]} that do not match this "
+                             f"configuration's trained tensors")
+        module.load_state_dict(tensors, strict=False)
+        return module
+
     def trained_state(self) -> Dict[str, torch.Tensor]:
         """The trained tensors (adapters, compression embeddings, gates)."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(("model.", "eval_metrics."))}
