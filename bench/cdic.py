@@ -126,8 +126,8 @@ def run(args) -> None:
                     continue
                 with torch_threads(args.threads):
                     turns = run_dialogue(module, d)
-                append_jsonl(RESULTS, {"part": part, "arm": arm, "dialogue": i, "id": d["id"], "weights": wid,
-                                       "n_turns": len(turns), "turns": turns})
+                append_jsonl(RESULTS, [{"part": part, "arm": arm, "dialogue": i, "id": d["id"], "weights": wid,
+                                       "n_turns": len(turns), "turns": turns}])
                 print(f"[bench.cdic] {arm} {part} {i}: {len(turns)} turns, {sum(t['time'] for t in turns):.1f}s",
                       flush=True)
         del module

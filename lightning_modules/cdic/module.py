@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -169,8 +169,9 @@ class CDICModule(SharedEvalStages, LongContextModule):
     def _recent(self, state: DialogueState, turns: int) -> List[int]:
         return [t for ids in state.history[len(state.history) - turns:] for t in ids] if turns else []
 
-    def _compress_alone(self, ids: List[int]) -> torch.Tensor:
-        """``concat``: the compression tokens after ``ids`` with no past; returns ``(keys, values)`` of the state."""
+    def _compress_alone(self, ids: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``concat``: the compression tokens after ``ids`` with no past; the state's ``(keys, values)``
+        ``[L, Hk, m, d]`` (keys at canonical positions)."""
         from lightning_modules.llm.cache_surgery import forward_over_past, rerotate_keys
 
         m = self.cfg.comp_tokens
