@@ -41,7 +41,8 @@ def test_callback_specs_resolve(name):
 
 
 @pytest.mark.parametrize("name", registry.list_methods())
-def test_tiny_method_runs_one_forward_on_its_tiny_data(name):
+def test_tiny_method_runs_one_forward_on_its_tiny_data(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # records, exports and memories a method writes relative to the cwd land here
     spec = registry.method_spec(name)
     dspec = registry.datamodule_spec(spec.default_data)
     args = dict(spec.tiny)
@@ -70,7 +71,8 @@ def test_tiny_method_runs_one_forward_on_its_tiny_data(name):
 
         before = [p.detach().clone() for p in model.parameters()]
         pl.Trainer(max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False).fit(model, datamodule=dm)
+                   enable_progress_bar=False, enable_model_summary=False,
+                   default_root_dir=str(tmp_path)).fit(model, datamodule=dm)
         assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
         return
     batch = next(iter(dm.train_dataloader()))
