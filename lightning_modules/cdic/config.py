@@ -84,8 +84,8 @@ class CDICConfig:
     lora_alpha: float = 16.0
     lora_targets: List[str] = field(default_factory=lambda: ["self_attn.q_proj", "self_attn.k_proj",
                                                              "self_attn.v_proj", "self_attn.o_proj"])
-    tbptt_k1: int = 4
-    tbptt_k2: int = 4
+    tbptt_k1: int = 8
+    tbptt_k2: int = 8
     update: str = "dialogue"
     grad_clip: Optional[float] = 1.0
     export_dir: Optional[str] = "cdic"
