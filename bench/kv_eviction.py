@@ -14,7 +14,9 @@ one). Records go to ``bench/results/kv_eviction_smollm2.jsonl`` one per
 * accuracy per method x ratio, per length and protocol (mean over samples and tasks);
 * OBCache minus its attention-score base, paired by sample, with a 95% paired bootstrap interval;
 * KV bytes after compression relative to the full cache; decode tokens/s against the full cache on a fixed
-  32-token decode at the longest length (``--throughput-samples`` samples);
+  32-token decode at the longest length (``--throughput-samples`` samples; ``--throughput-only`` runs just this
+  part), H2O, TOVA and StreamingLLM with both compactions of their per-step eviction (in place, the default, and
+  gathering the cache: :class:`~lightning_modules.llm.policy.Schedule`);
 * Spearman correlation of each score with the measured output change of removing a token, on attention
   captured from SmolLM2 (all layers, the last 32 prompt queries).
 """
@@ -50,6 +52,17 @@ METHODS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "tova+obc": ("tova", {"score": OBC}),
     "adakv": ("adakv", {"base": "snapkv", "base_args": {"window": 32}}),
     "adakv+obc": ("adakv", {"base": "snapkv", "base_args": {"window": 32, "score": OBC}}),
+}
+# the decode-throughput part: the methods that evict at every decode step run with both compactions
+THROUGHPUT: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "snapkv": METHODS["snapkv"],
+    "streaming_llm": METHODS["streaming_llm"],
+    "streaming_llm (gather)": ("streaming_llm", {"sink": 4, "compaction": "gather"}),
+    "h2o": METHODS["h2o"],
+    "h2o (gather)": ("h2o", {"compaction": "gather"}),
+    "tova": METHODS["tova"],
+    "tova (gather)": ("tova", {"compaction": "gather"}),
+    "adakv": METHODS["adakv"],
 }
 PAIRS = [("h2o", "h2o+obc"), ("snapkv", "snapkv+obc"), ("tova", "tova+obc"), ("adakv", "adakv+obc")]
 COLORS = {"random": "0.6", "recent": "tab:brown", "streaming_llm": "tab:green", "h2o": "tab:red", "snapkv": "tab:blue",
@@ -123,7 +136,7 @@ def run_throughput(args, model, tok) -> None:
     length = max(args.lengths)
     done = {(r["id"], r["method"], r["ratio"]) for r in read_records(args.results) if r.get("kind") == "throughput"}
     haystack = Haystack(pydoc_documents(), tok)
-    methods = policy_grid({name: METHODS[name] for name in ("snapkv", "streaming_llm", "h2o", "adakv")}, args.ratios)
+    methods = policy_grid(THROUGHPUT, args.ratios)
     for index in range(args.throughput_samples):
         sid = f"niah_single-{length}-{index}"
         if all((sid, m, r) in done for m, r in methods):
@@ -305,7 +318,7 @@ def report(args, rank_quality) -> str:
         thr_rows = ["| method | evicted | decode tokens/s | x full cache | KV bytes vs full |", "|---|---|---|---|---|"]
         thr_rows.append(f"| full cache | 0% | {_mean(list(full_tps.values())):.1f} | 1.00 | 100% |")
         full_b = {r["id"]: r["compressed_bytes"] for r in thr if r["method"] == "full"}
-        for m in ("snapkv", "streaming_llm", "h2o", "adakv"):
+        for m in THROUGHPUT:
             for r in args.ratios:
                 cell = [x for x in thr if x["method"] == m and x["ratio"] == r and x["id"] in full_tps]
                 if not cell:
@@ -355,6 +368,8 @@ def main() -> int:
     parser.add_argument("--protocols", nargs="+", default=["compress_then_ask", "query_aware"])
     parser.add_argument("--throughput-samples", type=int, default=5)
     parser.add_argument("--report-only", action="store_true", help="only rewrite the report from saved records")
+    parser.add_argument("--throughput-only", action="store_true",
+                        help="run only the decode-throughput part (then rewrite the report from every record)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--unbatched", action="store_true",
                         help="decode each (method, ratio) separately instead of as rows of one batch (slower; the "
@@ -376,7 +391,8 @@ def main() -> int:
             if not rq_path.is_file():
                 save_json(rq_path, run_rank_quality(model, tok))
             run_throughput(args, model, tok)
-            run_suite(args, model, tok)
+            if not args.throughput_only:
+                run_suite(args, model, tok)
     rank_quality = json.loads(rq_path.read_text()) if rq_path.is_file() else None
     print(report(args, rank_quality))
     return 0

@@ -304,11 +304,13 @@ def test_budgets_hold_at_every_step_and_protected_entries_survive(cfg):
                     assert (kept.sum(-1) <= cap.sum(-1) + slack * kept.shape[1]).all(), (policy.name, kept, cap)
                 else:
                     assert (kept <= cap + slack).all(), (policy.name, kept, cap)
-                slots = [st.slots[b, h][st.valid[b, h]].tolist() for b in range(2) for h in range(st.valid.shape[1])]
-                assert all(s == sorted(s) for s in slots)  # sequence order kept
+                if policy.schedule.decode_every == 0 or policy.schedule.compaction == "gather":
+                    slots = [st.slots[b, h][st.valid[b, h]].tolist() for b in range(2)
+                             for h in range(st.valid.shape[1])]
+                    assert all(s == sorted(s) for s in slots)  # sequence order kept (in-place eviction moves entries)
                 first = (mask == 0).sum(-1)
                 for b, h in itertools.product(range(2), range(st.valid.shape[1])):
-                    s = st.slots[b, h][st.valid[b, h]].tolist()
+                    s = sorted(st.slots[b, h][st.valid[b, h]].tolist())
                     n_sink = min(policy.budget.sink, int(cap[b, h]))
                     assert s[:n_sink] == list(range(int(first[b]), int(first[b]) + n_sink))
                     if policy.budget.window and not isinstance(policy.selector, AdaKVSelector):
@@ -545,16 +547,21 @@ def _base_args(p, c):
     return True, True
 
 
+def _compaction(p, c):
+    return p.schedule.compaction, c.compaction
+
+
 KV_GETTERS = {
-    "streaming_llm": {**_budget_getters(), "sink": lambda p, c: (p.budget.sink, c.sink), "decode": _decode},
+    "streaming_llm": {**_budget_getters(), "sink": lambda p, c: (p.budget.sink, c.sink), "decode": _decode,
+                      "compaction": _compaction},
     "h2o": {**_budget_getters(), "recent_fraction": lambda p, c: (p.budget.window_fraction, c.recent_fraction),
             "score": lambda p, c: (p.scorer.score_kind, c.score), "obs_window": lambda p, c: (p.scorer.obs_window, c.obs_window),
-            "decode": _decode, "gqa": lambda p, c: (p.scorer.gqa, c.gqa)},
+            "decode": _decode, "gqa": lambda p, c: (p.scorer.gqa, c.gqa), "compaction": _compaction},
     "snapkv": {**_budget_getters(), "window": lambda p, c: ((p.scorer.window, p.budget.window), (c.window, c.window)),
                "pool": lambda p, c: (p.scorer.pool, c.pool), "kernel": lambda p, c: (p.scorer.kernel, c.kernel),
                "score": lambda p, c: (p.scorer.score_kind, c.score), "gqa": lambda p, c: (p.scorer.gqa, c.gqa)},
     "tova": {**_budget_getters(), "score": lambda p, c: (p.scorer.score_kind, c.score),
-             "window": lambda p, c: (p.budget.window, c.window), "decode": _decode},
+             "window": lambda p, c: (p.budget.window, c.window), "decode": _decode, "compaction": _compaction},
     "adakv": {"base": _base_name, "base_args": _base_args, "alpha": lambda p, c: (p.selector.alpha, c.alpha)},
     "obcache": {"base": _base_name, "kind": lambda p, c: (p.scorer.score_kind, f"obcache_{c.kind}"),
                 "adaptive": lambda p, c: (isinstance(p.selector, AdaKVSelector), c.adaptive),
@@ -568,12 +575,13 @@ KV_GETTERS = {
 
 # Non-default values for every field of every eviction config, over one or more variants.
 KV_NON_DEFAULT = {
-    "streaming_llm": [{"compression_ratio": 0.3, "sink": 2, "decode": False}, {"keep": 7}],
+    "streaming_llm": [{"compression_ratio": 0.3, "sink": 2, "decode": False}, {"keep": 7, "compaction": "gather"}],
     "h2o": [{"compression_ratio": 0.3, "recent_fraction": 0.25, "score": "obcache_k", "obs_window": 5,
-             "decode": False, "gqa": "max"}, {"keep": 7}],
+             "decode": False, "gqa": "max"}, {"keep": 7, "compaction": "gather"}],
     "snapkv": [{"compression_ratio": 0.3, "window": 8, "pool": "max", "kernel": 3, "score": "obcache_v", "gqa": "sum"},
                {"keep": 7}],
-    "tova": [{"compression_ratio": 0.3, "score": "obcache_kv", "window": 2, "decode": False}, {"keep": 7}],
+    "tova": [{"compression_ratio": 0.3, "score": "obcache_kv", "window": 2, "decode": False},
+             {"keep": 7, "compaction": "gather"}],
     "adakv": [{"base": "h2o", "base_args": {"compression_ratio": 0.25, "recent_fraction": 0.1, "gqa": "sum"},
                "alpha": 0.5},
               {"base": "tova", "base_args": {"keep": 9, "score": "obcache_v"}}],
@@ -635,6 +643,103 @@ def test_eviction_config_errors_name_the_method_field_and_valid_values():
                               ("streaming_llm", {"compression_ratio": 1.0}, r"streaming_llm\.compression_ratio=1\.0"),
                               ("adakv", {"base": "random_eviction"}, r"adakv\.base='random_eviction': valid bases"),
                               ("adakv", {"base_args": {"windw": 3}}, r"adakv\.base_args: .*unknown field"),
-                              ("obcache", {"kind": "q"}, r"obcache\.kind='q': valid kinds are v, k, kv")):
+                              ("obcache", {"kind": "q"}, r"obcache\.kind='q': valid kinds are v, k, kv"),
+                              ("h2o", {"compaction": "lazy"}, r"h2o\.compaction='lazy': valid values are inplace, gather")):
         with pytest.raises(ValueError, match=match):
             method_config(name, args)
+
+
+# ---------------------------------------------------------------------------------------------- in-place eviction
+IN_PLACE_CONFIGS = [
+    ("streaming_llm", {"compression_ratio": 0.5}),
+    ("h2o", {"compression_ratio": 0.5}),
+    ("h2o", {"keep": 12, "score": "obcache_kv", "obs_window": 8}),
+    ("h2o", {"compression_ratio": 0.75, "score": "obcache_v"}),
+    ("tova", {"compression_ratio": 0.5}),
+]
+
+
+def _decode_trace(model, name, args, compaction, steps=10):
+    """Per decode step: the logits and, per layer, each (row, head)'s kept slots (sorted); and the final cache."""
+    ids, mask = _ids(seed=7, n=40, pad=9)
+    policy = method_config(name, {**args, "compaction": compaction}).build()
+    lm = CachedLM(model)
+    trace = []
+    with torch.no_grad(), install_policy(model, policy) as session:
+        lm.feed(ids, mask)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(steps):
+            logits = lm.feed(torch.randint(0, 256, (2, 1), generator=gen))
+            kept = {layer: [sorted(r.state.slots[b, h][r.state.valid[b, h]].tolist())
+                            for b in range(2) for h in range(r.state.valid.shape[1])]
+                    for layer, r in session.runners.items()}
+            trace.append((logits, kept))
+    return trace, lm.cache
+
+
+@pytest.mark.parametrize("name,args", IN_PLACE_CONFIGS, ids=lambda x: str(x))
+def test_in_place_eviction_keeps_what_gathering_keeps_and_never_copies_the_cache(name, args):
+    """Every decode step: the same kept entries per layer, row and head, and the same logits, whether a step's
+    eviction gathers the cache or moves the new entry into the dropped one's place (with the decision deferred to
+    the step's last layer and made for all layers at once); the in-place cache holds the same number of entries."""
+    from lightning_modules.llm.slot_buffer import SlotBufferLayer
+
+    model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=5)
+    gathered, cache_g = _decode_trace(model, name, args, "gather")
+    in_place, cache_i = _decode_trace(model, name, args, "inplace")
+    for (lg, kg), (li, ki) in zip(gathered, in_place):
+        assert ki == kg
+        torch.testing.assert_close(li, lg, rtol=0, atol=1e-5)
+    assert all(type(layer) is SlotBufferLayer for layer in cache_i.layers)
+    assert all(type(layer) is not SlotBufferLayer for layer in cache_g.layers)
+    for lay_g, lay_i in zip(cache_g.layers, cache_i.layers):
+        assert lay_i.keys.shape == lay_g.keys.shape
+    # the entries really moved: some layer holds a row whose slots are out of stream order
+    with torch.no_grad(), install_policy(model, method_config(name, args).build()) as session:
+        lm = CachedLM(model)
+        ids, mask = _ids(seed=7, n=40, pad=9)
+        lm.feed(ids, mask)
+        for t in range(4):
+            lm.feed(torch.full((2, 1), 5 + t))
+        assert any(bool((r.state.slots.diff(dim=-1) < 0).any()) for r in session.runners.values())
+
+
+def test_in_place_steps_never_write_a_shared_prefill():
+    """A prefill recorded once and compressed many ways (generate_under_policies) stays intact when a policy
+    evicts in place, and the results equal running each policy alone."""
+    model, _ = load_causal_lm("tiny-qwen2", with_tokenizer=False, seed=2)
+    ids, _ = _ids(seed=1, b=1, n=36, pad=0)
+    from lightning_modules.llm.generation import generate_under_policies, record_prefill
+
+    rec = record_prefill(model, ids, None)
+    before = {layer: (o.k.clone(), o.v.clone()) for layer, o in rec.observations.items()}
+    policies = {"h2o": H2OConfig(compression_ratio=0.5).build(), "tova": TOVAConfig(compression_ratio=0.5).build(),
+                "streaming": StreamingLLMConfig(compression_ratio=0.5).build()}
+    res = rec.generate(policies, 6)
+    for layer, o in rec.observations.items():
+        assert torch.equal(o.k, before[layer][0]) and torch.equal(o.v, before[layer][1])
+    alone = {n: generate_under_policies(model, ids, None, {n: p}, 6)[n] for n, p in policies.items()}
+    assert all(res[n].tokens == alone[n].tokens for n in policies)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_decode_statistics_equal_attention_and_its_column_statistics(masked):
+    """One pass gives a decode step's output, LSE and per-key statistics: equal to the reference attention and
+    the reference statistics computed from it (float64)."""
+    from kernels.reference import attention_reference, decode_attention_colstats
+
+    q, k, v = _qkv(11, b=2, hq=6, hk=2, n=30, d=8)
+    q = q[:, :, -1:]
+    key_mask = None
+    if masked:
+        key_mask = torch.rand(2, 2, 30, generator=torch.Generator().manual_seed(1)) > 0.3
+        key_mask[1, 1] = False  # a head with no readable key: o = 0, lse = -inf, no statistics
+    o, lse, stats = decode_attention_colstats(q, k, v, scale=0.3, key_mask=key_mask, moments="output")
+    full_mask = None if key_mask is None else key_mask.repeat_interleave(3, dim=1)
+    o_ref, lse_ref = attention_reference(q, k, v, scale=0.3, causal=False, key_mask=full_mask)
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(lse, lse_ref)
+    ref = attention_colstats_reference(q, k, v, scale=0.3, causal=False, o=o_ref, lse=lse_ref, moments="output",
+                                       key_mask=full_mask)
+    for name in ("p_sum", "p2_sum", "p2_o", "p2_o_norm2"):
+        torch.testing.assert_close(getattr(stats, name), getattr(ref, name), msg=name)

@@ -18,6 +18,7 @@ from lightning_modules.llm.policy import (
     SharedTopKSelector,
     TopKSelector,
     protected_mask,
+    top_capacity,
 )
 
 
@@ -72,6 +73,45 @@ def test_protected_mask_brute_force():
             w = max(0, min(window, capv - s))
             want = set(idx[:s]) | (set(idx[-w:]) if w else set())
             assert {j for j in range(12) if got[b, h, j]} == want
+
+
+def _moved(b, h, n, seed):
+    """A random layout of entries whose places moved (in-place eviction): ``slots [b, h, n]`` (distinct, gapped)
+    and ``perm`` with ``slots = ordered_slots.gather(-1, perm)``; also the validity, tied scores and
+    capacities."""
+    gen = torch.Generator().manual_seed(seed)
+    ordered = torch.stack([torch.randperm(3 * n, generator=gen)[:n].sort().values for _ in range(b * h)]).view(b, h, n)
+    perm = torch.stack([torch.randperm(n, generator=gen) for _ in range(b * h)]).view(b, h, n)
+    valid = torch.rand(b, h, n, generator=gen) > 0.15
+    scores = torch.randint(0, 4, (b, h, n), generator=gen).float()  # many ties
+    return ordered, perm, valid, scores
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_protected_mask_by_slot_is_the_ordered_rule_on_moved_entries(seed):
+    ordered, perm, valid_o, _ = _moved(2, 3, 17, seed)
+    slots = ordered.gather(-1, perm)
+    valid = valid_o.gather(-1, perm)
+    for sink, window, capv in itertools.product((0, 2), (0, 3, torch.tensor([[1, 2, 4], [0, 5, 3]])), (1, 4, 9)):
+        cap = torch.full((2, 3), capv)
+        want = protected_mask(valid_o, sink, window, cap).gather(-1, perm)  # the rule on the stream order, moved
+        assert torch.equal(protected_mask(valid, sink, window, cap, slots), want)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("drops", [1, 2, 4, 7])
+def test_top_capacity_by_slot_keeps_what_the_ordered_rule_keeps_on_moved_entries(seed, drops):
+    """The few-drops path (repeated minima) and the general path (a sort by slot first) against the stable
+    position-ordered top-k on the same entries in stream order, with many tied scores."""
+    ordered, perm, valid_o, scores_o = _moved(2, 3, 19, seed)
+    cap = (valid_o.sum(-1) - drops).clamp_min(1)
+    protected_o = protected_mask(valid_o, 1, 2, cap)
+    want = top_capacity(scores_o, cap, protected_o, valid_o)
+    slots = ordered.gather(-1, perm)
+    got = top_capacity(scores_o.gather(-1, perm), cap, protected_o.gather(-1, perm), valid_o.gather(-1, perm), slots)
+    assert torch.equal(got, want.gather(-1, perm))
+    # and in stream order, slots change nothing
+    assert torch.equal(top_capacity(scores_o, cap, protected_o, valid_o, ordered), want)
 
 
 @pytest.mark.parametrize("selector", [TopKSelector(), SharedTopKSelector()])

@@ -6,7 +6,7 @@ are differentiable, and process queries in chunks so memory is ``O(chunk x N_k)`
 """
 
 from kernels.reference.attention import attention_reference, log_softplus, row_lengths
-from kernels.reference.colstats import ColStats, attention_colstats_reference
+from kernels.reference.colstats import ColStats, attention_colstats_reference, decode_attention_colstats
 from kernels.reference.gather import gather_attention_reference
 from kernels.reference.lowbit import (
     LowBitQK,
@@ -23,6 +23,7 @@ __all__ = [
     "gather_attention_reference",
     "ColStats",
     "attention_colstats_reference",
+    "decode_attention_colstats",
     "LowBitQK",
     "quantize_lowbit",
     "quantize_qk_lowbit",

@@ -19,7 +19,7 @@ import torch
 from kernels.layouts import resolve_q_offset
 from kernels.reference.attention import _valid_mask, attention_reference, check_qkv
 
-__all__ = ["ColStats", "attention_colstats_reference", "MOMENTS"]
+__all__ = ["ColStats", "attention_colstats_reference", "decode_attention_colstats", "MOMENTS"]
 
 MOMENTS = ("attention", "output", "logit")
 """Which statistics to compute: ``attention`` (p_sum, p2_sum), ``output`` (+ p2_o, p2_o_norm2), ``logit``
@@ -129,3 +129,39 @@ def attention_colstats_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             acc["p2z2_o"][..., cols, :] += torch.einsum("bhcn,bhcd->bhnd", p2z2, oc)
             acc["p2z2_o_norm2"][..., cols] += torch.einsum("bhcn,bhc->bhn", p2z2, on)
     return ColStats(**acc)
+
+
+def decode_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                              key_mask: Optional[torch.Tensor] = None, moments: str = "attention"):
+    """Attention of queries that see every key (a decode step: ``Nq`` is small and there is no causal cut) and
+    their per-key statistics in one pass: the probabilities that give the output are the ones summed, so an
+    eviction scorer needs no second pass over the keys.
+
+    ``q [B, Hq, Nq, d]``, ``k, v [B, Hk, N, d|dv]`` (GQA without repeating K/V), ``key_mask [B, Hk, N]`` (True =
+    readable; shared by a KV head's query heads) or None; ``moments`` ``attention`` or ``output`` (the logit
+    moments: :func:`attention_colstats_reference`). Returns ``(o [B, Hq, Nq, dv], lse [B, Hq, Nq], ColStats)`` with
+    the statistics of all ``Nq`` queries (what :func:`attention_colstats_reference` gives with
+    ``causal=False``); a row with no readable key has ``o = 0``, ``lse = -inf`` and adds nothing."""
+    if moments not in MOMENTS[:2]:
+        raise ValueError(f"moments={moments!r}: the fused decode statistics give attention or output")
+    b, hq, n_q, d = q.shape
+    hk, n = k.shape[1], k.shape[2]
+    if hq % hk:
+        raise ValueError(f"{hq} query heads cannot share {hk} key/value heads")
+    g = hq // hk
+    s = torch.matmul(q.reshape(b, hk, g * n_q, d), k.transpose(-1, -2)) * scale  # [B, Hk, g Nq, N]
+    if key_mask is not None:
+        if tuple(key_mask.shape) != (b, hk, n):
+            raise ValueError(f"key_mask must be [B, Hk, N]=[{b}, {hk}, {n}], got {list(key_mask.shape)}")
+        s = s.masked_fill(~key_mask.unsqueeze(2), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))  # -inf rows: p = 0
+    o = torch.matmul(p.to(v.dtype), v)  # [B, Hk, g Nq, dv]
+    p = p.view(b, hq, n_q, n)
+    p2 = p * p
+    o_q = o.view(b, hq, n_q, -1)
+    stats = ColStats(p.sum(2), p2.sum(2))
+    if moments == "output":
+        stats = ColStats(stats.p_sum, stats.p2_sum, torch.einsum("bhqn,bhqd->bhnd", p2, o_q),
+                         torch.einsum("bhqn,bhq->bhn", p2, o_q.pow(2).sum(-1)))
+    return o_q, lse.view(b, hq, n_q), stats

@@ -34,6 +34,7 @@ from lightning_modules.kv_eviction.scores import GQA_REDUCTIONS, SCORE_KINDS
 from lightning_modules.kv_eviction.scorers import POOLS, AccumulatedScorer, WindowScorer
 from lightning_modules.kv_eviction.selectors import AdaKVSelector
 from lightning_modules.llm.policy import (
+    COMPACTIONS,
     Budget,
     KVPolicy,
     RandomScorer,
@@ -68,8 +69,13 @@ OBCACHE_KINDS: Tuple[str, ...] = tuple(k[len("obcache_"):] for k in SCORE_KINDS 
 """OBCache's kinds (``v``, ``k``, ``kv``): the ``obcache_<kind>`` scores of :data:`SCORE_KINDS`."""
 
 
-def _schedule(decode: bool) -> Schedule:
-    return Schedule(prefill=True, decode_every=1 if decode else 0)
+def _schedule(decode: bool, compaction: str = "inplace") -> Schedule:
+    return Schedule(prefill=True, decode_every=1 if decode else 0, compaction=compaction)
+
+
+def _check_compaction(cfg: Any) -> None:
+    _check(cfg.compaction in COMPACTIONS, cfg.method, "compaction", cfg.compaction,
+           f"valid values are {', '.join(COMPACTIONS)}")
 
 
 @dataclass
@@ -133,19 +139,23 @@ class StreamingLLMConfig(_Budgeted):
     Attributes:
         sink: attention-sink tokens kept (4 in the paper).
         decode: keep the budget during decoding too (a rolling window), not only after the prefill.
+        compaction: how a decode step's eviction is applied (:class:`~lightning_modules.llm.policy.Schedule`):
+            ``inplace`` (the new entry takes the dropped one's place) or ``gather`` (the cache is rebuilt).
     """
 
     method: ClassVar[str] = "streaming_llm"
     sink: int = 4
     decode: bool = True
+    compaction: str = "inplace"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(_is_int(self.sink) and self.sink >= 0, self.method, "sink", self.sink, "must be an integer >= 0")
+        _check_compaction(self)
 
     def build(self) -> KVPolicy:
         return KVPolicy(scorer=RecentScorer(), selector=TopKSelector(), budget=self.budget(sink=self.sink),
-                        schedule=_schedule(self.decode), name=f"streaming_llm@{self.tag()}")
+                        schedule=_schedule(self.decode, self.compaction), name=f"streaming_llm@{self.tag()}")
 
 
 @dataclass
@@ -159,6 +169,7 @@ class H2OConfig(_Budgeted):
             score the prefill with the recent window only).
         decode: evict at every decode step (H2O), not only after the prefill.
         gqa: reduction of a GQA group's query heads (``mean``, ``sum``, ``max``).
+        compaction: how a decode step's eviction is applied: ``inplace`` or ``gather`` (see StreamingLLM).
     """
 
     method: ClassVar[str] = "h2o"
@@ -167,6 +178,7 @@ class H2OConfig(_Budgeted):
     obs_window: Optional[int] = None
     decode: bool = True
     gqa: str = "mean"
+    compaction: str = "inplace"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -176,12 +188,13 @@ class H2OConfig(_Budgeted):
         _check(self.obs_window is None or (_is_int(self.obs_window) and self.obs_window >= 1), self.method,
                "obs_window", self.obs_window, "must be an integer >= 1 or null")
         _check_gqa(self)
+        _check_compaction(self)
 
     def build(self) -> KVPolicy:
         scorer = AccumulatedScorer(score=self.score, obs_window=self.obs_window, gqa=self.gqa)
         return KVPolicy(scorer=scorer, selector=TopKSelector(),
                         budget=self.budget(window_fraction=self.recent_fraction),
-                        schedule=_schedule(self.decode), name=f"h2o[{self.score}]@{self.tag()}")
+                        schedule=_schedule(self.decode, self.compaction), name=f"h2o[{self.score}]@{self.tag()}")
 
 
 @dataclass
@@ -227,25 +240,28 @@ class TOVAConfig(_Budgeted):
         score: ``attention`` (TOVA) or an OBCache score.
         window: most recent entries always kept (0 in TOVA; kvpress keeps 1).
         decode: evict at every decode step (TOVA), not only after the prefill.
+        compaction: how a decode step's eviction is applied: ``inplace`` or ``gather`` (see StreamingLLM).
     """
 
     method: ClassVar[str] = "tova"
     score: str = "attention"
     window: int = 0
     decode: bool = True
+    compaction: str = "inplace"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_score(self)
         _check(_is_int(self.window) and self.window >= 0, self.method, "window", self.window,
                "must be an integer >= 0")
+        _check_compaction(self)
 
     def build(self) -> KVPolicy:
         # TOVA's score is the last query only, unpooled, averaged over every head (group mean, then the
         # shared selector's mean over KV heads)
         scorer = WindowScorer(score=self.score, window=1, pool="none", kernel=1, gqa="mean")
         return KVPolicy(scorer=scorer, selector=SharedTopKSelector(), budget=self.budget(window=self.window),
-                        schedule=_schedule(self.decode), name=f"tova[{self.score}]@{self.tag()}")
+                        schedule=_schedule(self.decode, self.compaction), name=f"tova[{self.score}]@{self.tag()}")
 
 
 def _base_config(method: str, base: str, base_args: Mapping[str, Any], valid: Sequence[str]) -> "_Budgeted":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from lightning_modules.llm.policy import top_capacity
@@ -25,15 +27,22 @@ class AdaKVSelector:
         self.alpha = float(alpha)
 
     def select(self, scores: torch.Tensor, capacity: torch.Tensor, protected: torch.Tensor,
-               valid: torch.Tensor) -> torch.Tensor:
+               valid: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``slots [B, Hk, N]`` (each entry's place in the stream; None: the positions) break ties, earlier first;
+        across heads the order is (head, slot), the flattened layout of a cache in stream order."""
         b, hk, n = scores.shape
         # the safeguard: each head's top floor(alpha * capacity_h) (at least its protected entries)
         safe_n = torch.maximum(torch.floor(capacity.double() * self.alpha).long(), protected.sum(-1))
-        safe = top_capacity(scores, safe_n, protected, valid)
+        safe = top_capacity(scores, safe_n, protected, valid, slots)
         # the layer's remaining budget, filled by the best remaining scores across heads (protected entries are
         # all in the safeguard already)
         remaining = (capacity.sum(-1) - safe.sum((-1, -2))).clamp_min(0)  # [B]
         rest = scores.float().masked_fill(safe | ~valid, float("-inf")).reshape(b, 1, hk * n)
+        flat_slots = None
+        if slots is not None:
+            span = int(slots.max()) + 1 if slots.numel() else 1
+            head = torch.arange(hk, device=slots.device).view(1, hk, 1) * span
+            flat_slots = (slots.long() + head).reshape(b, 1, hk * n)
         chosen = top_capacity(rest, remaining.view(b, 1), torch.zeros_like(rest, dtype=torch.bool),
-                              torch.isfinite(rest))
+                              torch.isfinite(rest), flat_slots)
         return safe | (chosen.view(b, hk, n) & valid)

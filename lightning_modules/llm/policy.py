@@ -35,6 +35,7 @@ import torch
 import kernels
 
 _MOMENTS = ("attention", "output", "logit")
+COMPACTIONS = ("inplace", "gather")
 _FLOOR_SLACK = 1e-9  # capacities are floor(x + slack): 1000 * (1 - 0.8) is 199.99999999999997 in floats
 
 __all__ = [
@@ -177,22 +178,40 @@ class Schedule:
             query-agnostic protocol when the prefill holds only the context.
         decode_every: act after every ``decode_every``-th decode step (0 = never); H2O/TOVA use 1.
         append: also act after later multi-token calls on a non-empty cache (e.g. an appended question).
+        compaction: how an ``evict`` policy that acts during decoding removes entries: ``inplace`` (the layer's
+            cache becomes a :class:`~lightning_modules.llm.slot_buffer.SlotBufferLayer`; new tokens are written
+            into spare room and the few entries past the new length move into the dropped entries' places, so a
+            step copies ``O(d)`` numbers, not the cache) or ``gather`` (the kept entries are gathered into a new
+            cache at every decision, in stream order). Both keep the same entries (tested); ``docs/results.md``
+            has the measured difference.
     """
 
     prefill: bool = True
     decode_every: int = 0
     append: bool = False
+    compaction: str = "inplace"
 
     def __post_init__(self) -> None:
         if self.decode_every < 0:
             raise ValueError(f"schedule.decode_every must be >= 0, got {self.decode_every}")
+        if self.compaction not in COMPACTIONS:
+            raise ValueError(f"schedule.compaction={self.compaction!r}: valid values are {', '.join(COMPACTIONS)}")
 
 
-def protected_mask(valid: torch.Tensor, sink: int, window: Any, capacity: torch.Tensor) -> torch.Tensor:
+def protected_mask(valid: torch.Tensor, sink: int, window: Any, capacity: torch.Tensor,
+                   slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Entries protected by the budget: the first ``sink`` and last ``window`` valid entries of each
-    ``[B, Hk]`` row (entries are in sequence order), trimmed so they fit ``capacity`` (sinks first).
-    ``window`` is an int or a ``[B, Hk]`` tensor."""
-    rank = valid.long().cumsum(-1) - 1  # position among the valid entries
+    ``[B, Hk]`` row, trimmed so they fit ``capacity`` (sinks first). ``window`` is an int or a ``[B, Hk]``
+    tensor. Order is the entries' order in the row, or, with ``slots [B, Hk, N]`` (each entry's place in the
+    token stream, distinct per row), the slots' order: the same thing for a cache in stream order, and the
+    right one for a cache whose entries moved (in-place eviction)."""
+    if slots is None:
+        rank = valid.long().cumsum(-1) - 1  # position among the valid entries
+    else:
+        s = slots.long()
+        alive = torch.zeros(*s.shape[:-1], int(s.max()) + 1 if s.numel() else 0, dtype=torch.long,
+                            device=s.device).scatter_add_(-1, s, valid.long())
+        rank = torch.gather(alive.cumsum(-1), -1, s) - 1  # valid entries with a smaller or equal slot, minus one
     count = valid.long().sum(-1, keepdim=True)
     from_end = count - 1 - rank
     sink_eff = torch.clamp(capacity, max=sink).unsqueeze(-1)
@@ -353,16 +372,40 @@ class RandomScorer(_StatelessScorer):
 
 
 class Selector(Protocol):
-    """Scores ``[B, Hk, N]``, capacities ``[B, Hk]``, protected and valid masks ``[B, Hk, N]`` -> keep mask."""
+    """Scores ``[B, Hk, N]``, capacities ``[B, Hk]``, protected and valid masks ``[B, Hk, N]`` -> keep mask;
+    ``slots [B, Hk, N]`` (each entry's place in the token stream) order entries whose places moved (in-place
+    eviction) for tie-breaking; None: positions."""
 
     def select(self, scores: torch.Tensor, capacity: torch.Tensor, protected: torch.Tensor,
-               valid: torch.Tensor) -> torch.Tensor: ...
+               valid: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+
+FEW_DROPS = 4
+""":func:`top_capacity` removes up to this many entries per row by repeated minima (a decode step's eviction)
+instead of sorting the row."""
 
 
 def top_capacity(scores: torch.Tensor, capacity: torch.Tensor, protected: torch.Tensor,
-                 valid: torch.Tensor) -> torch.Tensor:
+                 valid: torch.Tensor, slots: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Keep mask ``[..., N]``: per row of ``scores [..., N]``, the ``capacity [...]`` highest-scoring valid entries,
-    protected entries ranked first (ties broken by position, stably). The one top-k rule of every selector."""
+    protected entries ranked first, ties broken by position (or by ``slots [..., N]``, each entry's place in the
+    token stream: the same for a cache in stream order), earlier first. The one top-k rule of every selector.
+
+    With ``slots``, a row that drops at most :data:`FEW_DROPS` entries drops its lowest-scoring unprotected valid
+    entries one minimum at a time (the latest slot among ties), which is the same set without a sort."""
+    n_valid = valid.sum(-1)
+    drop = (n_valid - capacity).clamp_min(0)
+    if slots is not None:
+        most = int(drop.max()) if drop.numel() else 0
+        if most == 0:
+            return valid.clone()
+        if most <= FEW_DROPS and bool(((valid & protected).sum(-1) <= capacity).all()):
+            return _drop_minima(scores, drop, protected, valid, slots, most)
+        if not bool((slots.diff(dim=-1) > 0).all()):  # moved entries: rank by slot, then by score
+            by_slot = torch.argsort(slots, dim=-1, stable=True)
+            keep = top_capacity(torch.gather(scores, -1, by_slot), capacity, torch.gather(protected, -1, by_slot),
+                                torch.gather(valid, -1, by_slot))
+            return torch.empty_like(keep).scatter_(-1, by_slot, keep)
     s = scores.float().masked_fill(~valid, float("-inf"))
     s = torch.where(protected, torch.full_like(s, float("inf")), s)
     order = torch.argsort(s, dim=-1, descending=True, stable=True)
@@ -371,22 +414,41 @@ def top_capacity(scores: torch.Tensor, capacity: torch.Tensor, protected: torch.
     return valid & (ranks < capacity.unsqueeze(-1))
 
 
+def _drop_minima(scores: torch.Tensor, drop: torch.Tensor, protected: torch.Tensor, valid: torch.Tensor,
+                 slots: torch.Tensor, most: int) -> torch.Tensor:
+    """``valid`` less, per row, its ``drop [...]`` lowest-scoring unprotected entries (ties: the latest slot
+    first), removed one minimum at a time (``most`` rounds): the entries a stable descending sort ranks last."""
+    keep = valid.clone()
+    rest = scores.float().masked_fill(~(valid & ~protected), float("inf"))
+    free = valid & ~protected
+    late = torch.where(free, slots.long(), torch.full_like(slots, -1, dtype=torch.long))
+    for i in range(most):
+        low = rest.min(-1, keepdim=True).values
+        pick = torch.where((rest == low) & free, late, torch.full_like(late, -1)).argmax(-1, keepdim=True)
+        due = (drop > i).unsqueeze(-1)
+        keep.scatter_(-1, pick, torch.gather(keep, -1, pick) & ~due)
+        free = free.scatter(-1, pick, torch.gather(free, -1, pick) & ~due)
+        rest = rest.scatter(-1, pick, torch.where(due, float("inf"), torch.gather(rest, -1, pick)))
+    return keep
+
+
 class TopKSelector:
     """Each KV head keeps its own top-``capacity`` entries (protected ones first)."""
 
-    def select(self, scores, capacity, protected, valid):
-        return top_capacity(scores, capacity, protected, valid)
+    def select(self, scores, capacity, protected, valid, slots=None):
+        return top_capacity(scores, capacity, protected, valid, slots)
 
 
 class SharedTopKSelector:
-    """One set per layer (TOVA-style): scores averaged over the KV heads, the smallest head capacity used."""
+    """One set per layer (TOVA-style): scores averaged over the KV heads, the smallest head capacity used. The
+    heads hold the same entries at the same places (every decision is shared), so head 0's slots order them."""
 
-    def select(self, scores, capacity, protected, valid):
+    def select(self, scores, capacity, protected, valid, slots=None):
         live = valid.float()
         mean = (scores.float().masked_fill(~valid, 0.0) * live).sum(1, keepdim=True) / live.sum(1, keepdim=True).clamp_min(1)
         shared_valid = valid.any(1, keepdim=True)
         keep = top_capacity(mean, capacity.min(1, keepdim=True).values, protected.any(1, keepdim=True),
-                             shared_valid)
+                             shared_valid, None if slots is None else slots[:, :1])
         return keep.expand_as(valid) & valid
 
 
@@ -513,21 +575,24 @@ class KVPolicy:
         ``capacity [B, Hk]`` overrides the budget's (the runner passes the capacity fixed at the first
         decision of the sequence, see :class:`Budget`)."""
         scorer = scorer if scorer is not None else self.scorer
-        n_heads = obs.k.shape[1]
-        n_valid = obs.valid.sum(-1)
         if capacity is None:
-            capacity = self.budget.capacity(n_valid, obs.layer, n_heads)
-        capacity = torch.minimum(capacity.to(n_valid.device), n_valid)
-        window = max(self.budget.window, 0)
-        if self.budget.window_fraction > 0:
-            window = torch.clamp(torch.floor(capacity.double() * self.budget.window_fraction).long(), min=window)
-        protected = protected_mask(obs.valid, self.budget.sink, window, capacity)
+            capacity = self.budget.capacity(obs.valid.sum(-1), obs.layer, obs.k.shape[1])
         scores = scorer.score(obs)
         if tuple(scores.shape) != tuple(obs.valid.shape):
             raise ValueError(f"scorer {type(scorer).__name__} returned {list(scores.shape)}; expected "
                              f"[B, Hk, N] = {list(obs.valid.shape)}")
-        keep = self.selector.select(scores, capacity, protected, obs.valid)
-        return keep & obs.valid
+        return self.keep_mask(scores, obs.valid, obs.slots, capacity)
+
+    def keep_mask(self, scores: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor,
+                  capacity: torch.Tensor) -> torch.Tensor:
+        """The selection of :meth:`decide` from ``scores, valid, slots [R, Hk, N]`` and ``capacity [R, Hk]``
+        (rows ``R`` may stack several layers' batches: the session decides a decode step's layers at once)."""
+        capacity = torch.minimum(capacity.to(valid.device), valid.sum(-1))
+        window = max(self.budget.window, 0)
+        if self.budget.window_fraction > 0:
+            window = torch.clamp(torch.floor(capacity.double() * self.budget.window_fraction).long(), min=window)
+        protected = protected_mask(valid, self.budget.sink, window, capacity, slots)
+        return self.selector.select(scores, capacity, protected, valid, slots=slots) & valid
 
 
 @dataclass

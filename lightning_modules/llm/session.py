@@ -40,17 +40,26 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 import kernels
-from kernels.reference.colstats import MOMENTS as COLSTATS_MOMENTS
+from kernels.reference.colstats import MOMENTS as COLSTATS_MOMENTS, decode_attention_colstats
 from lightning_modules.llm.attention import (ATTN_NAME, BLOCK_ATTR, RUNNER_ATTR, SCORE_ATTR, causal_attention,
                                             ensure_registered, mask_to_key_mask)
 from lightning_modules.llm.policy import (Action, KVObservation, KVPolicy, PolicyBatch, Schedule,
-                                         compensator_merge)
+                                         SharedTopKSelector, TopKSelector, compensator_merge)
+from lightning_modules.llm.slot_buffer import SlotBufferLayer, as_slot_buffer
 
 __all__ = ["LayerRunner", "PolicySession", "install_policy", "attach_runners", "active_session", "attention_modules",
            "cache_bytes", "window_attention", "SESSION_ATTR", "ROLES", "RunnerStack", "runner_stack", "call_phase",
            "phase_of", "PHASE_ATTR"]
 
 SESSION_ATTR = "_litctx_kv_session"
+BATCHED_SELECTORS = (TopKSelector, SharedTopKSelector)
+"""Selectors whose decode-step decisions are batched across layers (they act per ``[B, Hk]`` row of a view,
+so stacking layers along the batch axis changes nothing)."""
+IN_PLACE_MIN = 8
+IN_PLACE_FRACTION = 8
+"""An in-place eviction (``schedule.compaction == "inplace"``) moves the tail entries into the dropped ones'
+places when at most ``max(IN_PLACE_MIN, N // IN_PLACE_FRACTION)`` entries lie past the new length (a decode
+step's); a larger compaction (after the prefill) gathers the kept entries in stream order."""
 
 
 def attention_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
@@ -186,7 +195,15 @@ class LayerRunner:
             read = torch.cat([read[..., :n_old], valid[..., n_old:]], -1)
             self.session.record(self.layer, phase, read, valid)
 
-        if stack is not None:
+        fused = None
+        if phase == "decode" and n_q == 1 and window is None and (stack is None or "read" not in stack.parts):
+            fused = self._decode_moments(KVObservation(self.layer, phase, query, key, value, slots, valid, scale))
+        stats = None
+        if fused is not None:
+            # one pass gives the output and the probabilities the scorers sum (no second pass over the keys)
+            o, lse, stats = decode_attention_colstats(query, key, value, scale=scale,
+                                                      key_mask=None if bool(read.all()) else read, moments=fused)
+        elif stack is not None:
             o, lse = stack.compute(module, query, key, value, read, scale, window, phase, attention_mask, slots,
                                    first_slot=st.seen)
         elif window is None:
@@ -209,10 +226,27 @@ class LayerRunner:
 
         obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, out=o, lse=lse,
                             window=window, hidden=hidden)
+        if stats is not None and comp is None:
+            obs._cache[("colstats", 1, fused)] = stats
         if phase == "prefill" and self.session.record_prefill:
             self.session.prefill_observations[self.layer] = obs
         self._after_attention(obs)
         return o
+
+    def _decode_moments(self, pre: KVObservation) -> Optional[str]:
+        """The column statistics (``attention`` or ``output``) the acting scorers read at a decode step, when a
+        fused decode pass can give them (one query, no logit moments); None otherwise."""
+        want = None
+        for pol, scorer in zip(self.policy.policies, self.scorers):
+            request = getattr(scorer, "colstats_request", None)
+            if request is None or not pol.acts_on(self.layer) or pol.action is Action.SPARSE_READ:
+                continue
+            moments = request(pre)[1]
+            if moments not in COLSTATS_MOMENTS[:2]:
+                return None
+            want = moments if want is None else COLSTATS_MOMENTS[max(COLSTATS_MOMENTS.index(want),
+                                                                      COLSTATS_MOMENTS.index(moments))]
+        return want
 
     def _combine(self, keeps: List[torch.Tensor]) -> torch.Tensor:
         return keeps[0] if len(keeps) == 1 else torch.cat(keeps, 0)
@@ -246,6 +280,15 @@ class LayerRunner:
                 if st.capacity[i] is None:
                     st.capacity[i] = pol.budget.capacity(ob.valid.sum(-1), self.layer, ob.valid.shape[1])
                 capacity = st.capacity[i]
+            if len(views) == 1 and self._deferrable(obs, pol):
+                # a decode step's eviction waits for the step's other layers: one batched decision for all
+                if capacity is None:
+                    capacity = pol.budget.capacity(ob.valid.sum(-1), self.layer, ob.valid.shape[1])
+                st.slots, st.valid = obs.slots, obs.valid
+                self.session.defer(self, obs, pol, capacity)
+                if self.layer == self.session.last_layer:
+                    self.session.flush()
+                return
             keeps.append(pol.decide(ob, self.scorers[i], capacity))
             acted = True
         rows = self._rows(obs.k.shape[0])
@@ -254,10 +297,27 @@ class LayerRunner:
             keep = self._combine(keeps) & valid
             self.session.record(self.layer, obs.phase, keep, valid)
             slots, valid = self._apply(keep, obs.k.expand(rows, -1, -1, -1), obs.v.expand(rows, -1, -1, -1),
-                                       slots, valid)
+                                       slots, valid, obs.window)
         if obs.window is not None:
             slots, valid = self._drop_dead_prefix(slots, valid)
         st.slots, st.valid = slots, valid
+        if self.session.pending and self.layer == self.session.last_layer:
+            self.session.flush()
+
+    def _deferrable(self, obs: KVObservation, pol: KVPolicy) -> bool:
+        """Whether this call's decision may wait for the step's last layer (:meth:`PolicySession.flush`): a
+        one-token decode step of a single in-place evicting policy with a per-head or shared top-k selector, no
+        compensator and no sliding window. Waiting is exact: a layer's decision reads only its own entries and
+        is applied before the layer's next call."""
+        return (obs.phase == "decode" and obs.q.shape[2] == 1 and obs.window is None
+                and pol.action is Action.EVICT and pol.compensator is None
+                and pol.schedule.compaction == "inplace" and type(pol.selector) in BATCHED_SELECTORS)
+
+    def finish(self, obs: KVObservation, keep: torch.Tensor) -> None:
+        """Apply a deferred decision ``keep [B, Hk, N]`` over this layer's view ``obs``."""
+        keep = keep & obs.valid
+        self.session.record(self.layer, obs.phase, keep, obs.valid)
+        self.state.slots, self.state.valid = self._apply(keep, obs.k, obs.v, obs.slots, obs.valid, None)
 
     def _prefetch_colstats(self, obs: KVObservation) -> None:
         """A shared observation serves every row's scorer: compute each window's column statistics once, with
@@ -340,8 +400,16 @@ class LayerRunner:
             self.state.recompute = self.state.recompute[..., n_dead:]
         return slots[..., n_dead:], valid[..., n_dead:]
 
+    def _in_place(self) -> bool:
+        """Whether this layer's evictions fill the dropped entries' places in place (a :class:`SlotBufferLayer`)
+        rather than gathering the kept entries: every acting policy evicts during decoding with
+        ``schedule.compaction == "inplace"``."""
+        acting = [p for p in self.policy.policies if p.acts_on(self.layer)]
+        return bool(acting) and all(p.schedule.decode_every > 0 and p.schedule.compaction == "inplace"
+                                    for p in acting)
+
     def _apply(self, keep: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-               valid: torch.Tensor):
+               valid: torch.Tensor, window: Optional[int] = None):
         action = self.policy.action
         if action is Action.MASK:
             return slots, valid & keep
@@ -360,12 +428,49 @@ class LayerRunner:
         if self.policy.compensator is not None:
             self.policy.compensator.write(self.layer, key, value, slots, valid & ~keep)
         n_keep = int(keep.sum(-1).max())
+        n = keep.shape[-1]
+        if window is None and self._in_place():
+            buffer = as_slot_buffer(self.cache, self.layer)
+            if 0 < n - n_keep <= max(IN_PLACE_MIN, n // IN_PLACE_FRACTION):
+                return self._fill_holes(buffer, keep, slots, n_keep)
+            layer_cache = buffer  # a large compaction (the prefill's): gathered in order, then adopted
         # kept entries first (in order), then the rest; the first n_keep columns hold every kept entry
         order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :n_keep]
         idx = order.unsqueeze(-1)
         layer_cache.keys = torch.gather(key, 2, idx.expand(-1, -1, -1, key.shape[-1])).contiguous()
         layer_cache.values = torch.gather(value, 2, idx.expand(-1, -1, -1, value.shape[-1])).contiguous()
         return torch.gather(slots, 2, order), torch.gather(keep, 2, order)
+
+    @staticmethod
+    def _fill_holes(buffer: SlotBufferLayer, keep: torch.Tensor, slots: torch.Tensor, n_keep: int):
+        """In-place eviction: the kept entries past position ``n_keep`` (the tail, ``T = N - n_keep`` entries, a
+        decode step's one) move into the places of the dropped entries before it, per head, and the buffers are
+        cut to ``n_keep``. Moves ``O(T d)`` numbers; the bookkeeping is ``O(N)`` on ``[B, Hk, N]`` masks. A head
+        that keeps fewer than ``n_keep`` entries keeps its extra places as invalid entries (as the gather pads).
+        Returns the new ``(slots, valid)`` ``[B, Hk, n_keep]``."""
+        t = keep.shape[-1] - n_keep
+        movers = keep[..., n_keep:]  # [B, Hk, T]
+        holes = ~keep[..., :n_keep]  # [B, Hk, n_keep]
+        if t == 1:  # a decode step: the new entry (when kept) takes the first hole
+            first = holes.to(torch.uint8).argmax(-1, keepdim=True)
+            dest = torch.where(movers, first, torch.full_like(first, n_keep))
+            buffer.fill(dest, n_keep, n_keep)
+            new_slots = slots[..., :n_keep].scatter(-1, first, torch.where(movers, slots[..., n_keep:],
+                                                                           slots.gather(-1, first)))
+            head = keep[..., :n_keep]
+            return new_slots, head.scatter(-1, first, head.gather(-1, first) | movers)
+        hole_rank = holes.long().cumsum(-1) - 1
+        # the position of each head's r-th hole (r < T; later holes land in a spare column)
+        positions = torch.arange(n_keep, device=keep.device).expand_as(hole_rank)
+        at = torch.where(holes & (hole_rank < t), hole_rank, torch.full_like(hole_rank, t))
+        hole_at = torch.zeros(*keep.shape[:2], t + 1, dtype=torch.long, device=keep.device).scatter_(-1, at, positions)
+        mover_rank = (movers.long().cumsum(-1) - 1).clamp_min(0)
+        own = torch.arange(n_keep, n_keep + t, device=keep.device).expand_as(movers)
+        dest = torch.where(movers, torch.gather(hole_at[..., :t], -1, mover_rank), own)  # every mover has a hole
+        buffer.fill(dest, n_keep, n_keep)
+        new_slots = slots.clone().scatter_(-1, dest, slots[..., n_keep:].clone())[..., :n_keep]
+        new_valid = keep.clone().scatter_(-1, dest, movers)[..., :n_keep]
+        return new_slots, new_valid
 
 
 def _check_window(layer: int, window: Any) -> Optional[int]:
@@ -419,6 +524,35 @@ class PolicySession:
     keep_log: bool = False
     record_prefill: bool = False
     prefill_observations: Dict[int, KVObservation] = field(default_factory=dict)
+    pending: List[Tuple["LayerRunner", KVObservation, KVPolicy, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def last_layer(self) -> int:
+        """The last layer a forward step calls (where deferred decisions are made)."""
+        return max(self.runners) if self.runners else -1
+
+    def defer(self, runner: "LayerRunner", obs: KVObservation, policy: KVPolicy, capacity: torch.Tensor) -> None:
+        """Hold a layer's decode-step decision until :meth:`flush` (see :meth:`LayerRunner._deferrable`)."""
+        self.pending.append((runner, obs, policy, capacity))
+
+    def flush(self) -> None:
+        """Make the held decisions: layers whose views have one shape and one policy are decided together (one
+        set of tensor ops over ``[L * B, Hk, N]`` instead of one set per layer), then each layer applies its
+        own."""
+        pending, self.pending = self.pending, []
+        groups: Dict[Any, List[Tuple["LayerRunner", KVObservation, KVPolicy, torch.Tensor]]] = {}
+        for item in pending:
+            groups.setdefault((id(item[2]), tuple(item[1].valid.shape)), []).append(item)
+        for items in groups.values():
+            policy = items[0][2]
+            b, hk, n = items[0][1].valid.shape
+            scores = torch.stack([r.scorers[0].score(o).float() for r, o, _, _ in items]).view(-1, hk, n)
+            valid = torch.stack([o.valid for _, o, _, _ in items]).view(-1, hk, n)
+            slots = torch.stack([o.slots for _, o, _, _ in items]).view(-1, hk, n)
+            capacity = torch.stack([c.to(valid.device).expand(b, hk) for _, _, _, c in items]).view(-1, hk)
+            keep = policy.keep_mask(scores, valid, slots, capacity).view(len(items), b, hk, n)
+            for (runner, obs, _, _), k in zip(items, keep):
+                runner.finish(obs, k)
 
     def replay_prefill(self, observations: Dict[int, KVObservation], cache: Any) -> None:
         """Compress a prefill that ran earlier under another policy (typically a no-op one installed with
@@ -707,6 +841,8 @@ def install_policy(model: torch.nn.Module, policy: KVPolicy, keep_log: bool = Fa
         session.runners[module.layer_idx] = runner
 
         def grab_cache(mod, args, kwargs):
+            if session.pending and any(item[0] is runner for item in session.pending):
+                session.flush()  # a step that ended before its last layer: decide before the cache grows again
             runner.cache = kwargs.get("cache", kwargs.get("past_key_values"))
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             runner.hidden = hidden if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
