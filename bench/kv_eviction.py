@@ -341,7 +341,8 @@ def report(args, rank_quality) -> str:
     body = f"""Command: `python -m bench.kv_eviction` ({status}; SmolLM2-135M-Instruct fp32, greedy, suite seed 0; tasks
 {', '.join(args.tasks)} with {args.samples} samples each = {n_per} samples per cell; one prefill per sample
 shared by every method, which then compresses it exactly as when installed alone). Budgets are per KV head and
-include sinks / windows / recent tokens; H2O, TOVA and StreamingLLM also evict at every decode step. OBCache
+include sinks / windows / recent tokens; H2O, TOVA and StreamingLLM also evict at every decode step (in place by
+default; the `(gather)` rows rebuild the cache at every step, the previous behaviour). OBCache
 variants use the joint score `obcache_kv` in place of the attention score, in the same machinery.
 
 {chr(10).join(s + chr(10) for s in sections)}
