@@ -659,8 +659,10 @@ IN_PLACE_CONFIGS = [
 ]
 
 
-def _decode_trace(model, name, args, compaction, steps=10):
-    """Per decode step: the logits and, per layer, each (row, head)'s kept slots (sorted); and the final cache."""
+def _decode_trace(model, name, args, compaction, steps=10, question=0):
+    """Per decode step: the logits and, per layer, each (row, head)'s kept slots (sorted); and the final cache.
+    ``question`` tokens appended after the prefill (not evicted) make the first decode step drop that many more
+    entries (the multi-entry move)."""
     ids, mask = _ids(seed=7, n=40, pad=9)
     policy = method_config(name, {**args, "compaction": compaction}).build()
     lm = CachedLM(model)
@@ -668,6 +670,8 @@ def _decode_trace(model, name, args, compaction, steps=10):
     with torch.no_grad(), install_policy(model, policy) as session:
         lm.feed(ids, mask)
         gen = torch.Generator().manual_seed(3)
+        if question:
+            lm.feed(torch.randint(0, 256, (2, question), generator=gen))
         for _ in range(steps):
             logits = lm.feed(torch.randint(0, 256, (2, 1), generator=gen))
             kept = {layer: [sorted(r.state.slots[b, h][r.state.valid[b, h]].tolist())
@@ -677,16 +681,17 @@ def _decode_trace(model, name, args, compaction, steps=10):
     return trace, lm.cache
 
 
+@pytest.mark.parametrize("question", [0, 5])
 @pytest.mark.parametrize("name,args", IN_PLACE_CONFIGS, ids=lambda x: str(x))
-def test_in_place_eviction_keeps_what_gathering_keeps_and_never_copies_the_cache(name, args):
+def test_in_place_eviction_keeps_what_gathering_keeps_and_never_copies_the_cache(name, args, question):
     """Every decode step: the same kept entries per layer, row and head, and the same logits, whether a step's
     eviction gathers the cache or moves the new entry into the dropped one's place (with the decision deferred to
     the step's last layer and made for all layers at once); the in-place cache holds the same number of entries."""
     from lightning_modules.llm.slot_buffer import SlotBufferLayer
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=5)
-    gathered, cache_g = _decode_trace(model, name, args, "gather")
-    in_place, cache_i = _decode_trace(model, name, args, "inplace")
+    gathered, cache_g = _decode_trace(model, name, args, "gather", question=question)
+    in_place, cache_i = _decode_trace(model, name, args, "inplace", question=question)
     for (lg, kg), (li, ki) in zip(gathered, in_place):
         assert ki == kg
         torch.testing.assert_close(li, lg, rtol=0, atol=1e-5)

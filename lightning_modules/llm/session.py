@@ -196,7 +196,8 @@ class LayerRunner:
             self.session.record(self.layer, phase, read, valid)
 
         fused = None
-        if phase == "decode" and n_q == 1 and window is None and (stack is None or "read" not in stack.parts):
+        if (phase == "decode" and n_q == 1 and window is None and pol.acts_on(self.layer)
+                and (stack is None or "read" not in stack.parts)):
             fused = self._decode_moments(KVObservation(self.layer, phase, query, key, value, slots, valid, scale))
         stats = None
         if fused is not None:

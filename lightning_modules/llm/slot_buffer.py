@@ -91,7 +91,7 @@ class SlotBufferLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         for name, new in (("keys", key_states), ("values", value_states)):
             buf = self._buf[name]
-            if buf is None or buf.dim() != 4 or buf.shape[-2] == 0 and self._len[name] == 0:
+            if buf is None or buf.dim() != 4 or (buf.shape[-2] == 0 and self._len[name] == 0):
                 self._set(name, new)
                 continue
             if buf.shape[:2] != new.shape[:2] or buf.shape[-1] != new.shape[-1] or buf.dtype != new.dtype:
