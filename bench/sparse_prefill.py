@@ -401,6 +401,11 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
               f"{result['sale_floor']['fp32_gemm_s']:.2f} s", flush=True)
     elif "sale_floor" in old_data:
         result["sale_floor"] = old_data["sale_floor"]
+    sale_taus = [SUITE_METHODS[m][1]["tau"] for m in args.methods if m.startswith("sale")]
+    if sale_taus:
+        result["sale_bound"] = sale_bound_saving(obs, sale_taus, timed)
+    elif "sale_bound" in old_data:
+        result["sale_bound"] = old_data["sale_bound"]
     for m in args.methods:
         name, kw = SUITE_METHODS[m]
         if m == "dense":
@@ -444,6 +449,41 @@ def sale_estimate_floor(obs, timed, chunk_rows: int = 512) -> Dict[str, float]:
     return {"int8_gemm_s": int8_s, "fp32_gemm_s": fp32_s, "chunk_rows": chunk_rows}
 
 
+def sale_bound_saving(obs, taus, timed) -> Dict[str, Any]:
+    """SALE's CPU estimate with and without the exact tile bound (``kernels.lowbit_block_estimate(prune=...)``)
+    over every layer of the recorded prefill, per threshold: seconds of each, and whether the flags are
+    identical (they must be: the bound only skips tiles it proves below every row's threshold)."""
+    import torch
+
+    import kernels
+    from lightning_modules.sparse_prefill.methods import SALEConfig
+    from lightning_modules.sparse_prefill.sale import sink_local_layout
+
+    cfg = SALEConfig()
+    out: Dict[str, Any] = {}
+    for tau in taus:
+        row = {"pruned_s": 0.0, "full_s": 0.0, "identical": True, "flagged": 0, "tiles": 0}
+        for o in obs.values():
+            n = o.q.shape[2]
+            exact_layout = sink_local_layout(n, cfg.block_q, cfg.block_k, cfg.sink, cfg.local, o.q.device)
+            lse = kernels.attention(o.q, o.k, o.v, scale=o.scale, causal=True, layout=exact_layout)[1]
+            kw = dict(scale=o.scale, block_q=cfg.block_q, block_k=cfg.block_k, bits=cfg.bits,
+                      group_size=cfg.group_size, backend="torch")
+            res = {}
+            for prune in (True, False):
+                key = "pruned_s" if prune else "full_s"
+                row[key] += timed(lambda: res.__setitem__(prune, kernels.lowbit_block_estimate(
+                    o.q, o.k, lse, tau, prune=prune, **kw).to_block_mask()))
+            row["identical"] &= bool(torch.equal(res[True], res[False]))
+            row["flagged"] += int(res[True].sum())
+            row["tiles"] += int(res[True].numel())
+        row["saving"] = 1 - row["pruned_s"] / row["full_s"]
+        out[f"sale@{tau:g}"] = row
+        print(f"timing SALE estimate tau={tau:g}: bound {row['pruned_s']:.2f} s vs without {row['full_s']:.2f} s, "
+              f"identical flags: {row['identical']}", flush=True)
+    return out
+
+
 def timing_report(data: Dict[str, Any]) -> str:
     out = [f"One {data['n']}-token prompt, {data['layers']} layers, median of {data['reps']} per layer; dense SDPA "
            f"(`F.scaled_dot_product_attention`, causal, GQA) {data['sdpa_s']:.2f} s in all (methods timed in an "
@@ -467,6 +507,16 @@ def timing_report(data: Dict[str, Any]) -> str:
             if m.startswith("sale") and r.get("sdpa_s", sdpa) == sdpa:
                 rest = r["total_s"] - r["estimate_s"]
                 out.append(f"| {m} | {rest:.2f} | {sdpa / rest:.2f}x | {sdpa / (rest + floor['int8_gemm_s']):.2f}x |")
+    bound = data.get("sale_bound")
+    if bound:
+        out += ["", "SALE's CPU estimate with the exact tile bound (`kernels.lowbit_block_estimate(prune=True)`: a tile "
+                "whose box bound is below every row's threshold is never multiplied) against the same estimate "
+                "without it, every layer of the prompt, median per layer:", "",
+                "| threshold | with bound s | without s | saving | flags identical | flagged tiles |",
+                "|---|---|---|---|---|---|"]
+        for m, r in bound.items():
+            out.append(f"| {m} | {r['pruned_s']:.2f} | {r['full_s']:.2f} | {100 * r['saving']:.0f}% | "
+                       f"{'yes' if r['identical'] else 'NO'} | {100 * r['flagged'] / max(1, r['tiles']):.1f}% |")
     return "\n".join(out)
 
 

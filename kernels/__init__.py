@@ -7,12 +7,13 @@ bottom-right causal alignment (``q_offset = N_k - N_q``); every op returns the o
 * :mod:`kernels.layouts` - ``BlockLayout``, ``QueryIndex``, ``TokenIndex`` (what to compute).
 * :mod:`kernels.reference` - chunked, differentiable, float64-capable references (the oracle).
 * :mod:`kernels.cpu_sparse` - block-sparse attention on CPU that skips unlisted blocks.
-* :mod:`kernels.triton` - K1/K2 (attention forward/backward), K3 (gather), K5 (column statistics).
+* :mod:`kernels.triton` - K1/K2 (attention forward/backward), K3 (gather), K5 (column statistics), K6 (LSSAR),
+  K4 (SALE's low-bit estimate).
 * :mod:`kernels.dispatch` - ``attention``, ``gather_attention``, ``attention_colstats`` with backend choice
   (``LITCTX_KERNEL_BACKEND`` = auto | torch | triton | reference); ``attention`` takes a per-key ``key_mask``
   (fused on CPU and in the Triton kernels).
 * :mod:`kernels.lowbit_estimate` - SALE's low-bit block estimate without per-element rescaling (torch, any
-  device).
+  device; an exact tile bound skips tiles on CPU) or fused in Triton K4 on CUDA.
 * :mod:`kernels.merge`, :mod:`kernels.flops`, :mod:`kernels.testing`.
 
 Importing this package imports torch only; triton is imported when a Triton kernel is first used.

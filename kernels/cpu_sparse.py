@@ -1,5 +1,12 @@
 """Fast CPU block-sparse attention: skips the blocks it does not compute, forward and backward.
 
+Inference (fp32, no gradient needed, no ``key_mask``): a native forward (:func:`native_kernel`, C++ compiled once
+per machine) runs one task per (batch, query head, query block) with the whole 128-row query tile: for each listed
+key block, ``S = QK^T`` straight from K's memory (one BLAS call, no gather), the element mask on boundary blocks
+only, an online softmax, ``O += PV``; it returns the same ``(o, lse)`` (compiled FlexAttention cannot return the
+LSE on CPU). Timings against the flash-call path and compiled FlexAttention: ``bench/attention_cpu.py``.
+Everything else runs the flash-call path below.
+
 The work is one fused flash-attention call (PyTorch's CPU flash kernel, which also returns the LSE) per
 *bucket* of query blocks: query blocks of every batch element and head that visit the same number of fully
 valid key blocks and the same sequence of boundary blocks (the causal diagonal, window edges, a ragged last
@@ -22,6 +29,7 @@ handled by recomputing that backward with the chunked reference.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -338,10 +346,246 @@ def _reference_backward(ctx, q, k, v, grad_o, grad_lse):
     return dq, dk, dv, None, None, None, None, None, None
 
 
+
+# --- native fp32 forward (inference) -----------------------------------------------------------------------------
+NATIVE_ENV = "LITCTX_CPU_SPARSE_NATIVE"
+"""Set to ``0`` to keep inference calls on the flash-call path (the native kernel's kill switch)."""
+
+_NATIVE_CPP = r"""
+#include <torch/extension.h>
+""" + r"""#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/cpu/vec/functional.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+#include <algorithm>
+
+extern "C" int mkl_set_num_threads_local(const int*);  // the exported symbol is the by-reference form
+extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                       const int*, const float*, const int*, const float*, float*, const int*);
+
+// column-major BLAS: C[m x n] = alpha op(A) op(B) + beta C
+static inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+                        const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
+  const int M = m, N = n, K = k, LA = lda, LB = ldb, LC = ldc;
+  sgemm_(&tA, &tB, &M, &N, &K, &alpha, a, &LA, b, &LB, &beta, c, &LC);
+}
+
+// Block-sparse softmax attention forward (fp32), one task per (batch, query head, query block):
+// for each listed key block, S = scale * Q K^T (cpublas gemm straight from K's memory), the element mask on
+// boundary blocks only, online softmax, O += P V (gemm). Returns o [B, Hq, Nq, d] and lse [B, Hq, Nq].
+std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor kv_num, at::Tensor kv_idx,
+                                    int64_t bq, int64_t bk, double scale, bool causal, int64_t q_offset,
+                                    int64_t window) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat);
+  q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
+  kv_num = kv_num.to(at::kInt).contiguous(); kv_idx = kv_idx.to(at::kInt).contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), Nq = q.size(2), D = q.size(3);
+  const int64_t Hk = k.size(1), Nk = k.size(2), Dv = v.size(3);
+  const int64_t G = Hq / Hk;
+  const int64_t Mq = (Nq + bq - 1) / bq;
+  const int64_t E = B * Hq * Mq;
+  const int64_t kmax = kv_idx.size(-1);
+  TORCH_CHECK(kv_num.numel() == E && kv_idx.numel() == E * kmax, "layout does not match the shapes");
+  auto o = at::empty({B, Hq, Nq, Dv}, q.options());
+  auto lse = at::empty({B, Hq, Nq}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int32_t* nump = kv_num.data_ptr<int32_t>();
+  const int32_t* idxp = kv_idx.data_ptr<int32_t>();
+  float* op = o.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, E, 1, [&](int64_t begin, int64_t end) {
+    const int one = 1;
+    const int mkl_prev = mkl_set_num_threads_local(&one);  // one BLAS thread per task: no nested oversubscription
+    std::vector<float> sbuf(bq * bk), acc(bq * Dv), mrow(bq), lrow(bq);
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t m = e % Mq, bh = e / Mq, h = bh % Hq, b = bh / Hq;
+      const int64_t r0 = m * bq, rows = std::min(bq, Nq - r0);
+      const float* qt = qp + ((b * Hq + h) * Nq + r0) * D;
+      const int64_t kvh = b * Hk + h / G;
+      const float* kh = kp + kvh * Nk * D;
+      const float* vh = vp + kvh * Nk * Dv;
+      std::fill(mrow.begin(), mrow.begin() + rows, ninf);
+      std::fill(lrow.begin(), lrow.begin() + rows, 0.f);
+      std::fill(acc.begin(), acc.begin() + rows * Dv, 0.f);
+      const int64_t p0 = r0 + q_offset, p1 = r0 + rows - 1 + q_offset;
+      bool started = false;
+      const int32_t cnt = nump[e];
+      for (int32_t t = 0; t < cnt; ++t) {
+        const int64_t j = idxp[e * kmax + t];
+        const int64_t c0 = j * bk, cols = std::min(bk, Nk - c0);
+        const int64_t c1 = c0 + cols - 1;
+        bool full = true;
+        if (causal) {
+          if (c0 > p1) continue;
+          if (window > 0 && c1 <= p0 - window) continue;
+          full = c1 <= p0 && (window <= 0 || c0 > p1 - window);
+        }
+        float* S = sbuf.data();
+        // S[rows x cols] (row-major, ld = cols) = Q K_j^T
+        gemm(true, false, cols, rows, D, sc, kh + c0 * D, D, qt, D, 0.f, S, cols);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = S + r * cols;
+          if (!full) {
+            const int64_t pos = r0 + r + q_offset;
+            for (int64_t c = 0; c < cols; ++c) {
+              const int64_t col = c0 + c;
+              const bool ok = col <= pos && (window <= 0 || col > pos - window);
+              if (!ok) s[c] = ninf;
+            }
+          }
+          using Vec = at::vec::Vectorized<float>;
+          constexpr int64_t W = Vec::size();
+          Vec vmx(ninf);
+          int64_t c = 0;
+          for (; c + W <= cols; c += W) vmx = at::vec::maximum(vmx, Vec::loadu(s + c));
+          float mx = ninf;
+          if (c < cols) vmx = at::vec::maximum(vmx, Vec::set(Vec(ninf), Vec::loadu(s + c, cols - c), cols - c));
+          {
+            alignas(64) float tmp[W];
+            vmx.store(tmp);
+            for (int64_t i = 0; i < W; ++i) mx = std::max(mx, tmp[i]);
+          }
+          const float mold = mrow[r];
+          const float mnew = std::max(mold, mx);
+          if (mnew == ninf) {  // nothing valid yet in this row
+            std::fill(s, s + cols, 0.f);
+            continue;
+          }
+          const Vec vm(mnew);
+          Vec vsum(0.f);
+          c = 0;
+          for (; c + W <= cols; c += W) {
+            Vec p = (Vec::loadu(s + c) - vm).exp_u20();
+            p.store(s + c);
+            vsum = vsum + p;
+          }
+          float sum = 0.f;
+          {
+            alignas(64) float tmp[W];
+            vsum.store(tmp);
+            for (int64_t i = 0; i < W; ++i) sum += tmp[i];
+          }
+          for (; c < cols; ++c) {
+            const float p = std::exp(s[c] - mnew);
+            s[c] = p;
+            sum += p;
+          }
+          const float alpha = (mold == ninf) ? 0.f : std::exp(mold - mnew);
+          lrow[r] = lrow[r] * alpha + sum;
+          mrow[r] = mnew;
+          if (started && alpha != 1.f) {
+            float* a = acc.data() + r * Dv;
+            const Vec va(alpha);
+            int64_t cc = 0;
+            for (; cc + W <= Dv; cc += W) (Vec::loadu(a + cc) * va).store(a + cc);
+            for (; cc < Dv; ++cc) a[cc] *= alpha;
+          }
+        }
+        // acc[rows x Dv] += P[rows x cols] V_j[cols x Dv]
+        gemm(false, false, Dv, rows, cols, 1.f, vh + c0 * Dv, Dv, S, cols, started ? 1.f : 0.f,
+                                  acc.data(), Dv);
+        started = true;
+      }
+      float* ot = op + ((b * Hq + h) * Nq + r0) * Dv;
+      float* lt = lp + (b * Hq + h) * Nq + r0;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* dst = ot + r * Dv;
+        if (!started || mrow[r] == ninf || lrow[r] <= 0.f) {
+          for (int64_t c = 0; c < Dv; ++c) dst[c] = 0.f;
+          lt[r] = ninf;
+          continue;
+        }
+        const float inv = 1.f / lrow[r];
+        const float* a = acc.data() + r * Dv;
+        for (int64_t c = 0; c < Dv; ++c) dst[c] = a[c] * inv;
+        lt[r] = mrow[r] + std::log(lrow[r]);
+      }
+    }
+    mkl_set_num_threads_local(&mkl_prev);
+  });
+  return {o, lse};
+}
+
+"""
+
+_native_state: dict = {}
+
+
+def _native_flags() -> List[str]:
+    cap = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")()
+    flags = ["-O3"]
+    if cap == "AVX512":
+        flags += ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl",
+                  "-mavx512bw", "-mfma"]
+    elif cap == "AVX2":
+        flags += ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2", "-mavx2", "-mfma"]
+    return flags
+
+
+def native_kernel():
+    """The compiled native forward module, or None (kill switch, no compiler, failed build: the reason is in
+    :func:`native_status`). Built once per machine with ``torch.utils.cpp_extension.load_inline`` (~40 s on 2
+    cores; cached on disk under the torch extensions directory, so later processes load it in well under a
+    second) and once per process."""
+    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    if "module" in _native_state:
+        return _native_state["module"]
+    import logging
+    import time
+
+    log = logging.getLogger("litctx.kernels")
+    t0 = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        mod = load_inline(name="litctx_cpu_sparse_fwd_v3", cpp_sources=[_NATIVE_CPP], functions=["bsa_forward"],
+                          extra_cflags=_native_flags(), verbose=False)
+        _native_state.update(module=mod, reason="built", seconds=time.perf_counter() - t0)
+        log.info("kernels.cpu_sparse: native block-sparse forward ready (%.1f s)", _native_state["seconds"])
+    except Exception as exc:  # noqa: BLE001 - no compiler or a failed build: the flash-call path serves the call
+        _native_state.update(module=None, reason=f"{type(exc).__name__}: {str(exc)[:300]}",
+                             seconds=time.perf_counter() - t0)
+        log.warning("kernels.cpu_sparse: native forward unavailable, using the flash-call path (%s)",
+                    _native_state["reason"])
+    return _native_state["module"]
+
+
+def native_status() -> dict:
+    """``{"module": ..., "reason": ..., "seconds": build/load time}`` after the first :func:`native_kernel` call."""
+    return dict(_native_state)
+
+
+def native_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
+    """The native forward serves fp32 CPU calls without a key mask when no gradient is needed."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return (not needs_grad and key_mask is None and q.dtype == k.dtype == v.dtype == torch.float32
+            and q.device.type == "cpu")
+
+
+def _native_forward(mod, q, k, v, layout: BlockLayout, *, scale: float, causal: bool, q_offset: int,
+                    window: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    b, hq = q.shape[:2]
+    lay = layout.expand(b, hq)
+    kv_num = lay.kv_num_blocks.to(torch.int32).reshape(-1).contiguous()
+    kv_idx = lay.kv_indices.to(torch.int32).reshape(kv_num.numel(), -1).contiguous()
+    o, lse = mod.bsa_forward(q, k, v, kv_num, kv_idx, layout.block_q, layout.block_k, float(scale), bool(causal),
+                             int(q_offset), -1 if window is None else int(window))
+    return o, lse
+
+
 def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, *,
                                scale: Optional[float] = None, causal: bool = True, q_offset: Optional[int] = None,
                                window: Optional[int] = None, max_workspace_bytes: int = _MAX_WORKSPACE_BYTES,
-                               key_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                               key_mask: Optional[torch.Tensor] = None,
+                               native: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q [B, Hq, Nq, d]`` over the blocks of ``layout`` (and the element mask) with
     ``k [B, Hk, Nk, d]``, ``v [B, Hk, Nk, dv]`` on CPU tensors; ``key_mask`` (boolean ``[B, 1|Hk|Hq, Nk]``,
     True = attend) removes keys per batch row and head.
@@ -365,8 +609,13 @@ def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         o, lse = block_sparse_attention_cpu(F.pad(q, (0, width - d)), F.pad(k, (0, width - d)),
                                             F.pad(v, (0, width - dv)), layout, scale=scale, causal=causal,
                                             q_offset=off, window=window, max_workspace_bytes=max_workspace_bytes,
-                                            key_mask=key_mask)
+                                            key_mask=key_mask, native=native)
         return o[..., :dv], lse
+    if native and native_eligible(q, k, v, key_mask):
+        mod = native_kernel()
+        if mod is not None:
+            return _native_forward(mod, q.contiguous(), k.contiguous(), v.contiguous(), layout, scale=scale,
+                                   causal=causal, q_offset=off, window=window)
     plan = plan_buckets(layout, b, hq, hk, causal=causal, q_offset=off, window=window, dtype=q.dtype)
     fn = _BlockSparseCPU
     o, lse = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, layout, (causal, off, window),

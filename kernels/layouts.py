@@ -14,6 +14,7 @@ A layout's batch or head dimension may be 1, meaning "the same for every batch e
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -390,18 +391,27 @@ def layout_pairs(layout: BlockLayout, *, causal: bool = True, q_offset: Optional
                  window: Optional[int] = None) -> torch.Tensor:
     """Computed pairs per (batch, head) of a layout under the element mask: ``[B, H]`` int64 (exact).
 
-    Cost ``O(blocks x block_q)``; the N x N mask is never built.
+    Cost ``O(blocks)`` per call: the pairs of every block under the mask depend only on the shapes, and are
+    computed once per shape (``O(blocks x block_q)``, cached); the N x N mask is never built.
     """
     n_q, n_k = layout.seq_lens
     off = resolve_q_offset(n_q, n_k, q_offset)
     bm = layout.to_block_mask().cpu()  # [B, H, Mq, Mk]
-    mq, mk = bm.shape[-2:]
-    c0 = (torch.arange(mk) * layout.block_k).view(1, mk)
-    c1 = torch.clamp(c0 + layout.block_k, max=n_k) - 1
-    per_block = torch.zeros(mq, mk, dtype=torch.int64)
-    q0 = torch.arange(mq) * layout.block_q
-    for t in range(layout.block_q):
-        rows = (q0 + t).view(mq, 1)
-        cnt = row_pair_counts(rows, c0, c1, n_k, causal=causal, q_offset=off, window=window)
-        per_block += torch.where(rows < n_q, cnt, torch.zeros_like(cnt))
+    per_block = block_pair_counts(n_q, n_k, layout.block_q, layout.block_k, causal, off, window)
     return (bm.to(torch.int64) * per_block).sum(dim=(-1, -2))
+
+
+@functools.lru_cache(maxsize=16)
+def block_pair_counts(n_q: int, n_k: int, block_q: int, block_k: int, causal: bool, q_offset: int,
+                      window: Optional[int]) -> torch.Tensor:
+    """Pairs of each ``[Mq, Mk]`` block the element mask allows (int64, CPU; cached per shape: do not modify)."""
+    mq, mk = math.ceil(n_q / block_q), math.ceil(n_k / block_k)
+    c0 = (torch.arange(mk) * block_k).view(1, mk)
+    c1 = torch.clamp(c0 + block_k, max=n_k) - 1
+    per_block = torch.zeros(mq, mk, dtype=torch.int64)
+    q0 = torch.arange(mq) * block_q
+    for t in range(block_q):
+        rows = (q0 + t).view(mq, 1)
+        cnt = row_pair_counts(rows, c0, c1, n_k, causal=causal, q_offset=q_offset, window=window)
+        per_block += torch.where(rows < n_q, cnt, torch.zeros_like(cnt))
+    return per_block

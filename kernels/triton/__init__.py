@@ -10,6 +10,8 @@ Public functions (same signatures and semantics as the torch references in :mod:
   forward only.
 * :func:`triton_attention_colstats` (K5, :mod:`kernels.triton.colstats`) - per-key attention statistics over a
   query window, returns :class:`ColStats`.
+* :func:`triton_lowbit_block_estimate` (K4, :mod:`kernels.triton.lowbit`) - SALE's low-bit block estimate fused
+  (int8 ``tl.dot``, Relative Attention Score, tile flags), returns a :class:`~kernels.layouts.BlockLayout`.
 
 Importing this package does not import triton: the names above are resolved lazily on first access (PEP 562),
 so ``import kernels.triton`` is safe on machines without triton, and :data:`HAS_TRITON` / :func:`is_interpret`
@@ -28,11 +30,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from kernels.triton.attention import triton_attention
     from kernels.triton.colstats import ColStats, triton_attention_colstats
     from kernels.triton.gather import triton_gather_attention
+    from kernels.triton.lowbit import triton_lowbit_block_estimate
     from kernels.triton.lssar import triton_lssar_attention
 
 __all__ = ["HAS_TRITON", "is_interpret", "triton_attention", "triton_gather_attention",
            "triton_attention_colstats", "ColStats",
-           "triton_lssar_attention"]
+           "triton_lssar_attention", "triton_lowbit_block_estimate"]
 
 _LAZY = {
     "triton_attention": "kernels.triton.attention",
@@ -40,6 +43,7 @@ _LAZY = {
     "triton_attention_colstats": "kernels.triton.colstats",
     "ColStats": "kernels.triton.colstats",
     "triton_lssar_attention": "kernels.triton.lssar",
+    "triton_lowbit_block_estimate": "kernels.triton.lowbit",
 }
 
 

@@ -34,7 +34,7 @@ from kernels.triton.attention import _Spec, _forward, _key_range, _lssa_kappa, _
 
 __all__ = ["triton_lssar_attention"]
 
-_LN2 = 0.6931471805599453
+_LN2 = tl.constexpr(0.6931471805599453)  # a constexpr: compiled kernels may read only constexpr globals
 
 
 @triton.jit

@@ -5,8 +5,9 @@ before each query block, plus its causal diagonal) gives each row's log-sum-exp 
 **estimate**: mean-subtracted queries and keys quantised to ``bits`` (int4 by default) give approximate logits
 ``S~_ij``; the Relative Attention Score ``exp(scale S~_ij - LSE^SL_i)`` over-estimates the true probability
 (its denominator is only the sink + local mass), and a ``block_q x block_k`` tile (64 x 32) is computed when
-some pair reaches the head's threshold ``tau_h`` (:func:`kernels.lowbit_block_estimate`, equal to
-:func:`kernels.lowbit_block_estimate_reference` up to ties within float rounding).
+some pair reaches the head's threshold ``tau_h`` (:func:`kernels.lowbit_block_estimate`: on CUDA the fused
+Triton kernel K4, whose flags equal :func:`kernels.lowbit_block_estimate_reference`; on CPU torch with an exact
+tile bound, equal up to ties within float rounding).
 ``tau_h = 0`` runs the head dense. The **compute pass** covers the selected tiles outside the sink + local
 band through :func:`kernels.attention`, merged with the exact pass by :func:`kernels.merge_lse`.
 

@@ -163,3 +163,66 @@ def test_chunk_sizing_counts_the_key_mask_tile(monkeypatch):
     assert torch.equal(torch.isfinite(lse), fin)
     assert_close(o, ro, ratio=1e-5)
     assert_close(lse[fin], rlse[fin], ratio=1e-5)
+
+
+# --- the native fp32 inference forward -----------------------------------------------------------------------
+# built once per machine (~40 s on 2 cores, then cached on disk): the first run of this module pays it once
+
+
+@pytest.fixture(scope="module")
+def native():
+    from kernels.cpu_sparse import native_kernel, native_status
+
+    mod = native_kernel()
+    if mod is None:
+        pytest.skip(f"native forward unavailable: {native_status().get('reason')}")
+    return mod
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kind", ["random", "empty_rows", "diagonal", "sink"])
+def test_native_forward_matches_reference(native, monkeypatch, case, kind):
+    import kernels.cpu_sparse as cs
+
+    calls = []
+    real = cs._native_forward
+    monkeypatch.setattr(cs, "_native_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    b, hq, hk, nq, nk, d, bq, bk, causal, off, window = case
+    q, k, v = (t.detach() for t in make(b, hq, hk, nq, nk, d, torch.float32))
+    lay = layout_for(kind, b, hq, nq, nk, bq, bk, causal, off, window)
+    with torch.no_grad():
+        o, lse = block_sparse_attention_cpu(q, k, v, lay, causal=causal, q_offset=off, window=window)
+    assert calls, "an fp32 inference call takes the native forward"
+    ro, rlse = attention_reference(q.double(), k.double(), v.double(), layout=lay, causal=causal, q_offset=off,
+                                   window=window)
+    assert o.dtype == torch.float32 and lse.dtype == torch.float32 and lse.shape == (b, hq, nq)
+    assert_close(o, ro, ratio=1e-5)
+    fin = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), fin), "rows without keys must have lse = -inf"
+    assert (o[~fin] == 0).all()
+    assert_close(lse[fin], rlse[fin], ratio=1e-5)
+
+
+def test_native_forward_not_taken_with_grad_key_mask_or_kill_switch(native, monkeypatch):
+    import kernels.cpu_sparse as cs
+
+    def boom(*a, **kw):
+        raise AssertionError("native forward taken")
+
+    b, hq, hk, nq, nk, d, bq, bk, causal, off, window = CASES[0]
+    q, k, v = make(b, hq, hk, nq, nk, d, torch.float32)
+    lay = layout_for("random", b, hq, nq, nk, bq, bk, causal, off, window)
+    want, _ = attention_reference(q.detach(), k.detach(), v.detach(), layout=lay, causal=causal)
+    monkeypatch.setattr(cs, "_native_forward", boom)
+    o, _ = block_sparse_attention_cpu(q, k, v, lay, causal=causal)  # grad required: the flash-call path
+    o.sum().backward()
+    assert q.grad is not None
+    with torch.no_grad():
+        km = torch.ones(b, hq, nk, dtype=torch.bool)
+        block_sparse_attention_cpu(q, k, v, lay, causal=causal, key_mask=km)  # key mask: flash-call path
+        block_sparse_attention_cpu(q.double(), k.double(), v.double(), lay, causal=causal)  # fp64
+        o2, _ = block_sparse_attention_cpu(q, k, v, lay, causal=causal, native=False)
+        monkeypatch.setenv(cs.NATIVE_ENV, "0")
+        o3, _ = block_sparse_attention_cpu(q, k, v, lay, causal=causal)
+    assert_close(o2, want, ratio=1e-5)
+    assert_close(o3, want, ratio=1e-5)

@@ -139,3 +139,30 @@ def test_cpu_gqa_without_a_causal_mask_folds_groups_and_matches_the_reference(n_
     attention_reference(qr, kr, vr, causal=causal)[0].square().sum().backward()
     for a, b in ((qg, qr), (kg, kr), (vg, vr)):
         assert_close(a.grad, b.grad, ratio=1e-5)
+
+
+def test_cpu_block_layout_inference_takes_the_native_forward_training_does_not(monkeypatch):
+    """fp32 inference calls with a block layout run the native forward of kernels.cpu_sparse (when it builds);
+    calls that need a gradient keep the flash-call path and its backward."""
+    import kernels.cpu_sparse as cs
+
+    if cs.native_kernel() is None:
+        pytest.skip(f"native forward unavailable: {cs.native_status().get('reason')}")
+    calls = []
+    real = cs._native_forward
+    monkeypatch.setattr(cs, "_native_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 96, 16, generator=g)
+    k, v = torch.randn(1, 2, 96, 16, generator=g), torch.randn(1, 2, 96, 16, generator=g)
+    lay = BlockLayout.random_causal(96, 32, 0.5, heads=4, seed=1)
+    want, want_lse = attention_reference(q, k, v, layout=lay, causal=True)
+    with torch.no_grad():
+        o, lse = kernels.attention(q, k, v, layout=lay)
+    assert calls == [1]
+    assert_close(o, want, ratio=1e-5)
+    assert_close(lse, want_lse, ratio=1e-5)
+    qg = q.clone().requires_grad_(True)
+    o2, _ = kernels.attention(qg, k, v, layout=lay)
+    assert calls == [1], "a call that needs a gradient stays on the flash-call path"
+    o2.sum().backward()
+    assert_close(o2.detach(), want, ratio=1e-5)

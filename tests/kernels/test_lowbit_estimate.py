@@ -71,3 +71,69 @@ def test_fast_estimate_names_bad_inputs():
         lowbit_block_estimate(q, k, lse, [0.1, 0.2, 0.3])
     with pytest.raises(ValueError, match="chunk_rows"):
         lowbit_block_estimate(q, k, lse, 0.1, chunk_rows=0)
+
+
+PRUNE_CASES = [  # b, hq, hk, n_q, n_k, d, block_q, block_k, causal, chunk_rows
+    (1, 4, 2, 700, 700, 32, 32, 16, True, 128),
+    (2, 3, 1, 300, 420, 16, 16, 32, True, 64),    # Nq < Nk: bottom-right causal
+    (1, 2, 2, 256, 200, 16, 32, 16, False, 96),   # non-causal, ragged keys
+]
+
+
+def _structured(case, seed):
+    """Attention-like inputs: queries share a direction, a few keys (every 37th and the first) point along it
+    and the rest are weak, so most tiles hold no key a row attends to; ``lse`` is the exact attention's over
+    every key (``tau`` is then a share of the true probability mass)."""
+    from kernels.reference import attention_reference
+
+    b, hq, hk, n_q, n_k, d = case[:6]
+    gen = torch.Generator().manual_seed(seed)
+    direction = torch.randn(d, generator=gen)
+    direction = direction / direction.norm()
+    q = torch.randn(b, hq, n_q, d, generator=gen) + 4 * direction
+    k = torch.randn(b, hk, n_k, d, generator=gen) * 0.7
+    heavy = torch.zeros(n_k, dtype=torch.bool)
+    heavy[::37] = True
+    k[:, :, heavy] += 4 * direction
+    lse = attention_reference(q, k, k, causal=case[8])[1]
+    return q, k, lse
+
+
+@pytest.mark.parametrize("case", PRUNE_CASES, ids=[f"case{i}" for i in range(len(PRUNE_CASES))])
+def test_exact_bound_keeps_the_flags_bit_identical(case):
+    block_q, block_k, causal, chunk = case[6:]
+    hq = case[1]
+    flagged = tiles = 0
+    for seed in range(4):
+        q, k, lse = _structured(case, seed)
+        tau = torch.tensor([0.01, 0.001, 0.1, 0.0][:hq], dtype=torch.float64)
+        kw = dict(block_q=block_q, block_k=block_k, causal=causal, chunk_rows=chunk, backend="torch")
+        pruned = lowbit_block_estimate(q, k, lse, tau, prune=True, **kw).to_block_mask()
+        full = lowbit_block_estimate(q, k, lse, tau, prune=False, **kw).to_block_mask()
+        assert torch.equal(pruned, full)
+        flagged, tiles = flagged + int(full.sum()), tiles + full.numel()
+    assert 0 < flagged < tiles
+
+
+def test_the_box_bound_is_above_every_logit_and_rules_tiles_out():
+    from kernels.lowbit_estimate import _key_boxes
+
+    q, k, lse = _structured((1, 2, 2, 256, 256, 16, 32, 16, True), 3)
+    lb = quantize_qk_lowbit(q.double(), k.double(), 4, 1)
+    qa = torch.cat([lb.q_int.double() * lb.q_scale.unsqueeze(-1), torch.ones(1, 2, 256, 1, dtype=torch.float64)], -1)
+    ka = torch.cat([lb.k_int.double() * lb.k_scale.unsqueeze(-1), lb.bias.unsqueeze(-1)], -1)
+    centre, half, _ = _key_boxes(ka, 16)
+    bound = qa @ centre.transpose(-1, -2) + qa.abs() @ half.transpose(-1, -2)  # [1, 2, 256, 16]
+    exact = (qa @ ka.transpose(-1, -2)).view(1, 2, 256, 16, 16).amax(-1)
+    assert bool((bound >= exact - 1e-9).all())
+    # not vacuous: somewhere the bound sits below the best logit of another key block of the same row
+    assert bool((bound < exact.amax(-1, keepdim=True)).any())
+
+
+def test_backend_names_the_tile_rule_for_triton():
+    q, k, lse = _inputs((1, 2, 1, 64, 64, 8), torch.float32, 0)
+    with pytest.raises(RuntimeError, match="powers of two"):
+        lowbit_block_estimate(q, k, lse, 0.1, block_q=24, block_k=16, backend="triton")
+    ref = lowbit_block_estimate(q, k, lse, 0.1, block_q=16, block_k=16, backend="reference").to_block_mask()
+    want = lowbit_block_estimate_reference(q, k, lse, 0.1, block_q=16, block_k=16).to_block_mask()
+    assert torch.equal(ref, want)
