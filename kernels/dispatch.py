@@ -327,8 +327,12 @@ def _flash_cpu(q, k, v, *, scale, causal, attn_mask: Optional[torch.Tensor] = No
     import math
 
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, lse = _FlashCPU.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, causal, attn_mask,
-                             key_mask)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = _FlashCPU.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, causal, attn_mask,
+                                 key_mask)
+    else:  # inference (a decode step): the op itself, without the autograd Function's per-call cost
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, attn_mask=attn_mask, scale=scale)
     if q.dtype != torch.float64:
         lse = lse.float()
     return o, lse

@@ -239,3 +239,25 @@ def test_one_policy_over_a_batch_equals_a_batch_of_per_row_copies(decode_every):
     torch.testing.assert_close(a[0], b[0], atol=1e-6, rtol=0)
     assert a[1] == b[1] and all(torch.equal(x, y) for x, y in zip(a[2], b[2]))
     assert a[1][0][2] == (6 if decode_every else 6 + len(steps))  # evicted to the budget (then grown)
+
+
+def test_protected_mask_by_slot_thresholds_equals_the_ranked_rule():
+    """One sink and window size for every row takes the order-statistics path; it must protect exactly the
+    first ``sink`` and last ``window`` valid entries by slot (brute force), with invalid entries anywhere."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        rows, n = 5, int(torch.randint(1, 40, (1,), generator=gen))
+        slots = torch.stack([torch.randperm(3 * n, generator=gen)[:n] for _ in range(rows)]).view(rows, 1, n)
+        valid = torch.rand(rows, 1, n, generator=gen) < 0.8
+        count = valid.sum(-1)
+        sink, window = int(torch.randint(0, 5, (1,), generator=gen)), int(torch.randint(0, n + 3, (1,), generator=gen))
+        capacity = torch.clamp(count, max=int(count.min()) if trial % 2 else n)  # uniform or not
+        got = protected_mask(valid, sink, window, capacity, slots)
+        for r in range(rows):
+            live = sorted(int(s) for s, v in zip(slots[r, 0], valid[r, 0]) if v)
+            cap = int(capacity[r, 0])
+            s_eff = min(cap, sink)
+            w_eff = min(max(cap - s_eff, 0), window)
+            keep = set(live[:s_eff]) | (set(live[len(live) - w_eff:]) if w_eff else set())
+            want = [bool(v) and int(s) in keep for s, v in zip(slots[r, 0], valid[r, 0])]
+            assert got[r, 0].tolist() == want, (trial, r)

@@ -32,6 +32,10 @@ def _observed_scores(obs: KVObservation, window: Optional[int], kind: str, gqa: 
     return scores.masked_fill(~obs.valid, 0.0)
 
 
+ACC_GROWTH = 256
+"""Spare slots :class:`AccumulatedScorer` adds when its accumulator grows (a decode step adds one slot)."""
+
+
 class AccumulatedScorer:
     """H2O's heavy-hitter score: per cache entry, the sum of a score over every query that has seen it.
 
@@ -58,9 +62,9 @@ class AccumulatedScorer:
         n_slots = int(obs.slots.max()) + 1 if obs.slots.numel() else 0
         b, hk = scores.shape[:2]
         if self._acc is None or self._acc.shape[:2] != (b, hk):
-            self._acc = torch.zeros(b, hk, n_slots, dtype=torch.float32, device=scores.device)
-        elif self._acc.shape[-1] < n_slots:
-            self._acc = F.pad(self._acc, (0, n_slots - self._acc.shape[-1]))
+            self._acc = torch.zeros(b, hk, n_slots + ACC_GROWTH, dtype=torch.float32, device=scores.device)
+        elif self._acc.shape[-1] < n_slots:  # room for the next steps' slots too (one copy per ACC_GROWTH steps)
+            self._acc = F.pad(self._acc, (0, n_slots - self._acc.shape[-1] + ACC_GROWTH))
         self._acc.scatter_add_(-1, obs.slots.long(), scores)
 
     def colstats_request(self, obs: KVObservation) -> Tuple[Optional[int], str]:

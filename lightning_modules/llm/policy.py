@@ -205,6 +205,14 @@ def protected_mask(valid: torch.Tensor, sink: int, window: Any, capacity: torch.
     tensor. Order is the entries' order in the row, or, with ``slots [B, Hk, N]`` (each entry's place in the
     token stream, distinct per row), the slots' order: the same thing for a cache in stream order, and the
     right one for a cache whose entries moved (in-place eviction)."""
+    sink_eff = torch.clamp(capacity, max=sink).unsqueeze(-1)
+    window = window.unsqueeze(-1) if isinstance(window, torch.Tensor) else window
+    window_eff = torch.minimum(torch.clamp(capacity.unsqueeze(-1) - sink_eff, min=0),
+                               torch.as_tensor(window, device=valid.device))
+    if slots is not None and valid.numel():
+        bounds = torch.stack([sink_eff.min(), sink_eff.max(), window_eff.min(), window_eff.max()]).tolist()
+        if bounds[0] == bounds[1] and bounds[2] == bounds[3]:  # one sink and one window size for every row
+            return valid & _slot_ends(valid, slots.long(), int(bounds[0]), int(bounds[2]))
     if slots is None:
         rank = valid.long().cumsum(-1) - 1  # position among the valid entries
     else:
@@ -214,11 +222,23 @@ def protected_mask(valid: torch.Tensor, sink: int, window: Any, capacity: torch.
         rank = torch.gather(alive.cumsum(-1), -1, s) - 1  # valid entries with a smaller or equal slot, minus one
     count = valid.long().sum(-1, keepdim=True)
     from_end = count - 1 - rank
-    sink_eff = torch.clamp(capacity, max=sink).unsqueeze(-1)
-    window = window.unsqueeze(-1) if isinstance(window, torch.Tensor) else window
-    window_eff = torch.minimum(torch.clamp(capacity.unsqueeze(-1) - sink_eff, min=0),
-                               torch.as_tensor(window, device=valid.device))
     return valid & ((rank < sink_eff) | (from_end < window_eff))
+
+
+def _slot_ends(valid: torch.Tensor, slots: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """The ``sink`` valid entries with the smallest slots and the ``window`` with the largest, per row of
+    ``valid, slots [..., N]`` (slots distinct per row): thresholds from two order statistics, ``O(N)`` per row."""
+    n = slots.shape[-1]
+    out = torch.zeros_like(valid)
+    if sink > 0:
+        big = torch.full_like(slots, torch.iinfo(torch.long).max)
+        k = min(sink, n)
+        out |= slots <= torch.kthvalue(torch.where(valid, slots, big), k, dim=-1, keepdim=True).values
+    if window > 0:
+        k = max(n - window + 1, 1)
+        out |= slots >= torch.kthvalue(torch.where(valid, slots, torch.full_like(slots, -1)), k, dim=-1,
+                                       keepdim=True).values
+    return out
 
 
 @dataclass

@@ -551,9 +551,38 @@ class PolicySession:
             valid = torch.stack([o.valid for _, o, _, _ in items]).view(-1, hk, n)
             slots = torch.stack([o.slots for _, o, _, _ in items]).view(-1, hk, n)
             capacity = torch.stack([c.to(valid.device).expand(b, hk) for _, _, _, c in items]).view(-1, hk)
-            keep = policy.keep_mask(scores, valid, slots, capacity).view(len(items), b, hk, n)
-            for (runner, obs, _, _), k in zip(items, keep):
-                runner.finish(obs, k)
+            keep = policy.keep_mask(scores, valid, slots, capacity).view(len(items), b, hk, n) & valid.view(
+                len(items), b, hk, n)
+            if not self._finish_decode_steps(items, keep, slots.view(len(items), b, hk, n)):
+                for (runner, obs, _, _), k in zip(items, keep):
+                    runner.finish(obs, k)
+
+    def _finish_decode_steps(self, items, keep: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Apply ``keep [L, B, Hk, N]`` to the ``L`` layers of ``items`` at once when every layer drops exactly
+        the one entry a decode step added beyond its budget (the common case): the bookkeeping of
+        :meth:`LayerRunner._fill_holes` runs once over ``[L, B, Hk, N]`` and each layer only moves its new entry
+        into its hole. False (nothing done) when some layer needs the general path."""
+        n = keep.shape[-1]
+        n_keep = keep.sum(-1).flatten(1).amax(-1)  # [L]
+        if n < 2 or bool((n_keep != n - 1).any()):
+            return False
+        runners = [r for r, _, _, _ in items]
+        if not all(r._in_place() and r.cache is not None and hasattr(r.cache, "layers") for r in runners):
+            return False
+        if any(r.policy.compensator is not None or r.policy.action is not Action.EVICT for r in runners):
+            return False
+        m = n - 1
+        movers = keep[..., m:]  # [L, B, Hk, 1]
+        head = keep[..., :m]
+        first = (~head).to(torch.uint8).argmax(-1, keepdim=True)  # the first hole of each head
+        dest = torch.where(movers, first, torch.full_like(first, m))
+        new_slots = slots[..., :m].scatter(-1, first, torch.where(movers, slots[..., m:], slots[..., :m].gather(-1, first)))
+        new_valid = head.scatter(-1, first, head.gather(-1, first) | movers)
+        for i, (runner, obs, _, _) in enumerate(items):
+            self.record(runner.layer, obs.phase, keep[i], obs.valid)
+            as_slot_buffer(runner.cache, runner.layer).fill(dest[i], m, m)
+            runner.state.slots, runner.state.valid = new_slots[i], new_valid[i]
+        return True
 
     def replay_prefill(self, observations: Dict[int, KVObservation], cache: Any) -> None:
         """Compress a prefill that ran earlier under another policy (typically a no-op one installed with
@@ -729,7 +758,9 @@ class RunnerStack:
         if read is not None and window is None and phase in read.phases:
             return read.attend_subset(self.layer, query, key, value, valid, scale, phase)
         n_old = n_k - n_q
-        if window is None and phase in ("decode", "verify") and 0 < n_old and bool(valid[..., n_old:].all()):
+        all_valid = bool(valid.all())
+        if (not all_valid and window is None and phase in ("decode", "verify") and 0 < n_old
+                and bool(valid[..., n_old:].all())):
             old = valid[..., :n_old]
             if float(old.float().mean()) <= COMPACT_READ_MAX:
                 # a sparse read of the old entries (a sparse_read policy): gathered compactly, one fused call
@@ -738,7 +769,7 @@ class RunnerStack:
                 return sparse_read_attention(query, key, value, old, scale)
         if window is None:
             return kernels.attention(query, key, value, scale=scale, causal=True,
-                                     key_mask=None if bool(valid.all()) else valid)
+                                     key_mask=None if all_valid else valid)
         if slots is None:
             slots = torch.arange(n_k, device=key.device).view(1, 1, n_k).expand_as(valid)
             first_slot = n_k - n_q
