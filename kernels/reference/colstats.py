@@ -149,13 +149,16 @@ def decode_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if hq % hk:
         raise ValueError(f"{hq} query heads cannot share {hk} key/value heads")
     g = hq // hk
-    s = torch.matmul(q.reshape(b, hk, g * n_q, d), k.transpose(-1, -2)) * scale  # [B, Hk, g Nq, N]
+    s = torch.matmul(q.reshape(b, hk, g * n_q, d) * scale, k.transpose(-1, -2))  # [B, Hk, g Nq, N]
+    lse = torch.logsumexp(s, dim=-1, keepdim=True) if key_mask is None else None
     if key_mask is not None:
         if tuple(key_mask.shape) != (b, hk, n):
             raise ValueError(f"key_mask must be [B, Hk, N]=[{b}, {hk}, {n}], got {list(key_mask.shape)}")
         s = s.masked_fill(~key_mask.unsqueeze(2), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))  # -inf rows: p = 0
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))  # -inf rows: p = 0
+    else:  # every key readable: no empty row, one fused softmax
+        p = torch.softmax(s, dim=-1)
     o = torch.matmul(p.to(v.dtype), v)  # [B, Hk, g Nq, dv]
     p = p.view(b, hq, n_q, n)
     p2 = p * p
