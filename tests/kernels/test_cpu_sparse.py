@@ -203,6 +203,40 @@ def test_native_forward_matches_reference(native, monkeypatch, case, kind):
     assert_close(lse[fin], rlse[fin], ratio=1e-5)
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kv_tile", [1, 3 * 16, 10**6])
+def test_native_forward_key_groups_match_reference(native, case, kv_tile):
+    """One key block per gemm (kv_tile below the block), a few (gathered when not adjacent) and every listed block
+    in one group give the same attention as the float64 reference."""
+    import kernels.cpu_sparse as cs
+
+    b, hq, hk, nq, nk, d, bq, bk, causal, off, window = case
+    q, k, v = (t.detach() for t in make(b, hq, hk, nq, nk, d, torch.float32))
+    lay = layout_for("random", b, hq, nq, nk, bq, bk, causal, off, window)
+    o, lse = cs._native_forward(native, q, k, v, lay, scale=d ** -0.5, causal=causal,
+                                q_offset=cs.resolve_q_offset(nq, nk, off), window=window, kv_tile=kv_tile)
+    ro, rlse = attention_reference(q.double(), k.double(), v.double(), layout=lay, causal=causal, q_offset=off,
+                                   window=window)
+    fin = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert_close(o, ro, ratio=1e-5)
+    assert_close(lse[fin], rlse[fin], ratio=1e-5)
+
+
+def test_native_forward_runs_on_every_thread(native):
+    """The forward's at::parallel_for must really fan out (a build without OpenMP runs it on one thread)."""
+    if not torch.backends.openmp.is_available():
+        pytest.skip("torch built without OpenMP")
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert native.parallel_threads(64) == 2
+        torch.set_num_threads(1)
+        assert native.parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(prev)
+
+
 def test_native_forward_not_taken_with_grad_key_mask_or_kill_switch(native, monkeypatch):
     import kernels.cpu_sparse as cs
 
