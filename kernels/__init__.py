@@ -9,7 +9,7 @@ bottom-right causal alignment (``q_offset = N_k - N_q``); every op returns the o
 * :mod:`kernels.cpu_sparse` - block-sparse attention on CPU that skips unlisted blocks.
 * :mod:`kernels.triton` - K1/K2 (attention forward/backward), K3 (gather), K5 (column statistics), K6 (LSSAR),
   K4 (SALE's low-bit estimate).
-* :mod:`kernels.dispatch` - ``attention``, ``gather_attention``, ``attention_colstats`` with backend choice
+* :mod:`kernels.dispatch` - ``attention``, ``gather_attention``, ``attention_colstats``, ``fused_attention_colstats`` with backend choice
   (``LITCTX_KERNEL_BACKEND`` = auto | torch | triton | reference); ``attention`` takes a per-key ``key_mask``
   (fused on CPU and in the Triton kernels).
 * :mod:`kernels.lowbit_estimate` - SALE's low-bit block estimate without per-element rescaling (torch, any
@@ -19,7 +19,7 @@ bottom-right causal alignment (``q_offset = N_k - N_q``); every op returns the o
 Importing this package imports torch only; triton is imported when a Triton kernel is first used.
 """
 
-from kernels.dispatch import attention, attention_colstats, gather_attention, select_backend
+from kernels.dispatch import attention, attention_colstats, fused_attention_colstats, gather_attention, select_backend
 from kernels.flops import attention_flops, layout_pairs, mask_pairs
 from kernels.layouts import BlockLayout, QueryIndex, TokenIndex
 from kernels.lowbit_estimate import lowbit_block_estimate
@@ -30,6 +30,7 @@ __all__ = [
     "attention",
     "gather_attention",
     "attention_colstats",
+    "fused_attention_colstats",
     "select_backend",
     "BlockLayout",
     "QueryIndex",

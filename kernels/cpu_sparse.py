@@ -389,10 +389,13 @@ int64_t parallel_threads(int64_t items) {
 // blocks are taken in groups of up to kv_tile keys: a group's K rows (gathered into one buffer unless the blocks
 // are adjacent in memory) give one wide tile S = scale * Q K^T (one gemm, so Q is packed once per group, not once
 // per block), the element mask on boundary blocks only, one online-softmax update per row, then O += P V (one
-// gemm over the group's V rows). Returns o [B, Hq, Nq, d] and lse [B, Hq, Nq].
+// gemm over the group's V rows). Returns o [B, Hq, Nq, d] and lse [B, Hq, Nq]; with colstats, also the column
+// statistics p_sum, p2_sum [B, Hq, Nk] (sum over the queries of P_ij and P_ij^2, P the final probabilities): once a
+// query block's LSE is known, a second sweep over its key groups recomputes S (no P V) and adds exp(S - lse) to
+// per-thread column sums, reduced at the end.
 std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor kv_num, at::Tensor kv_idx,
                                     int64_t bq, int64_t bk, double scale, bool causal, int64_t q_offset,
-                                    int64_t window, int64_t kv_tile) {
+                                    int64_t window, int64_t kv_tile, bool colstats) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat);
   q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
   kv_num = kv_num.to(at::kInt).contiguous(); kv_idx = kv_idx.to(at::kInt).contiguous();
@@ -407,6 +410,9 @@ std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at
   TORCH_CHECK(kv_num.numel() == E && kv_idx.numel() == E * kmax, "layout does not match the shapes");
   auto o = at::empty({B, Hq, Nq, Dv}, q.options());
   auto lse = at::empty({B, Hq, Nq}, q.options());
+  const int64_t T = colstats ? at::get_num_threads() : 0;
+  auto cs = at::zeros({std::max<int64_t>(T, 1), 2, B * Hq, colstats ? Nk : 0}, q.options());  // per-thread sums
+  float* csp = cs.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
@@ -419,11 +425,13 @@ std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at
   at::parallel_for(0, E, 1, [&](int64_t begin, int64_t end) {
     const int one = 1;
     const int mkl_prev = mkl_set_num_threads_local(&one);  // one BLAS thread per task: no nested oversubscription
-    std::vector<float> sbuf(bq * KW), kbuf(KW * D), vbuf(KW * Dv), acc(bq * Dv), mrow(bq), lrow(bq);
+    std::vector<float> sbuf(bq * KW), kbuf(KW * D), vbuf(KW * Dv), acc(bq * Dv), mrow(bq), lrow(bq), lsev(bq);
+    std::vector<float> col1(colstats ? KW : 0), col2(colstats ? KW : 0);
     std::vector<int64_t> gc0(NG), gcols(NG), goff(NG);
     std::vector<char> gfull(NG);
     using Vec = at::vec::Vectorized<float>;
     constexpr int64_t W = Vec::size();
+    const int64_t tid = colstats ? std::min<int64_t>(at::get_thread_num(), T - 1) : 0;
     for (int64_t e = begin; e < end; ++e) {
       const int64_t m = e % Mq, bh = e / Mq, h = bh % Hq, b = bh / Hq;
       const int64_t r0 = m * bq, rows = std::min(bq, Nq - r0);
@@ -431,17 +439,13 @@ std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at
       const int64_t kvh = b * Hk + h / G;
       const float* kh = kp + kvh * Nk * D;
       const float* vh = vp + kvh * Nk * Dv;
-      std::fill(mrow.begin(), mrow.begin() + rows, ninf);
-      std::fill(lrow.begin(), lrow.begin() + rows, 0.f);
-      std::fill(acc.begin(), acc.begin() + rows * Dv, 0.f);
       const int64_t p0 = r0 + q_offset, p1 = r0 + rows - 1 + q_offset;
-      bool started = false;
       const int32_t cnt = nump[e];
-      int32_t t = 0;
-      while (t < cnt) {
-        // gather the next group of key blocks that the causal / window bounds do not rule out
-        int64_t ng = 0, width = 0;
-        bool any_partial = false;
+      int64_t ng = 0, width = 0;
+      bool any_partial = false;
+      // the next group of listed key blocks that the causal / window bounds do not rule out (from block t on)
+      auto collect = [&](int32_t& t) {
+        ng = 0; width = 0; any_partial = false;
         while (t < cnt && ng < NG) {
           const int64_t j = idxp[e * kmax + t];
           ++t;
@@ -457,7 +461,9 @@ std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at
           any_partial = any_partial || !full;
           width += cols; ++ng;
         }
-        if (ng == 0) break;
+      };
+      // S[rows x width] (row-major, ld = width) = scale * Q K_group^T, masked entries -inf; returns the V rows
+      auto scores = [&](float* S) -> const float* {
         bool adjacent = true;
         for (int64_t i = 1; i < ng; ++i) adjacent = adjacent && gc0[i] == gc0[0] + goff[i];
         const float* ks = kh + gc0[0] * D;
@@ -469,12 +475,10 @@ std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at
           }
           ks = kbuf.data(); vs = vbuf.data();
         }
-        float* S = sbuf.data();
-        // S[rows x width] (row-major, ld = width) = scale * Q K_group^T
         gemm(true, false, width, rows, D, sc, ks, D, qt, D, 0.f, S, width);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* s = S + r * width;
-          if (any_partial) {
+        if (any_partial) {
+          for (int64_t r = 0; r < rows; ++r) {
+            float* s = S + r * width;
             const int64_t pos = r0 + r + q_offset;
             for (int64_t i = 0; i < ng; ++i) {
               if (gfull[i]) continue;
@@ -486,6 +490,21 @@ std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at
               }
             }
           }
+        }
+        return vs;
+      };
+      std::fill(mrow.begin(), mrow.begin() + rows, ninf);
+      std::fill(lrow.begin(), lrow.begin() + rows, 0.f);
+      std::fill(acc.begin(), acc.begin() + rows * Dv, 0.f);
+      bool started = false;
+      int32_t t = 0;
+      while (t < cnt) {
+        collect(t);
+        if (ng == 0) break;
+        float* S = sbuf.data();
+        const float* vs = scores(S);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* s = S + r * width;
           Vec vmx(ninf);
           int64_t c = 0;
           for (; c + W <= width; c += W) vmx = at::vec::maximum(vmx, Vec::loadu(s + c));
@@ -538,22 +557,63 @@ std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at
       }
       float* ot = op + ((b * Hq + h) * Nq + r0) * Dv;
       float* lt = lp + (b * Hq + h) * Nq + r0;
+      bool any_row = false;
       for (int64_t r = 0; r < rows; ++r) {
         float* dst = ot + r * Dv;
         if (!started || mrow[r] == ninf || lrow[r] <= 0.f) {
           for (int64_t c = 0; c < Dv; ++c) dst[c] = 0.f;
           lt[r] = ninf;
+          lsev[r] = ninf;
           continue;
         }
         const float inv = 1.f / lrow[r];
         const float* a = acc.data() + r * Dv;
         for (int64_t c = 0; c < Dv; ++c) dst[c] = a[c] * inv;
         lt[r] = mrow[r] + std::log(lrow[r]);
+        lsev[r] = lt[r];
+        any_row = true;
+      }
+      if (!colstats || !any_row) continue;
+      // second sweep: the final probabilities exp(S - lse), summed per key column (and squared)
+      float* c1p = csp + ((tid * 2 + 0) * B * Hq + b * Hq + h) * Nk;
+      float* c2p = csp + ((tid * 2 + 1) * B * Hq + b * Hq + h) * Nk;
+      t = 0;
+      while (t < cnt) {
+        collect(t);
+        if (ng == 0) break;
+        float* S = sbuf.data();
+        scores(S);
+        std::fill(col1.begin(), col1.begin() + width, 0.f);
+        std::fill(col2.begin(), col2.begin() + width, 0.f);
+        for (int64_t r = 0; r < rows; ++r) {
+          if (lsev[r] == ninf) continue;
+          const float* s = S + r * width;
+          const Vec vl(lsev[r]);
+          int64_t c = 0;
+          for (; c + W <= width; c += W) {
+            const Vec p = (Vec::loadu(s + c) - vl).exp_u20();
+            (Vec::loadu(col1.data() + c) + p).store(col1.data() + c);
+            (Vec::loadu(col2.data() + c) + p * p).store(col2.data() + c);
+          }
+          for (; c < width; ++c) {
+            const float p = std::exp(s[c] - lsev[r]);
+            col1[c] += p;
+            col2[c] += p * p;
+          }
+        }
+        for (int64_t i = 0; i < ng; ++i) {
+          for (int64_t c = 0; c < gcols[i]; ++c) {
+            c1p[gc0[i] + c] += col1[goff[i] + c];
+            c2p[gc0[i] + c] += col2[goff[i] + c];
+          }
+        }
       }
     }
     mkl_set_num_threads_local(&mkl_prev);
   });
-  return {o, lse};
+  if (!colstats) return {o, lse};
+  auto sums = cs.sum(0);  // [2, B * Hq, Nk]
+  return {o, lse, sums[0].view({B, Hq, Nk}), sums[1].view({B, Hq, Nk})};
 }
 
 """
@@ -598,7 +658,7 @@ def native_kernel():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        mod = load_inline(name="litctx_cpu_sparse_fwd_v4", cpp_sources=[_NATIVE_CPP], functions=["bsa_forward", "parallel_threads"],
+        mod = load_inline(name="litctx_cpu_sparse_fwd_v5", cpp_sources=[_NATIVE_CPP], functions=["bsa_forward", "parallel_threads"],
                           extra_cflags=_native_flags(),
                           extra_ldflags=["-fopenmp"] if torch.backends.openmp.is_available() else [],
                           verbose=False)
@@ -631,8 +691,39 @@ def _native_forward(mod, q, k, v, layout: BlockLayout, *, scale: float, causal: 
     kv_num = lay.kv_num_blocks.to(torch.int32).reshape(-1).contiguous()
     kv_idx = lay.kv_indices.to(torch.int32).reshape(kv_num.numel(), -1).contiguous()
     o, lse = mod.bsa_forward(q, k, v, kv_num, kv_idx, layout.block_q, layout.block_k, float(scale), bool(causal),
-                             int(q_offset), -1 if window is None else int(window), int(kv_tile))
+                             int(q_offset), -1 if window is None else int(window), int(kv_tile), False)
     return o, lse
+
+
+def native_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+                              causal: bool = True, q_offset: Optional[int] = None, block: int = 128,
+                              layout: Optional[BlockLayout] = None
+                              ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Attention and its per-key statistics in one native call (fp32 CPU inference, no key mask, no window):
+    ``o [B, Hq, Nq, dv]``, ``lse [B, Hq, Nq]`` and ``p_sum``, ``p2_sum [B, Hq, Nk]`` (the sums over every query of
+    the final probabilities and of their squares, :func:`kernels.reference.attention_colstats_reference` with
+    ``moments="attention"``). The statistics cost one more ``Q K^T`` sweep per query block after its LSE is
+    known, inside the same call (no second pass over the queries from Python). ``layout`` (default: the full
+    causal or dense layout in ``block`` x ``block`` tiles) restricts both. None when the native forward is not
+    available or the call is not eligible (the caller then runs attention and statistics separately)."""
+    b, hq, hk, n_q, n_k, d, dv = check_qkv(q, k, v)
+    if d != dv or not native_eligible(q, k, v, None):
+        return None
+    mod = native_kernel()
+    if mod is None:
+        return None
+    off = resolve_q_offset(n_q, n_k, q_offset)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if layout is None:
+        layout = (BlockLayout.causal(n_q, n_k, block, block, q_offset=off) if causal
+                  else BlockLayout.full(n_q, n_k, block, block))
+    lay = layout.expand(b, hq)
+    kv_num = lay.kv_num_blocks.to(torch.int32).reshape(-1).contiguous()
+    kv_idx = lay.kv_indices.to(torch.int32).reshape(kv_num.numel(), -1).contiguous()
+    o, lse, p_sum, p2_sum = mod.bsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_num, kv_idx,
+                                            layout.block_q, layout.block_k, scale, bool(causal), int(off), -1,
+                                            int(NATIVE_KV_TILE), True)
+    return o, lse, p_sum, p2_sum
 
 
 def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, *,

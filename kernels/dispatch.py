@@ -46,7 +46,8 @@ from kernels.reference.attention import (  # noqa: F401  (check_key_mask, expand
     expand_key_mask,
 )
 
-__all__ = ["attention", "gather_attention", "attention_colstats", "select_backend", "BACKEND_ENV", "BACKENDS"]
+__all__ = ["attention", "gather_attention", "attention_colstats", "fused_attention_colstats", "select_backend",
+           "BACKEND_ENV", "BACKENDS"]
 
 log = logging.getLogger("litctx.kernels")
 
@@ -517,3 +518,23 @@ def attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sca
         return ColStats(*stats)
     return attention_colstats_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
                                         q_window=q_window, o=o, lse=lse, moments=moments, key_mask=key_mask)
+
+
+def fused_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
+                             causal: bool = True, backend: Optional[str] = None
+                             ) -> Optional[Tuple[torch.Tensor, torch.Tensor, ColStats]]:
+    """Causal (or dense) attention of ``q [B, Hq, Nq, d]`` over ``k, v [B, Hk, Nk, d]`` together with the
+    ``moments="attention"`` statistics of every query (``p_sum``, ``p2_sum`` ``[B, Hq, Nk]``) from one call, when
+    a fused path serves it: on CPU the native block-sparse forward (fp32, no gradient), which sweeps each query
+    block's keys once more after its LSE is known. Returns ``(o, lse, ColStats)`` or None (no fused path: run
+    :func:`attention` and :func:`attention_colstats`). Equal to those two within float32 rounding (tested)."""
+    check_qkv(q, k, v)
+    if q.device.type != "cpu" or select_backend("attention", q, backend) == "reference":
+        return None
+    from kernels.cpu_sparse import native_attention_colstats
+
+    got = native_attention_colstats(q, k, v, scale=scale, causal=causal)
+    if got is None:
+        return None
+    o, lse, p_sum, p2_sum = got
+    return o, lse, ColStats(p_sum, p2_sum)

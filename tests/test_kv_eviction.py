@@ -748,3 +748,51 @@ def test_fused_decode_statistics_equal_attention_and_its_column_statistics(maske
                                        key_mask=full_mask)
     for name in ("p_sum", "p2_sum", "p2_o", "p2_o_norm2"):
         torch.testing.assert_close(getattr(stats, name), getattr(ref, name), msg=name)
+
+
+def test_h2o_prefill_scores_come_from_the_prefill_attention_call(monkeypatch):
+    """A prefill under H2O (and a recorded prefill) takes every query's attention column sums from the attention
+    call itself (kernels.fused_attention_colstats); the kept entries and the continuation equal those of the
+    separate statistics pass, and the recorded sums equal the float64 reference."""
+    import lightning_modules.llm.session as session_mod
+
+    model, _ = load_causal_lm("tiny-qwen2", with_tokenizer=False, seed=5)
+    ids = torch.randint(0, 256, (2, 37), generator=torch.Generator().manual_seed(6))
+    policy = H2OConfig(compression_ratio=0.5).build()
+    real = kernels.fused_attention_colstats
+    calls = []
+    monkeypatch.setattr(session_mod.kernels, "fused_attention_colstats",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def run():
+        lm = CachedLM(model)
+        with install_policy(model, policy) as session:
+            logits = lm.feed(ids)
+            kept = {i: (r.state.slots.clone(), r.state.valid.clone()) for i, r in session.runners.items()}
+            tokens = lm.greedy(logits, 4)
+        return kept, tokens
+
+    kept, tokens = run()
+    if not calls or kernels.cpu_sparse.native_kernel() is None:
+        pytest.skip("no fused path on this machine (native forward unavailable)")
+    monkeypatch.setattr(session_mod.kernels, "fused_attention_colstats", lambda *a, **kw: None)
+    kept_sep, tokens_sep = run()
+    assert tokens == tokens_sep
+    for i in kept:
+        assert torch.equal(kept[i][0], kept_sep[i][0]) and torch.equal(kept[i][1], kept_sep[i][1])
+
+    monkeypatch.setattr(session_mod.kernels, "fused_attention_colstats", real)
+    lm = CachedLM(model)
+    with install_policy(model, KVPolicy(), record_prefill=True) as rec:
+        lm.feed(ids)
+    assert ("colstats", ids.shape[1], "attention") not in rec.prefill_observations[0]._cache  # not asked for
+    with install_policy(model, KVPolicy(), record_prefill=True, prefill_sums=True) as rec:
+        lm = CachedLM(model)
+        lm.feed(ids)
+    obs = rec.prefill_observations[0]
+    n = ids.shape[1]
+    stats = obs._cache[("colstats", n, "attention")]
+    want = attention_colstats_reference(obs.q.double(), obs.k.double(), obs.v.double(), scale=obs.scale,
+                                        moments="attention")
+    torch.testing.assert_close(stats.p_sum.double(), want.p_sum, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats.p2_sum.double(), want.p2_sum, rtol=1e-5, atol=1e-6)

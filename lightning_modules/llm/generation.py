@@ -366,13 +366,15 @@ class RecordedPrefill:
 def record_prefill(model: torch.nn.Module, context_ids: torch.Tensor,
                    context_mask: Optional[torch.Tensor] = None) -> RecordedPrefill:
     """Prefill ``context_ids [B, n]`` once under a recording no-op policy (for the query-aware protocol the
-    question is part of the context)."""
+    question is part of the context). Every prefill query's attention column sums are taken from the prefill's
+    own attention call where a fused path exists (``install_policy(prefill_sums=True)``: about half an attention
+    pass more on CPU), so that replayed H2O-style scores need no second pass over the queries."""
     from lightning_modules.llm.policy import KVPolicy
     from lightning_modules.llm.session import install_policy
 
     lm = CachedLM(model)
     t0 = clock(lm.device)
-    with install_policy(model, KVPolicy(), record_prefill=True) as recorder:
+    with install_policy(model, KVPolicy(), record_prefill=True, prefill_sums=True) as recorder:
         first_logits = lm.feed(context_ids, context_mask)
     return RecordedPrefill(lm, lm.snapshot(), recorder.prefill_observations, first_logits, clock(lm.device) - t0)
 

@@ -200,7 +200,17 @@ class LayerRunner:
                 and (stack is None or "read" not in stack.parts)):
             fused = self._decode_moments(KVObservation(self.layer, phase, query, key, value, slots, valid, scale))
         stats = None
-        if fused is not None:
+        prefill_stats = None
+        if fused is None and bool(read.all()) and self._prefill_sums_wanted(
+                lambda: KVObservation(self.layer, phase, query, key, value, slots, valid, scale), phase, window,
+                stack, n_q):
+            # attention and every query's column sums from one call (H2O's scores, or a recorded prefill that
+            # policies will read) instead of a second pass over the queries
+            got = kernels.fused_attention_colstats(query, key, value, scale=scale, causal=True)
+            prefill_stats = None if got is None else got[2]
+        if prefill_stats is not None:
+            o, lse = got[0], got[1]
+        elif fused is not None:
             # one pass gives the output and the probabilities the scorers sum (no second pass over the keys)
             o, lse, stats = decode_attention_colstats(query, key, value, scale=scale,
                                                       key_mask=None if bool(read.all()) else read, moments=fused)
@@ -229,10 +239,36 @@ class LayerRunner:
                             window=window, hidden=hidden)
         if stats is not None and comp is None:
             obs._cache[("colstats", 1, fused)] = stats
+        if prefill_stats is not None and comp is None:
+            obs._cache[("colstats", n_q, "attention")] = prefill_stats
         if phase == "prefill" and self.session.record_prefill:
             self.session.prefill_observations[self.layer] = obs
         self._after_attention(obs)
         return o
+
+    def _prefill_sums_wanted(self, pre: Callable[[], KVObservation], phase: str, window: Optional[int],
+                             stack: Optional["RunnerStack"], n_q: int) -> bool:
+        """Whether a prefill call should compute every query's attention column sums with its attention: a
+        full-attention layer without a prefill method or compensator, whose session asks for them
+        (``prefill_sums``: a recorded prefill that eviction policies will replay) or whose acting scorer reads
+        the sums of all of the call's queries with ``moments="attention"`` (H2O); ``pre()`` builds the
+        observation the scorers' requests read."""
+        if phase != "prefill" or window is not None or n_q < 2 or self.policy.compensator is not None:
+            return False
+        if stack is not None and "prefill" in stack.parts:
+            return False
+        if self.session.prefill_sums:
+            return True
+        obs = None
+        for pol, scorer in zip(self.policy.policies, self.scorers):
+            request = getattr(scorer, "colstats_request", None)
+            if request is None or not pol.acts_on(self.layer) or pol.action is Action.SPARSE_READ:
+                continue
+            obs = pre() if obs is None else obs
+            w, moments = request(obs)
+            if (w is None or w >= n_q) and moments == COLSTATS_MOMENTS[0]:
+                return True
+        return False
 
     def _decode_moments(self, pre: KVObservation) -> Optional[str]:
         """The column statistics (``attention`` or ``output``) the acting scorers read at a decode step, when a
@@ -524,6 +560,7 @@ class PolicySession:
     decisions: List[Dict[str, Any]] = field(default_factory=list)
     keep_log: bool = False
     record_prefill: bool = False
+    prefill_sums: bool = False
     prefill_observations: Dict[int, KVObservation] = field(default_factory=dict)
     pending: List[Tuple["LayerRunner", KVObservation, KVPolicy, torch.Tensor]] = field(default_factory=list)
 
@@ -855,17 +892,19 @@ def attach_runners(model: torch.nn.Module, make_runner: Callable[[torch.nn.Modul
 
 @contextlib.contextmanager
 def install_policy(model: torch.nn.Module, policy: KVPolicy, keep_log: bool = False,
-                   record_prefill: bool = False) -> Iterator[PolicySession]:
+                   record_prefill: bool = False, prefill_sums: bool = False) -> Iterator[PolicySession]:
     """Run ``model`` under ``policy`` inside the block; hooks, attributes and the attention implementation
     are restored on exit, whatever happens. ``record_prefill`` keeps each layer's prefill observation
     (queries, full keys/values, outputs) in ``session.prefill_observations`` for
-    :meth:`PolicySession.replay_prefill`."""
+    :meth:`PolicySession.replay_prefill`; ``prefill_sums`` also computes every prefill query's attention column
+    sums inside the prefill's attention call (where a fused path exists), so that a replayed H2O needs no
+    second pass."""
     if active_session(model) is not None:
         raise RuntimeError("a KV-cache policy is already installed on this model; remove it first (one policy at "
                            "a time; compose scorers inside one policy instead)")
     modules = attention_modules(model)
     session = PolicySession(model=model, policy=policy, first_layer=modules[0].layer_idx if modules else 0,
-                            keep_log=keep_log, record_prefill=record_prefill)
+                            keep_log=keep_log, record_prefill=record_prefill, prefill_sums=prefill_sums)
     handles = []
 
     def make_runner(module: torch.nn.Module) -> LayerRunner:

@@ -223,6 +223,56 @@ def test_native_forward_key_groups_match_reference(native, case, kv_tile):
     assert_close(lse[fin], rlse[fin], ratio=1e-5)
 
 
+def _dense_probs(q, k, layout, causal, q_offset):
+    """Brute-force softmax probabilities ``[B, Hq, Nq, Nk]`` under a block layout and the causal mask (rows with
+    no allowed key are 0)."""
+    from kernels.layouts import resolve_q_offset
+
+    b, hq, nq, d = q.shape
+    nk = k.shape[2]
+    kk = k.repeat_interleave(hq // k.shape[1], dim=1)
+    s = q @ kk.transpose(-1, -2) / math.sqrt(d)
+    blocks = layout.expand(b, hq).to_block_mask()
+    allowed = blocks.repeat_interleave(layout.block_q, 2).repeat_interleave(layout.block_k, 3)[..., :nq, :nk]
+    if causal:
+        off = resolve_q_offset(nq, nk, q_offset)
+        allowed = allowed & (torch.arange(nk).view(1, -1) <= torch.arange(nq).view(-1, 1) + off)
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kind", ["full", "random"])
+def test_native_colstats_match_reference(native, case, kind):
+    """Attention plus per-key statistics in one native call equal the float64 reference's output, LSE and column
+    sums of P and P^2 (dense causal or non-causal layouts, and a random block layout)."""
+    from kernels.cpu_sparse import native_attention_colstats
+    from kernels.reference import attention_colstats_reference
+
+    b, hq, hk, nq, nk, d, bq, bk, causal, off, window = case
+    if window is not None:
+        pytest.skip("the fused statistics serve calls without a window")
+    q, k, v = (t.detach() for t in make(b, hq, hk, nq, nk, d, torch.float32))
+    lay = None if kind == "full" else layout_for("random", b, hq, nq, nk, bq, bk, causal, off, None)
+    got = native_attention_colstats(q, k, v, causal=causal, q_offset=off, block=bq, layout=lay)
+    assert got is not None
+    o, lse, p_sum, p2_sum = got
+    qd, kd, vd = q.double(), k.double(), v.double()
+    ro, rlse = attention_reference(qd, kd, vd, layout=lay, causal=causal, q_offset=off)
+    if lay is None:
+        stats = attention_colstats_reference(qd, kd, vd, causal=causal, q_offset=off, moments="attention")
+        want1, want2 = stats.p_sum, stats.p2_sum
+    else:  # brute force: the probabilities of the layout's attention, summed per key
+        p = _dense_probs(qd, kd, lay, causal, off)
+        want1, want2 = p.sum(2), (p * p).sum(2)
+    fin = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert_close(o, ro, ratio=1e-5)
+    assert p_sum.shape == (b, hq, nk) and p2_sum.shape == (b, hq, nk)
+    assert_close(p_sum, want1, ratio=1e-5)
+    assert_close(p2_sum, want2, ratio=1e-5)
+
+
 def test_native_forward_runs_on_every_thread(native):
     """The forward's at::parallel_for must really fan out (a build without OpenMP runs it on one thread)."""
     if not torch.backends.openmp.is_available():
