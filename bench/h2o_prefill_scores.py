@@ -34,20 +34,20 @@ ARMS = ("separate pass", "fused")
 
 
 def run(args, model, tok) -> None:
+    import os
+
     import torch
 
-    import kernels
-    import lightning_modules.llm.session as session_mod
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
+    from kernels.cpu_sparse import NATIVE_ENV
     from lightning_modules.kv_eviction.methods import method_config
     from lightning_modules.llm.generation import CachedLM, record_prefill
     from lightning_modules.llm.session import install_policy
 
-    done = {(r["id"], r["arm"]) for r in read_jsonl(args.results)} if args.results.is_file() else set()
+    done = {(r["id"], r["arm"]) for r in read_jsonl(args.results)}
     haystack = Haystack(pydoc_documents(), tok)
     policy = method_config("h2o", {"compression_ratio": 0.5}).build()
-    fused = kernels.fused_attention_colstats
     for index in range(args.samples):
         sid = f"niah_single-{args.length}-{index}"
         if all((sid, arm) in done for arm in ARMS):
@@ -61,8 +61,11 @@ def run(args, model, tok) -> None:
         lm.feed(ctx)
         plain_s = clock(lm.device) - t0
         for arm in ARMS:
-            # the separate arm: no fused path, so the scores come from kernels.attention_colstats afterwards
-            session_mod.kernels.fused_attention_colstats = fused if arm == "fused" else (lambda *a, **kw: None)
+            # the separate arm: the native forward switched off (its kill switch), so there is no fused path and
+            # the scores come from kernels.attention_colstats afterwards; the prefill attention itself is SDPA in
+            # both arms
+            before = os.environ.get(NATIVE_ENV)
+            os.environ[NATIVE_ENV] = "1" if arm == "fused" else "0"
             try:
                 lm = CachedLM(model)
                 t0 = clock(lm.device)
@@ -73,7 +76,10 @@ def run(args, model, tok) -> None:
                 rec = record_prefill(model, ctx, None)
                 res = rec.generate({"h2o": policy}, 1)["h2o"]
             finally:
-                session_mod.kernels.fused_attention_colstats = fused
+                if before is None:
+                    os.environ.pop(NATIVE_ENV)
+                else:
+                    os.environ[NATIVE_ENV] = before
             rows.append({"id": sid, "length": int(ctx.shape[1]), "arm": arm, "plain_prefill_s": plain_s,
                          "live_prefill_s": live_s,
                          "recorded_prefill_s": rec.seconds, "h2o_compress_s": res.compress_seconds})
@@ -88,7 +94,7 @@ def run(args, model, tok) -> None:
 
 
 def report(args) -> str:
-    records = list(read_jsonl(args.results)) if args.results.is_file() else []
+    records = read_jsonl(args.results)
     if not records:
         return "No records yet."
     ids = sorted({r["id"] for r in records})

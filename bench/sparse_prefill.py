@@ -518,9 +518,8 @@ def timing_report(data: Dict[str, Any]) -> str:
             out.append(f"| {m} | {r['pruned_s']:.2f} | {r['full_s']:.2f} | {100 * r['saving']:.0f}% | "
                        f"{'yes' if r['identical'] else 'NO'} | {100 * r['flagged'] / max(1, r['tiles']):.1f}% |")
         if all(r["saving"] <= 0 for r in bound.values()):
-            out += ["", "The bound saves nothing here: on these prompts it proves almost no tile below every row's "
-                    "threshold, so its own products and gathers are pure cost; `prune=False` is the default and the "
-                    "SALE rows above run without it."]
+            out += ["", "The bound saves nothing here: on these prompts it rules out too few tiles to pay for its own "
+                    "products and gathers; `prune=False` is the default and the SALE rows above run without it."]
     return "\n".join(out)
 
 

@@ -620,8 +620,8 @@ std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at
 
 NATIVE_KV_TILE = 512
 """Keys per tile of the native forward: listed key blocks are processed in groups of ``NATIVE_KV_TILE // block_k``
-(one Q K^T and one P V gemm per group). Measured on 2 quiet cores at N = 16K, 10% density, 128 x 128 blocks:
-0.172 s with one block per gemm (128), 0.156-0.162 s with 256-1024."""
+(one Q K^T and one P V gemm per group). Chosen by a one-off timing at N = 16K, 10% density, 128 x 128 blocks on
+2 cores: 256-1024 keys ran alike and about 10% faster than one block per gemm (128)."""
 
 _native_state: dict = {}
 
@@ -685,14 +685,14 @@ def native_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask:
 
 
 def _native_forward(mod, q, k, v, layout: BlockLayout, *, scale: float, causal: bool, q_offset: int,
-                    window: Optional[int], kv_tile: int = NATIVE_KV_TILE) -> Tuple[torch.Tensor, torch.Tensor]:
+                    window: Optional[int], kv_tile: int = NATIVE_KV_TILE, colstats: bool = False) -> List[torch.Tensor]:
+    """``[o, lse]`` of the native forward (``[o, lse, p_sum, p2_sum]`` with ``colstats``)."""
     b, hq = q.shape[:2]
     lay = layout.expand(b, hq)
     kv_num = lay.kv_num_blocks.to(torch.int32).reshape(-1).contiguous()
     kv_idx = lay.kv_indices.to(torch.int32).reshape(kv_num.numel(), -1).contiguous()
-    o, lse = mod.bsa_forward(q, k, v, kv_num, kv_idx, layout.block_q, layout.block_k, float(scale), bool(causal),
-                             int(q_offset), -1 if window is None else int(window), int(kv_tile), False)
-    return o, lse
+    return mod.bsa_forward(q, k, v, kv_num, kv_idx, layout.block_q, layout.block_k, float(scale), bool(causal),
+                           int(q_offset), -1 if window is None else int(window), int(kv_tile), bool(colstats))
 
 
 def native_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
@@ -717,13 +717,8 @@ def native_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if layout is None:
         layout = (BlockLayout.causal(n_q, n_k, block, block, q_offset=off) if causal
                   else BlockLayout.full(n_q, n_k, block, block))
-    lay = layout.expand(b, hq)
-    kv_num = lay.kv_num_blocks.to(torch.int32).reshape(-1).contiguous()
-    kv_idx = lay.kv_indices.to(torch.int32).reshape(kv_num.numel(), -1).contiguous()
-    o, lse, p_sum, p2_sum = mod.bsa_forward(q.contiguous(), k.contiguous(), v.contiguous(), kv_num, kv_idx,
-                                            layout.block_q, layout.block_k, scale, bool(causal), int(off), -1,
-                                            int(NATIVE_KV_TILE), True)
-    return o, lse, p_sum, p2_sum
+    return tuple(_native_forward(mod, q.contiguous(), k.contiguous(), v.contiguous(), layout, scale=scale,
+                                 causal=causal, q_offset=off, window=None, colstats=True))
 
 
 def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, *,
@@ -759,8 +754,8 @@ def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if native and native_eligible(q, k, v, key_mask):
         mod = native_kernel()
         if mod is not None:
-            return _native_forward(mod, q.contiguous(), k.contiguous(), v.contiguous(), layout, scale=scale,
-                                   causal=causal, q_offset=off, window=window)
+            return tuple(_native_forward(mod, q.contiguous(), k.contiguous(), v.contiguous(), layout, scale=scale,
+                                         causal=causal, q_offset=off, window=window))
     plan = plan_buckets(layout, b, hq, hk, causal=causal, q_offset=off, window=window, dtype=q.dtype)
     fn = _BlockSparseCPU
     o, lse = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, layout, (causal, off, window),

@@ -528,13 +528,9 @@ def fused_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     a fused path serves it: on CPU the native block-sparse forward (fp32, no gradient), which sweeps each query
     block's keys once more after its LSE is known. Returns ``(o, lse, ColStats)`` or None (no fused path: run
     :func:`attention` and :func:`attention_colstats`). Equal to those two within float32 rounding (tested)."""
-    check_qkv(q, k, v)
     if q.device.type != "cpu" or select_backend("attention", q, backend) == "reference":
         return None
     from kernels.cpu_sparse import native_attention_colstats
 
-    got = native_attention_colstats(q, k, v, scale=scale, causal=causal)
-    if got is None:
-        return None
-    o, lse, p_sum, p2_sum = got
-    return o, lse, ColStats(p_sum, p2_sum)
+    got = native_attention_colstats(q, k, v, scale=scale, causal=causal)  # checks the shapes
+    return None if got is None else (got[0], got[1], ColStats(got[2], got[3]))

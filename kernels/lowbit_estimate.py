@@ -24,10 +24,9 @@ range of its augmented keys) bounds every logit of a row against it, ``q'_i . k'
 tile whose bound, plus a margin far above float32 rounding of both products, is below the threshold of every row
 of the query block cannot be flagged, so its scores are never computed; the remaining key blocks of a head are
 gathered and multiplied as before. The flags are the same as without skipping (tested), only cheaper when the
-bound prunes. Measured on SmolLM2-135M at 8K (``python -m bench.sparse_prefill --parts timing``): the box bound
-(and a ball bound tried beside it) proves 0-2% of the full tiles below every row's threshold in layers 10-29
-at tau 0.004-10 (43% only in layer 0 at tau 10), and no key block of a 512-row chunk is prunable for every head,
-so skipping costs about 10% more than not skipping (16.9 s against 15.4 s over 30 layers); hence
+bound prunes. Measured on SmolLM2-135M at 8K (``python -m bench.sparse_prefill --parts timing``, the tile-bound
+table in ``docs/results.md``): with the bound the estimate is 4-6% slower than without it at every threshold
+(tau 0.004-10), i.e. it rules out too few tiles on real prompts to pay for its own products and gathers; hence
 ``prune=False`` by default.
 
 On CUDA (or with ``backend="triton"`` under ``TRITON_INTERPRET=1``) the call runs the fused Triton kernel
@@ -63,7 +62,7 @@ def lowbit_block_estimate(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor,
             the quantisation (int4 per token by default); causal, q_offset: the mask (bottom-right aligned).
         chunk_rows: query rows per matmul (rounded up to a multiple of ``block_q``).
         prune: skip the tiles the exact bound rules out (torch path; the flags do not change). Off by default:
-            on SmolLM2 prompts the bound rules out almost no tile, so it only adds its own cost (see below).
+            on SmolLM2 prompts the bound rules out too few tiles to pay for itself (see below).
         backend: ``auto`` (Triton K4 for CUDA tensors when the tiles are powers of two >= 16, else torch),
             ``torch``, ``triton`` or ``reference``; default from ``LITCTX_KERNEL_BACKEND`` (see
             :mod:`kernels.dispatch`).

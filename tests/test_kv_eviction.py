@@ -753,16 +753,20 @@ def test_fused_decode_statistics_equal_attention_and_its_column_statistics(maske
 def test_h2o_prefill_scores_come_from_the_prefill_attention_call(monkeypatch):
     """A prefill under H2O (and a recorded prefill) takes every query's attention column sums from the attention
     call itself (kernels.fused_attention_colstats); the kept entries and the continuation equal those of the
-    separate statistics pass, and the recorded sums equal the float64 reference."""
+    separate statistics pass (the native forward switched off), and the recorded sums equal the float64
+    reference."""
     import lightning_modules.llm.session as session_mod
+    from kernels.cpu_sparse import NATIVE_ENV, native_kernel, native_status
 
+    if native_kernel() is None:
+        pytest.skip(f"the fused path needs the native CPU forward: {native_status().get('reason')}")
     model, _ = load_causal_lm("tiny-qwen2", with_tokenizer=False, seed=5)
     ids = torch.randint(0, 256, (2, 37), generator=torch.Generator().manual_seed(6))
     policy = H2OConfig(compression_ratio=0.5).build()
     real = kernels.fused_attention_colstats
-    calls = []
+    served = []
     monkeypatch.setattr(session_mod.kernels, "fused_attention_colstats",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+                        lambda *a, **kw: served.append(real(*a, **kw)) or served[-1])
 
     def run():
         lm = CachedLM(model)
@@ -773,15 +777,16 @@ def test_h2o_prefill_scores_come_from_the_prefill_attention_call(monkeypatch):
         return kept, tokens
 
     kept, tokens = run()
-    if not calls or kernels.cpu_sparse.native_kernel() is None:
-        pytest.skip("no fused path on this machine (native forward unavailable)")
-    monkeypatch.setattr(session_mod.kernels, "fused_attention_colstats", lambda *a, **kw: None)
+    assert served and all(s is not None for s in served), "every layer's prefill took the fused path"
+    n_fused = len(served)
+    monkeypatch.setenv(NATIVE_ENV, "0")  # no native forward: the separate statistics pass
     kept_sep, tokens_sep = run()
+    assert len(served) == 2 * n_fused and all(s is None for s in served[n_fused:])
     assert tokens == tokens_sep
     for i in kept:
         assert torch.equal(kept[i][0], kept_sep[i][0]) and torch.equal(kept[i][1], kept_sep[i][1])
 
-    monkeypatch.setattr(session_mod.kernels, "fused_attention_colstats", real)
+    monkeypatch.delenv(NATIVE_ENV)
     lm = CachedLM(model)
     with install_policy(model, KVPolicy(), record_prefill=True) as rec:
         lm.feed(ids)

@@ -367,8 +367,8 @@ def record_prefill(model: torch.nn.Module, context_ids: torch.Tensor,
                    context_mask: Optional[torch.Tensor] = None) -> RecordedPrefill:
     """Prefill ``context_ids [B, n]`` once under a recording no-op policy (for the query-aware protocol the
     question is part of the context). Every prefill query's attention column sums are taken from the prefill's
-    own attention call where a fused path exists (``install_policy(prefill_sums=True)``: about half an attention
-    pass more on CPU), so that replayed H2O-style scores need no second pass over the queries."""
+    own attention call where a fused path exists (``install_policy(prefill_sums=True)``: one more ``Q K^T`` sweep
+    per query block on CPU), so that replayed H2O-style scores need no second pass over the queries."""
     from lightning_modules.llm.policy import KVPolicy
     from lightning_modules.llm.session import install_policy
 

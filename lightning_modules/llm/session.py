@@ -200,16 +200,15 @@ class LayerRunner:
                 and (stack is None or "read" not in stack.parts)):
             fused = self._decode_moments(KVObservation(self.layer, phase, query, key, value, slots, valid, scale))
         stats = None
-        prefill_stats = None
-        if fused is None and bool(read.all()) and self._prefill_sums_wanted(
+        prefill = None
+        if fused is None and self._prefill_sums_wanted(
                 lambda: KVObservation(self.layer, phase, query, key, value, slots, valid, scale), phase, window,
-                stack, n_q):
+                stack, n_q) and bool(read.all()):
             # attention and every query's column sums from one call (H2O's scores, or a recorded prefill that
             # policies will read) instead of a second pass over the queries
-            got = kernels.fused_attention_colstats(query, key, value, scale=scale, causal=True)
-            prefill_stats = None if got is None else got[2]
-        if prefill_stats is not None:
-            o, lse = got[0], got[1]
+            prefill = kernels.fused_attention_colstats(query, key, value, scale=scale, causal=True)
+        if prefill is not None:
+            o, lse = prefill[0], prefill[1]
         elif fused is not None:
             # one pass gives the output and the probabilities the scorers sum (no second pass over the keys)
             o, lse, stats = decode_attention_colstats(query, key, value, scale=scale,
@@ -239,8 +238,8 @@ class LayerRunner:
                             window=window, hidden=hidden)
         if stats is not None and comp is None:
             obs._cache[("colstats", 1, fused)] = stats
-        if prefill_stats is not None and comp is None:
-            obs._cache[("colstats", n_q, "attention")] = prefill_stats
+        if prefill is not None:  # (never with a compensator: see _prefill_sums_wanted)
+            obs._cache[("colstats", n_q, "attention")] = prefill[2]
         if phase == "prefill" and self.session.record_prefill:
             self.session.prefill_observations[self.layer] = obs
         self._after_attention(obs)
