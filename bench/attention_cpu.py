@@ -2,7 +2,7 @@
 
 For N in {4K, 16K, 32K}, 8 heads, d = 64, causal, fp32, B = 1: random per-head causal block layouts
 (128 x 128 blocks, diagonal and sink always kept) at pair densities {5, 10, 25, 50, 100}%. Timed, best of
-``--repeats``: dense causal SDPA (PyTorch's fused CPU flash kernel), ``kernels.attention`` with the layout
+``--repeats``: dense causal SDPA (PyTorch's fused CPU flash kernel), ``litctx_kernels.attention`` with the layout
 (the dispatcher: at 100% it recognises the full causal layout and runs the dense kernel), the block-sparse
 path forced at every density (the native fp32 forward for these inference calls), the previous flash-call
 path (``native=False``) and compiled FlexAttention with the same block mask (inference only on CPU; its first
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 from bench._report import REPO, save_figure, save_json, write_section
 
-import kernels
-from kernels import BlockLayout
-from kernels.cpu_sparse import block_sparse_attention_cpu, native_kernel, native_status
+import litctx_kernels
+from litctx_kernels import BlockLayout
+from litctx_kernels.cpu_sparse import block_sparse_attention_cpu, native_kernel, native_status
 from litctx_common.timing import time_call
 
 DENSITIES = (0.05, 0.10, 0.25, 0.50, 1.00)
@@ -46,7 +46,7 @@ def best_of(fn, repeats: int) -> float:
 def flex_runner(n: int):
     """Compiled FlexAttention on CPU (``dynamic=False``: one compile per shape, reused across layouts), or None
     with the reason. CPU FlexAttention is inference only and cannot return the LSE (``return_lse`` raises on
-    CPU in torch 2.14), so it cannot back ``kernels.attention``, which returns ``(o, lse)``."""
+    CPU in torch 2.14), so it cannot back ``litctx_kernels.attention``, which returns ``(o, lse)``."""
     try:
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -137,7 +137,7 @@ def main() -> None:
             layout = BlockLayout.random_causal(n, args.block, density, heads=args.heads, seed=args.seed)
             actual = layout.density()
             ref_o = None
-            t_disp = best_of(lambda: kernels.attention(q, k, v, layout=layout), reps)
+            t_disp = best_of(lambda: litctx_kernels.attention(q, k, v, layout=layout), reps)
             t_sparse = best_of(lambda: block_sparse_attention_cpu(q, k, v, layout), reps)
             t_calls = best_of(lambda: block_sparse_attention_cpu(q, k, v, layout, native=False), reps)
             o_sparse, _ = block_sparse_attention_cpu(q, k, v, layout)
@@ -176,7 +176,7 @@ def main() -> None:
                 layout = BlockLayout.random_causal(n, args.block, density, heads=args.heads, seed=args.seed)
 
                 def fb_sparse():
-                    o, _ = kernels.attention(qg, kg, vg, layout=layout)
+                    o, _ = litctx_kernels.attention(qg, kg, vg, layout=layout)
                     o.backward(torch.ones_like(o))
 
                 t = best_of(fb_sparse, max(1, reps - 1))
@@ -192,7 +192,7 @@ def main() -> None:
             f"{args.seed}, best of {args.repeats} (N = 32K: {max(1, args.repeats - 1)}); torch {torch.__version__}, "
             f"{meta['threads']} threads; densities {', '.join(f'{x:.0%}' for x in densities)}). "
             f"FlexAttention: {flex_note}; its first call per shape (compile, excluded) is the last column. "
-            f"`kernels.attention` and the sparse path run the {native_note}; *flash calls* is the "
+            f"`litctx_kernels.attention` and the sparse path run the {native_note}; *flash calls* is the "
             "previous block-sparse forward (`native=False`: gathered K/V, one CPU flash call per bucket).",
             "",
             "| N | density (actual) | SDPA s | dispatch s | speed-up | sparse path s | speed-up | of FLOP bound | "
@@ -206,7 +206,7 @@ def main() -> None:
                     f"{r['dispatch_s']:.3f} | {r['speedup']:.2f}x | {r['sparse_s']:.3f} | {r['sparse_speedup']:.2f}x | "
                     f"{r['sparse_bound_fraction']:.0%} | {r['flash_calls_s']:.3f} | {flex_s} | {ratio} | {comp} |")
     if bwd_rows:
-        body += ["", "Forward + backward (`kernels.attention(...)` then `.backward()`):", "",
+        body += ["", "Forward + backward (`litctx_kernels.attention(...)` then `.backward()`):", "",
                  "| N | density | SDPA fwd+bwd s | sparse fwd+bwd s | speed-up | of FLOP bound |", "|---|---|---|---|---|---|"]
         for r in bwd_rows:
             body.append(f"| {r['n']} | {r['density']:.0%} | {r['sdpa_fwd_bwd_s']:.3f} | {r['sparse_fwd_bwd_s']:.3f} | "

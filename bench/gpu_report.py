@@ -81,7 +81,6 @@ def e2e_table(data: dict) -> str:
                    f"{1e3 * r['wall_s']:.1f} | {r.get('wall_speedup_vs_sdpa', float('nan')):.2f}x | "
                    f"{'-' if same is None else ('yes' if same else 'no')} |")
     return "\n".join(out)
-    print(f"wrote the attention_gpu section of {args.results}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """H2O's prefill scores: a second pass over every prefill query against the column sums of the prefill's own
-attention call (``kernels.fused_attention_colstats``), on SmolLM2-135M-Instruct.
+attention call (``litctx_kernels.fused_attention_colstats``), on SmolLM2-135M-Instruct.
 
 H2O scores each prompt entry by the attention every prefill query paid it. Computed after the prefill, that is a
-second pass over all queries (``kernels.attention_colstats``); the fused path takes the sums from the prefill's
+second pass over all queries (``litctx_kernels.attention_colstats``); the fused path takes the sums from the prefill's
 attention call itself (on CPU the native forward sweeps each query block's keys once more after its LSE is
 known). Per sample (``niah_single`` prompts of the suite, interleaved arms, one process):
 
@@ -40,7 +40,7 @@ def run(args, model, tok) -> None:
 
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
-    from kernels.cpu_sparse import NATIVE_ENV
+    from litctx_kernels.cpu_sparse import NATIVE_ENV
     from lightning_modules.kv_eviction.methods import method_config
     from lightning_modules.llm.generation import CachedLM, record_prefill
     from lightning_modules.llm.session import install_policy
@@ -62,7 +62,7 @@ def run(args, model, tok) -> None:
         plain_s = clock(lm.device) - t0
         for arm in ARMS:
             # the separate arm: the native forward switched off (its kill switch), so there is no fused path and
-            # the scores come from kernels.attention_colstats afterwards; the prefill attention itself is SDPA in
+            # the scores come from litctx_kernels.attention_colstats afterwards; the prefill attention itself is SDPA in
             # both arms
             before = os.environ.get(NATIVE_ENV)
             os.environ[NATIVE_ENV] = "1" if arm == "fused" else "0"

@@ -158,7 +158,7 @@ def run_rank_quality(model, tok) -> Dict[str, Any]:
     import torch
 
     from datamodules.text import pydoc_documents
-    from kernels.reference import attention_colstats_reference
+    from litctx_kernels.reference import attention_colstats_reference
     from lightning_modules.kv_eviction.scores import SCORE_KINDS, token_scores
     from lightning_modules.llm.generation import CachedLM
     from lightning_modules.llm.policy import KVPolicy

@@ -3,12 +3,12 @@
     python -m bench.masked_attention              # ~15 minutes on 2 cores
     python -m bench.masked_attention --quick      # 512 tokens, 4 decode steps, one repeat (smoke run)
 
-Two parts, each timing BEFORE (``LITCTX_KERNEL_BACKEND=reference``: every ``kernels.attention`` call with a key
+Two parts, each timing BEFORE (``LITCTX_KERNEL_BACKEND=reference``: every ``litctx_kernels.attention`` call with a key
 mask runs the chunked reference, as all of them did before the fused path) and AFTER (``auto``: the CPU flash
 kernel with a broadcast additive key mask, or the block-sparse path with gathered key-mask blocks), interleaved
 repeat by repeat so both see the same machine load:
 
-1. **Kernel**: ``kernels.attention`` on SmolLM2-135M's attention shapes (B = 4, 9 query heads, 3 KV heads,
+1. **Kernel**: ``litctx_kernels.attention`` on SmolLM2-135M's attention shapes (B = 4, 9 query heads, 3 KV heads,
    d = 64, fp32) with a left-padded key mask at N = 2048: the causal prefill, one decode step (Nq = 1), a
    per-KV-head mask as AdaKV leaves it (75% of each row's keys masked, head-dependent), and a sliding window.
    Outputs are compared with the reference (max |diff| of o and of lse over rows with a valid key).
@@ -16,7 +16,7 @@ repeat by repeat so both see the same machine load:
    2048 / 1792 / 1536 / 1280 tokens of the standard library's pydoc text: prefill and 32 greedy decode steps,
    (a) without a policy (the padding mask reaches attention as a key mask) and (b) under AdaKV (SnapKV scores,
    75% eviction, head-adaptive budgets: padded heads become key masks). Reported: prefill and decode wall time,
-   the time spent inside ``kernels.attention`` during the prefill, and whether the greedy tokens agree (and the
+   the time spent inside ``litctx_kernels.attention`` during the prefill, and whether the greedy tokens agree (and the
    largest difference of the prefill logits).
 
 Writes ``bench/results/masked_attention.json`` and the "Masked attention" section of ``docs/results.md``.
@@ -44,27 +44,27 @@ BACKENDS = {"reference": "before (reference)", "auto": "after (fused)"}
 
 def kernel_backend(name: str):
     """Set ``LITCTX_KERNEL_BACKEND`` inside the block (the dispatcher reads it at every call)."""
-    from kernels.dispatch import BACKEND_ENV
+    from litctx_kernels.dispatch import BACKEND_ENV
 
     return mock.patch.dict(os.environ, {BACKEND_ENV: name})
 
 
 @contextlib.contextmanager
 def attention_timer(sw: Stopwatch):
-    """Time every ``kernels.attention`` call made inside the block as one lap of ``sw``."""
-    import kernels
+    """Time every ``litctx_kernels.attention`` call made inside the block as one lap of ``sw``."""
+    import litctx_kernels
 
-    inner = kernels.attention
+    inner = litctx_kernels.attention
 
     def timed(*args, **kwargs):
         with sw:
             return inner(*args, **kwargs)
 
-    kernels.attention = timed
+    litctx_kernels.attention = timed
     try:
         yield
     finally:
-        kernels.attention = inner
+        litctx_kernels.attention = inner
 
 
 def spread(xs: List[float]) -> Dict[str, float]:
@@ -98,7 +98,7 @@ def kernel_cases(n: int, gen: torch.Generator) -> Dict[str, Dict[str, Any]]:
 
 
 def run_kernels(n: int, repeats: int) -> Dict[str, Any]:
-    import kernels
+    import litctx_kernels
 
     out: Dict[str, Any] = {}
     gen = torch.Generator().manual_seed(0)
@@ -109,7 +109,7 @@ def run_kernels(n: int, repeats: int) -> Dict[str, Any]:
             for backend in BACKENDS:
                 sw = Stopwatch("cpu")
                 with sw, torch.no_grad():
-                    res[backend] = kernels.attention(**case, backend=backend)
+                    res[backend] = litctx_kernels.attention(**case, backend=backend)
                 if r:
                     times[backend].append(sw.seconds)
         (o_ref, l_ref), (o, lse) = res["reference"], res["auto"]
@@ -215,7 +215,7 @@ def report(data: Dict[str, Any]) -> str:
         f"{a['kernel_repeats']} repeats after one warm-up), one fixed input (seed 0). The 2 cores were shared with "
         "other jobs, which the spread shows; minima are less sensitive to that load.",
         "",
-        f"Kernel (`kernels.attention`, B = 4, Hq = 9, Hk = 3, d = 64, fp32, N = {a['n']}, rows left-padded to "
+        f"Kernel (`litctx_kernels.attention`, B = 4, Hq = 9, Hk = 3, d = 64, fp32, N = {a['n']}, rows left-padded to "
         f"{', '.join(str(x) for x in data['model'].get('lengths', []))} tokens):",
         "",
         "| case | before (ms) | after (ms) | speed-up (medians / minima) | max abs diff o / lse | empty rows agree |",

@@ -64,8 +64,8 @@ def estimators(block: int = 64) -> Dict[str, List[Tuple[float, Any]]]:
 
 
 def run_synthetic(args) -> Dict[str, Any]:
-    import kernels
-    from kernels.flops import layout_pairs, mask_pairs
+    import litctx_kernels
+    from litctx_kernels.flops import layout_pairs, mask_pairs
     from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
     from lightning_modules.sparse_prefill.metrics import attention_recall, block_attention_mass, relative_output_error
     from lightning_modules.sparse_prefill.synthetic import HEAD_KINDS, structured_heads
@@ -76,7 +76,7 @@ def run_synthetic(args) -> Dict[str, Any]:
     for n in args.lengths:
         for seed in range(args.seeds):
             q, k, v, info = structured_heads(HEAD_KINDS, n=n, d=d, base=1e5, seed=seed)
-            ref, _ = kernels.attention(q, k, v, scale=scale, causal=True)
+            ref, _ = litctx_kernels.attention(q, k, v, scale=scale, causal=True)
             masses = {}
             for method, sweep in estimators().items():
                 for knob, est in sweep:
@@ -182,8 +182,8 @@ SPECTRAL_TOP_P = [0.8, 0.9, 0.95]
 def run_spectral(args) -> Dict[str, Any]:
     import torch
 
-    import kernels
-    from kernels import BlockLayout
+    import litctx_kernels
+    from litctx_kernels import BlockLayout
     from lightning_modules.sparse_prefill.estimators import finish_block_mask, pool_blocks
     from lightning_modules.sparse_prefill.metrics import (
         attention_recall,
@@ -212,7 +212,7 @@ def run_spectral(args) -> Dict[str, Any]:
                            for name, x in (("mean_pool", pooled), ("prism_high", bands["high"]),
                                            ("prism_low", bands["low"]))}, "matched": []}
             mass = block_attention_mass(q, k, scale, block, block)
-            ref, _ = kernels.attention(q, k, v, scale=scale, causal=True)
+            ref, _ = litctx_kernels.attention(q, k, v, scale=scale, causal=True)
             forced = finish_block_mask(torch.zeros(1, 1, m, m, dtype=torch.bool), n, block)
             for p in SPECTRAL_TOP_P:
                 prism = PrismConfig(block=block, top_p=p).estimator().selected_block_mask(q, k, scale)[0]
@@ -220,7 +220,7 @@ def run_spectral(args) -> Dict[str, Any]:
                 cell = {"top_p": p}
                 for name, mask in (("prism", prism), ("mean_pool", mean_pool)):
                     layout = BlockLayout.from_block_mask(mask, block, block, (n, n))
-                    o, _ = kernels.attention(q, k, v, scale=scale, causal=True, layout=layout)
+                    o, _ = litctx_kernels.attention(q, k, v, scale=scale, causal=True, layout=layout)
                     cell[name] = {"density": layout.density(causal=True),
                                   "recall": float(attention_recall(mass, layout)[0, 0]),
                                   "error": float(relative_output_error(o, ref)[0, 0])}
@@ -432,7 +432,7 @@ def sale_estimate_floor(obs, timed, chunk_rows: int = 512) -> Dict[str, float]:
     CPU) and as fp32. No threshold, no pooling: a floor under any CPU implementation of the estimate."""
     import torch
 
-    from kernels.reference.lowbit import quantize_qk_lowbit
+    from litctx_kernels.reference.lowbit import quantize_qk_lowbit
 
     int8_s = fp32_s = 0.0
     for o in obs.values():
@@ -450,12 +450,12 @@ def sale_estimate_floor(obs, timed, chunk_rows: int = 512) -> Dict[str, float]:
 
 
 def sale_bound_saving(obs, taus, timed) -> Dict[str, Any]:
-    """SALE's CPU estimate with and without the exact tile bound (``kernels.lowbit_block_estimate(prune=...)``)
+    """SALE's CPU estimate with and without the exact tile bound (``litctx_kernels.lowbit_block_estimate(prune=...)``)
     over every layer of the recorded prefill, per threshold: seconds of each, and whether the flags are
     identical (they must be: the bound only skips tiles it proves below every row's threshold)."""
     import torch
 
-    import kernels
+    import litctx_kernels
     from lightning_modules.sparse_prefill.methods import SALEConfig
     from lightning_modules.sparse_prefill.sale import sink_local_layout
 
@@ -466,13 +466,13 @@ def sale_bound_saving(obs, taus, timed) -> Dict[str, Any]:
         for o in obs.values():
             n = o.q.shape[2]
             exact_layout = sink_local_layout(n, cfg.block_q, cfg.block_k, cfg.sink, cfg.local, o.q.device)
-            lse = kernels.attention(o.q, o.k, o.v, scale=o.scale, causal=True, layout=exact_layout)[1]
+            lse = litctx_kernels.attention(o.q, o.k, o.v, scale=o.scale, causal=True, layout=exact_layout)[1]
             kw = dict(scale=o.scale, block_q=cfg.block_q, block_k=cfg.block_k, bits=cfg.bits,
                       group_size=cfg.group_size, backend="torch")
             res = {}
             for prune in (True, False):
                 key = "pruned_s" if prune else "full_s"
-                row[key] += timed(lambda: res.__setitem__(prune, kernels.lowbit_block_estimate(
+                row[key] += timed(lambda: res.__setitem__(prune, litctx_kernels.lowbit_block_estimate(
                     o.q, o.k, lse, tau, prune=prune, **kw).to_block_mask()))
             row["identical"] &= bool(torch.equal(res[True], res[False]))
             row["flagged"] += int(res[True].sum())
@@ -509,7 +509,7 @@ def timing_report(data: Dict[str, Any]) -> str:
                 out.append(f"| {m} | {rest:.2f} | {sdpa / rest:.2f}x | {sdpa / (rest + floor['int8_gemm_s']):.2f}x |")
     bound = data.get("sale_bound")
     if bound:
-        out += ["", "SALE's CPU estimate with the exact tile bound (`kernels.lowbit_block_estimate(prune=True)`: a tile "
+        out += ["", "SALE's CPU estimate with the exact tile bound (`litctx_kernels.lowbit_block_estimate(prune=True)`: a tile "
                 "whose box bound is below every row's threshold is never multiplied) against the same estimate "
                 "without it, every layer of the prompt, median per layer:", "",
                 "| threshold | with bound s | without s | saving | flags identical | flagged tiles |",

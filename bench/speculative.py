@@ -64,7 +64,7 @@ def draft_config(name: str, path: Optional[str]):
 
 
 def _verifier(arm: str, budget: int, args):
-    from lightning_modules.llm.speculative_callback import build_verifier
+    from lightning_modules.speculative.verifiers import build_verifier
 
     common = {"sink": args.sink, "window": args.window, "measure_arr": not args.no_arr}
     if arm in ("dense", "snapkv"):

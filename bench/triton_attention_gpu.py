@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from bench._report import save_json
-from kernels.flops import attention_flops, mask_pairs
-from kernels.layouts import BlockLayout
+from litctx_kernels.flops import attention_flops, mask_pairs
+from litctx_kernels.layouts import BlockLayout
 
 
 def main(argv=None) -> int:
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
-    from kernels.triton.attention import triton_attention
+    from litctx_kernels.triton.attention import triton_attention
 
     t_start = time.time()
     dev = torch.device("cuda")

@@ -1,4 +1,4 @@
 """LightningModules of litctx (one folder or file per trained method), shared layers, callbacks, I/O.
 
-Imports point one way: this package may import ``kernels``; it never imports ``datamodules`` or ``recipes``.
+Imports point one way: this package may import ``litctx_kernels``; it never imports ``datamodules`` or ``recipes``.
 """

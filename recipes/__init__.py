@@ -2,5 +2,5 @@
 
 ``python -m recipes.fit --recipe NAME``, ``python -m recipes.evaluate``, ``python -m recipes.ls``,
 ``python -m recipes.show``; ``recipes.api.build()`` for notebooks. This package imports the library
-packages (``kernels``, ``lightning_modules``, ``datamodules``); they never import it.
+packages (``litctx_kernels``, ``lightning_modules``, ``datamodules``); they never import it.
 """

@@ -2,7 +2,7 @@
 
 Merge order (later wins)::
 
-    schema defaults <- configs/defaults.yaml <- configs/recipes/<recipe>.yaml (one optional ``extends:``)
+    schema defaults <- configs/defaults.yaml <- configs/recipes/<recipe>.yaml (``extends:`` chains, parent first)
         <- [registry ``tiny`` overrides when ``smoke=true``] <- --profile NAME ... <- --config FILE ...
         <- command-line ``key=value`` items
 
@@ -344,23 +344,26 @@ def recipe_path(name: str, cfg_dir: Path) -> Path:
 
 
 def _recipe_layers(name: str, cfg_dir: Path) -> Tuple[List[Layer], Optional[Dict[str, Any]]]:
-    """The recipe's layers (its parent first) and its ``sweep:`` block (the recipe's own, else the parent's)."""
-    path = recipe_path(name, cfg_dir)
-    data = read_yaml(path)
-    parent = data.pop("extends", None)
-    sweep = data.pop("sweep", None)
-    layers: List[Layer] = []
-    if parent is not None:
-        parent_data = read_yaml(recipe_path(str(parent), cfg_dir))
-        if "extends" in parent_data:
-            raise ConfigError(f"{path}: extends '{parent}', which itself extends another recipe (one level only)")
-        parent_sweep = parent_data.pop("sweep", None)
-        sweep = sweep if sweep is not None else parent_sweep
-        layers.append(Layer(f"recipe {parent} ({recipe_path(str(parent), cfg_dir)})", parent_data))
-    data.setdefault("recipe", path.stem)
-    layers.append(Layer(f"recipe {path.stem} ({path})", data))
+    """The recipe's layers (its farthest ancestor first, through ``extends``) and its ``sweep:`` block (the
+    nearest one along the chain)."""
+    chain: List[Tuple[str, Path, Dict[str, Any]]] = []  # the recipe first, then its parent, ...
+    current: Optional[str] = name
+    while current is not None:
+        path = recipe_path(str(current), cfg_dir)
+        if any(path.resolve() == p.resolve() for _, p, _ in chain):
+            names = " -> ".join([n for n, _, _ in chain] + [str(current)])
+            raise ConfigError(f"{chain[0][1]}: its extends chain loops ({names})")
+        data = read_yaml(path)
+        chain.append((str(current), path, data))
+        current = data.pop("extends", None)
+    sweeps = [data.pop("sweep") for _, _, data in chain if "sweep" in data]
+    sweep = sweeps[0] if sweeps else None
+    top = chain[0][1]
+    chain[0][2].setdefault("recipe", top.stem)
+    layers = [Layer(f"recipe {top.stem if i == 0 else n} ({path})", data)
+              for i, (n, path, data) in reversed(list(enumerate(chain)))]
     if sweep is not None and not isinstance(sweep, dict):
-        raise ConfigError(f"{path}: sweep must be a mapping (grid/zip/seeds/random/metric/mode), got {type(sweep).__name__}")
+        raise ConfigError(f"{top}: sweep must be a mapping (grid/zip/seeds/random/metric/mode), got {type(sweep).__name__}")
     return layers, sweep
 
 

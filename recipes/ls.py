@@ -1,16 +1,17 @@
 """List what litctx provides: ``python -m recipes.ls [PATTERN] [--wide]``.
 
-Methods, datamodules, callbacks and recipes, each with the paper it implements and whether its optional
-dependencies are installed. Every method names the recipes that run it and every recipe its method, so
-``python -m recipes.show NAME`` (a recipe, method, datamodule or callback) is one hop away; it prints the files
-that define it. The tables fit the terminal width (long cells wrap; ``--wide`` prints every cell whole on one
-line). Reads the registry and the recipe YAML files only (imports nothing heavy).
+Methods, datamodules, callbacks and recipes, each with the file that defines it, the paper it implements and
+whether its optional dependencies are installed. PATTERN (``fnmatch``, case-insensitive) matches names,
+descriptions, paper titles and the papers' method names: ``'*prophet*'``, ``'*timestep*'``, ``'*softplus*'``.
+Every method and callback names the recipes that run it and every recipe its method, so
+``python -m recipes.show NAME`` (a recipe, method, datamodule or callback) is one hop away; it prints the typed
+config with every knob. The tables fit the terminal width (long cells wrap; ``--wide`` prints every cell whole on
+one line). Reads the registry and the recipe YAML files only (imports nothing heavy).
 """
 
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import importlib.util
 import shutil
 import sys
@@ -19,6 +20,7 @@ from typing import Dict, List, Optional, Sequence
 
 from recipes import registry
 from recipes.cli import guarded
+from recipes.show import own_file
 
 __all__ = ["main", "table"]
 
@@ -124,55 +126,73 @@ def _section(title: str, rows: List[List[str]], header: List[str], width: Option
     return title + "\n" + (table(rows, header, width) if rows else "  (none)")
 
 
-def _recipes_by_method(recipes: Sequence[registry.RecipeSpec]) -> Dict[str, List[str]]:
+def _recipes_by_component(recipes: Sequence[registry.RecipeSpec]) -> Dict[str, List[str]]:
+    """Component name -> the recipes that run it (as their method, or as one of their callbacks)."""
     out: Dict[str, List[str]] = {}
     for r in recipes:
-        if r.method:
-            out.setdefault(r.method, []).append(r.name)
+        for name in ([r.method] if r.method else []) + list(r.callbacks):
+            out.setdefault(name, []).append(r.name)
     return out
+
+
+def _runs(spec, runs_it: Dict[str, List[str]]) -> str:
+    """The recipes of a component, its own (:attr:`recipe`) first."""
+    names = list(runs_it.get(spec.name, []))
+    own = getattr(spec, "recipe", None)
+    if own in names:
+        names.remove(own)
+        names.insert(0, own)
+    return ", ".join(names) or "-"
 
 
 @guarded
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.ls", description=__doc__.split("\n\n")[0])
-    parser.add_argument("pattern", nargs="?", default="*", help="fnmatch filter on names, e.g. '*kv*'")
+    parser.add_argument("pattern", nargs="?", default="*",
+                        help="fnmatch filter (case-insensitive) on names, descriptions and paper titles, e.g. '*kv*'")
     parser.add_argument("--wide", action="store_true",
                         help="every cell whole (full paper citations), one line per row, whatever the terminal width")
     args = parser.parse_args(argv)
     pat, wide = args.pattern, args.wide
     width = None if wide else shutil.get_terminal_size((100, 24)).columns
     every_recipe = registry.list_recipes()
-    runs_it = _recipes_by_method(every_recipe)
+    runs_it = _recipes_by_component(every_recipe)
     out = []
 
-    def about(description: str, paper: Optional[registry.Paper]) -> List[str]:
-        """The last cells: paper and description (--wide), or the description with the paper's short name."""
+    def about(spec) -> List[str]:
+        """The last cells: file, paper and description (--wide), or the description with the paper's short name
+        and the file (wrapped as one cell)."""
+        file, paper = own_file(spec), spec.paper
         if wide:
-            return [_paper(paper, wide), description]
-        return [f"{description} [{_paper(paper, wide)}]" if paper is not None else description]
+            return [file, _paper(paper, wide), spec.description]
+        return [spec.description + (f" [{_paper(paper, wide)}]" if paper is not None else "") + f" ({file})"]
 
-    tail = ["paper", "description"] if wide else ["description [paper]"]
-    rows = [[s.name, s.kind, _available(s.requires, s.extra), ", ".join(runs_it.get(s.name, [])) or "-",
-             *about(s.description, s.paper)]
-            for s in (registry.method_spec(n) for n in registry.list_methods(pat))]
+    def found(table: Dict[str, object]) -> List[object]:
+        return [spec for spec in table.values() if registry.matches(spec, pat)]
+
+    tail = ["file", "paper", "description"] if wide else ["description [paper] (file)"]
+    rows = [[s.name, s.kind, _available(s.requires, s.extra), _runs(s, runs_it), *about(s)]
+            for s in found(registry.METHODS)]
     out.append(_section("Methods", rows, ["name", "kind", "status", "recipes", *tail], width))
-    rows = [[s.name, _available(s.requires, s.extra), *about(s.description, s.paper)]
-            for s in (registry.datamodule_spec(n) for n in registry.list_datamodules(pat))]
+    rows = [[s.name, _available(s.requires, s.extra), *about(s)] for s in found(registry.DATAMODULES)]
     out.append(_section("DataModules", rows, ["name", "status", *tail], width))
-    rows = [[s.name, _stages(s.stages), _available(s.requires, s.extra), *about(s.description, s.paper)]
-            for s in (registry.callback_spec(n) for n in registry.list_callbacks(pat))]
+    rows = [[s.name, _stages(s.stages), _available(s.requires, s.extra), _runs(s, runs_it), *about(s)]
+            for s in found(registry.CALLBACKS)]
     out.append(_section("Callbacks (add one: callbacks.LABEL={name: NAME, args: {...}})", rows,
-                        ["name", "stages", "status", *tail], width))
+                        ["name", "stages", "status", "recipes", *tail], width))
     rows = []
-    for r in (r for r in every_recipe if fnmatch.fnmatch(r.name, pat)):
+    for r in every_recipe:
         spec = registry.METHODS.get(r.method) if r.method else None
+        if not registry.matches(r, pat) and (spec is None or spec.paper is None
+                                             or not registry.matches(spec.paper, pat)):
+            continue
         run = "evaluate" if spec is not None and spec.kind == "inference" else "fit"
         row = [r.name, run, r.method or "", r.data or ""]
         rows.append(row + ([spec.paper.title if spec is not None else "", r.description] if wide else [r.description]))
     header = ["name", "run", "method", "data"] + (["paper", "description"] if wide else ["description"])
     out.append(_section("Recipes (python -m recipes.<run> --recipe NAME)", rows, header, width))
-    out.append("python -m recipes.show NAME: a recipe's resolved config, or a component, and the files that "
-               "define it" + ("" if wide else "; --wide: every cell whole"))
+    out.append("python -m recipes.show NAME: a recipe's resolved config, or a component's typed config with every "
+               "knob, and the files that define it" + ("" if wide else "; --wide: every cell whole"))
     if width is not None:
         out[-1] = textwrap.fill(out[-1], width, break_on_hyphens=False)
     print("\n\n".join(out))

@@ -2,7 +2,8 @@
 of the component's config class), after the files that define the recipe and its components.
 
     python -m recipes.show lcube [--profile tiny] [key=value ...]
-    python -m recipes.show meg_xl_words        # a method, datamodule or callback: its files and recipes
+    python -m recipes.show meg_xl_words        # a method, datamodule or callback: its files, recipes and
+                                               # typed config with every knob's default
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from recipes import registry
 from recipes.cli import config_parser, guarded, split_overrides
 from recipes.config import ConfigError, LoadedConfig, config_dir, load_config, recipe_path, to_yaml
 
-__all__ = ["main", "defining_file", "source_lines"]
+__all__ = ["main", "defining_file", "own_file", "source_lines"]
 
 _REPO = Path(__file__).resolve().parent.parent
 
@@ -38,6 +39,12 @@ def defining_file(target: str) -> str:
     if spec is None or not spec.origin:
         return f"(module {module} is not importable)"
     return _shown(Path(spec.origin))
+
+
+def own_file(spec) -> str:
+    """The file that defines a component itself: its config class's file (a method's own folder, also when its
+    runtime class is a shared wrapper such as the speculative or KV-reuse callback), else its class's file."""
+    return defining_file(spec.config if spec.config is not None else spec.target)
 
 
 def _component(kind: str, name: str, target: str, config: Optional[str]) -> str:
@@ -76,8 +83,25 @@ def source_lines(loaded: LoadedConfig) -> List[str]:
     return lines
 
 
+def _knobs(spec, where: str) -> List[str]:
+    """The component's typed config: every field with its default (``# default``), as YAML lines."""
+    import yaml
+
+    try:
+        values = registry.complete_args(spec.config, spec.target, {}, where)
+    except Exception as err:  # an optional dependency missing, or a field without a default
+        return [f"  (config not shown: {str(err).splitlines()[0]})"]
+    lines = ["  args:"]
+    for key, value in values.items():  # one key at a time: every field on its own line, leaf containers inline
+        flow = None if isinstance(value, (dict, list)) and value else False
+        text = yaml.safe_dump({key: value}, sort_keys=False, default_flow_style=flow, width=10_000)
+        lines += ["    " + line + ("" if line.rstrip().endswith(":") else "  # default") for line in text.splitlines()]
+    return lines
+
+
 def _show_component(name: str) -> Optional[str]:
-    """A registered method, datamodule or callback named ``name``: its files, paper and recipes; else None."""
+    """A registered method, datamodule or callback named ``name``: its files, paper, recipes and typed config
+    with every knob; else None."""
     recipes = registry.list_recipes()
     blocks = []
     if name in registry.METHODS:
@@ -86,17 +110,24 @@ def _show_component(name: str) -> Optional[str]:
         blocks.append([_component("method", name, s.target, s.config),
                        f"  {s.kind}: {s.description}", f"  paper: {s.paper.short()}",
                        f"  recipes: {', '.join(runs) or '(none)'}"
-                       + (f"   (python -m recipes.show {runs[0]})" if runs else "")])
+                       + (f"   (python -m recipes.show {s.recipe or runs[0]})" if runs else ""),
+                       "  method:", f"    name: {name}", *["  " + line for line in _knobs(s, "method.args")]])
     if name in registry.DATAMODULES:
         s = registry.DATAMODULES[name]
         used = [r.name for r in recipes if r.data == name]
         blocks.append([_component("data", name, s.target, s.config),
-                       f"  {s.description}", f"  recipes: {', '.join(used) or '(none)'}"])
+                       f"  {s.description}", f"  recipes: {', '.join(used) or '(none)'}",
+                       "  data:", f"    name: {name}", *["  " + line for line in _knobs(s, "data.args")]])
     if name in registry.CALLBACKS:
         s = registry.CALLBACKS[name]
-        blocks.append([_component("callback", name, s.target, s.config),
-                       f"  {s.description}", f"  stages: {', '.join(s.stages)}",
-                       f"  add it: callbacks.LABEL={{name: {name}, args: {{...}}}}"])
+        runs = [r.name for r in recipes if name in r.callbacks]
+        lines = [_component("callback", name, s.target, s.config), f"  {s.description}"]
+        if s.paper is not None:
+            lines.append(f"  paper: {s.paper.short()}")
+        lines += [f"  stages: {', '.join(s.stages)}", f"  recipes: {', '.join(runs) or '(none)'}",
+                  "  add it: callbacks.LABEL:", f"    name: {name}",
+                  *["  " + line for line in _knobs(s, f"callbacks.{name}.args")]]
+        blocks.append(lines)
     return "\n\n".join("\n".join(b) for b in blocks) if blocks else None
 
 

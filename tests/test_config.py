@@ -311,3 +311,32 @@ def test_then_inherit_skips_an_unset_arg_of_a_component_without_a_config_class(t
         "then": {"recipe": str(child), "inherit": ["callbacks.lr.args.not_a_parameter_here", "seed"]}}))
     out = follow_up_overrides(load_config(str(parent), ["seed=3"]), tmp_path, None)
     assert out[0] == "seed=3" and not any("not_a_parameter_here" in o for o in out)
+
+
+def _configs_with(tmp_path, recipes):
+    """A configs folder: the repository's defaults and profiles plus the given recipe YAML texts."""
+    import shutil
+
+    root = tmp_path / "configs"
+    shutil.copytree(REPO / "configs", root)
+    for name, text in recipes.items():
+        (root / "recipes" / f"{name}.yaml").write_text(text)
+    return str(root)
+
+
+def test_a_recipe_extends_a_chain_nearest_wins(tmp_path):
+    cfg_dir = _configs_with(tmp_path, {
+        "c1": "extends: lcube\ntrainer: {max_epochs: 3}\noptim: {lr: 0.5}\n",
+        "c2": "extends: c1\noptim: {lr: 0.25}\n",
+    })
+    loaded = load_config("c2", cfg_dir=cfg_dir)
+    assert loaded.run.method.name == "lcube" and loaded.run.trainer.max_epochs == 3 and loaded.run.optim.lr == 0.25
+    assert [label.split(" (")[0] for label in loaded.layers[1:4]] == ["recipe lcube", "recipe c1", "recipe c2"]
+    assert loaded.run.recipe == "c2"
+    assert {r.name: r.method for r in registry.list_recipes(cfg_dir=cfg_dir)}["c2"] == "lcube"
+
+
+def test_an_extends_loop_is_named(tmp_path):
+    cfg_dir = _configs_with(tmp_path, {"l1": "extends: l2\n", "l2": "extends: l1\n"})
+    with pytest.raises(ConfigError, match=r"extends chain loops \(l1 -> l2 -> l1\)"):
+        load_config("l1", cfg_dir=cfg_dir)

@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM substrate needs transformers (pip install -e '.[llm]')")
 
-from lightning_modules.llm import distill  # noqa: E402
-from lightning_modules.llm.distill import DraftDistillConfig, DraftDistillModule, token_kl  # noqa: E402
+from lightning_modules.speculative import distill  # noqa: E402
+from lightning_modules.speculative.distill import DraftDistillConfig, DraftDistillModule, token_kl  # noqa: E402
 from lightning_modules.llm.drafts import (  # noqa: E402
     DraftConfig,
     check_draft_compatible,

@@ -361,3 +361,34 @@ def test_dustin_from_a_held_prompt_reads_the_sets_of_its_own_prefill(models):
     assert res.tokens == own.tokens
     assert len(log.steps) == len(own_log.steps) > 2
     assert all(torch.equal(a["set"], b["set"]) for a, b in zip(log.steps, own_log.steps))
+
+
+def test_dustins_own_config_is_the_speculative_callback_with_the_dustin_verifier():
+    from lightning_modules.dustin.config import DustinSpeculativeConfig
+    from lightning_modules.speculative.callback import SpeculativeConfig
+    from recipes import registry
+
+    cb = registry.create_callback("dustin", {"budget": 256, "gamma": 3, "signal": "history"})
+    cfg = cb.cfg
+    assert isinstance(cfg, DustinSpeculativeConfig)
+    generic = SpeculativeConfig(gamma=3, verify="history_only", verify_args={"budget": 256})
+    assert cfg.speculative_config().verify == "history_only" and cfg.name == generic.name
+    assert cfg.speculative_config().verify_args["budget"] == 256 and cfg.speculative_config().gamma == 3
+    done = registry.complete_args(registry.callback_spec("dustin").config, "", {}, "callbacks.spec.args")
+    assert done["budget"] == 512 and done["sink"] == 4 and done["window"] == 16 and done["gamma"] == 4
+    assert done["draft"] == {"kind": "early_exit", "num_layers": 8}
+
+
+def test_dustins_own_config_decodes_as_the_generic_callback(models):
+    from lightning_modules.dustin.config import DustinSpeculativeConfig
+    from lightning_modules.speculative.callback import SpeculativeConfig
+
+    target, _ = models
+    ids, mask = _prompt()
+    draft = {"kind": "early_exit", "num_layers": 1}
+    own = DustinSpeculativeConfig(budget=24, sink=2, window=4, gamma=3, draft=draft).build(target)
+    generic = SpeculativeConfig(gamma=3, draft=draft, verify="dustin",
+                                verify_args={"budget": 24, "sink": 2, "window": 4}).build(target)
+    a = own.generate(target, ids, mask, 8)
+    b = generic.generate(target, ids, mask, 8)
+    assert a.tokens == b.tokens and a.stats["read"]["kv_bytes_read"] == b.stats["read"]["kv_bytes_read"]

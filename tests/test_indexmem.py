@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from kernels.testing import assert_close
+from litctx_kernels.testing import assert_close
 
 pytest.importorskip("transformers")
 

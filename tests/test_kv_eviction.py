@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM substrate needs transformers (pip install -e '.[llm]')")
 
-import kernels  # noqa: E402
-from kernels.reference import attention_colstats_reference  # noqa: E402
+import litctx_kernels  # noqa: E402
+from litctx_kernels.reference import attention_colstats_reference  # noqa: E402
 from lightning_modules.kv_eviction.methods import (  # noqa: E402
     EVICTION_METHODS,
     AdaKVConfig,
@@ -506,18 +506,18 @@ def test_a_replayed_batch_computes_each_windows_statistics_once_with_the_richest
     policies = {name: method_config("h2o", {"compression_ratio": 0.5, "score": score}).build()
                 for name, score in (("h2o", "attention"), ("h2o+obc", "obcache_kv"))}
     calls = []
-    real = kernels.attention_colstats
+    real = litctx_kernels.attention_colstats
 
     def counting(q, *args, **kw):
         if q.shape[2] > 1:  # prefill passes only (decode steps see one query per row)
             calls.append((kw.get("q_window"), kw.get("moments")))
         return real(q, *args, **kw)
 
-    monkeypatch.setattr(kernels, "attention_colstats", counting)
+    monkeypatch.setattr(litctx_kernels, "attention_colstats", counting)
     together = generate_under_policies(model, ids, None, policies, 3, (), None, None, batched=True)
     n_layers = model.config.num_hidden_layers
     assert calls == [(40, "logit")] * n_layers
-    monkeypatch.setattr(kernels, "attention_colstats", real)
+    monkeypatch.setattr(litctx_kernels, "attention_colstats", real)
     alone = generate_under_policies(model, ids, None, policies, 3, (), None, None)
     assert all(together[n].tokens == alone[n].tokens for n in policies)
 
@@ -731,7 +731,7 @@ def test_in_place_steps_never_write_a_shared_prefill():
 def test_fused_decode_statistics_equal_attention_and_its_column_statistics(masked):
     """One pass gives a decode step's output, LSE and per-key statistics: equal to the reference attention and
     the reference statistics computed from it (float64)."""
-    from kernels.reference import attention_reference, decode_attention_colstats
+    from litctx_kernels.reference import attention_reference, decode_attention_colstats
 
     q, k, v = _qkv(11, b=2, hq=6, hk=2, n=30, d=8)
     q = q[:, :, -1:]
@@ -752,20 +752,20 @@ def test_fused_decode_statistics_equal_attention_and_its_column_statistics(maske
 
 def test_h2o_prefill_scores_come_from_the_prefill_attention_call(monkeypatch):
     """A prefill under H2O (and a recorded prefill) takes every query's attention column sums from the attention
-    call itself (kernels.fused_attention_colstats); the kept entries and the continuation equal those of the
+    call itself (litctx_kernels.fused_attention_colstats); the kept entries and the continuation equal those of the
     separate statistics pass (the native forward switched off), and the recorded sums equal the float64
     reference."""
     import lightning_modules.llm.session as session_mod
-    from kernels.cpu_sparse import NATIVE_ENV, native_kernel, native_status
+    from litctx_kernels.cpu_sparse import NATIVE_ENV, native_kernel, native_status
 
     if native_kernel() is None:
         pytest.skip(f"the fused path needs the native CPU forward: {native_status().get('reason')}")
     model, _ = load_causal_lm("tiny-qwen2", with_tokenizer=False, seed=5)
     ids = torch.randint(0, 256, (2, 37), generator=torch.Generator().manual_seed(6))
     policy = H2OConfig(compression_ratio=0.5).build()
-    real = kernels.fused_attention_colstats
+    real = litctx_kernels.fused_attention_colstats
     served = []
-    monkeypatch.setattr(session_mod.kernels, "fused_attention_colstats",
+    monkeypatch.setattr(session_mod.litctx_kernels, "fused_attention_colstats",
                         lambda *a, **kw: served.append(real(*a, **kw)) or served[-1])
 
     def run():

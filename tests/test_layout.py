@@ -5,21 +5,23 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import site
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, run_cli
 
-PACKAGES = ["litctx_common", "kernels", "lightning_modules", "datamodules", "recipes"]
+PACKAGES = ["litctx_common", "litctx_kernels", "lightning_modules", "datamodules", "recipes"]
 # who may import whom (besides itself): the plan of the house
 ALLOWED = {
     "litctx_common": set(),
-    "kernels": {"litctx_common"},
-    "lightning_modules": {"litctx_common", "kernels"},
+    "litctx_kernels": {"litctx_common"},
+    "lightning_modules": {"litctx_common", "litctx_kernels"},
     "datamodules": {"litctx_common"},
-    "recipes": {"litctx_common", "kernels", "lightning_modules", "datamodules"},
+    "recipes": {"litctx_common", "litctx_kernels", "lightning_modules", "datamodules"},
 }
 
 
@@ -52,18 +54,37 @@ def test_our_packages_are_not_shadowed(name):
     )
 
 
-def test_no_foreign_configs_or_kernels_distribution():
+def test_no_installed_distribution_provides_a_top_level_name_of_ours():
+    """No top-level package of ours (nor ``configs``/``bench``) has the name of a top-level module of any installed
+    distribution: Hugging Face's ``kernels`` (a transformers dependency) sits beside ``litctx_kernels``."""
+    ours = set(PACKAGES) | {"configs", "bench"}
+    provided = importlib.metadata.packages_distributions()
+    clashes = {name: sorted(d for d in provided.get(name, []) if d != "litctx") for name in sorted(ours)}
+    clashes = {name: dists for name, dists in clashes.items() if dists}
+    assert not clashes, f"installed distributions provide top-level names of ours: {clashes}"
     spec = importlib.util.find_spec("configs")
     if spec is not None:  # our configs folder is found as a namespace from the checkout; nothing else may be
         places = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
         foreign = [p for p in places if not Path(p).resolve().is_relative_to(REPO)]
         assert not foreign, f"a foreign 'configs' package is importable from {foreign}"
-    for dist in ("kernels", "recipes", "configs"):
-        try:
-            found = importlib.metadata.distribution(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        pytest.fail(f"the PyPI distribution '{dist}' ({found.version}) is installed and collides with our names")
+
+
+def test_the_hugging_face_kernels_name_is_free_for_transformers():
+    """``import kernels`` never finds a folder of this repository (the shadowing that once forced a transformers pin);
+    when Hugging Face's ``kernels`` is installed, transformers' hub-kernels integration imports."""
+    spec = importlib.util.find_spec("kernels")
+    if spec is not None:
+        places = [Path(p).resolve() for p in ([spec.origin] if spec.origin else spec.submodule_search_locations or [])
+                  if p]
+        installed = [Path(p).resolve() for p in site.getsitepackages() + [sysconfig.get_paths()["purelib"]]]
+        ours = [p for p in places if p.is_relative_to(REPO) and not any(p.is_relative_to(i) for i in installed)]
+        assert not ours, f"'import kernels' finds a folder of this repository: {ours}"
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("Hugging Face's kernels is not installed")
+    out = run_cli(["-c", "import transformers.integrations.hub_kernels"])
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_light_imports_stay_light():
@@ -169,18 +190,18 @@ def test_cycle_finder_finds_known_cycles():
 
 
 def test_import_graph_resolves_relative_and_from_imports(tmp_path, monkeypatch):
-    pkg = tmp_path / "kernels"
+    pkg = tmp_path / "litctx_kernels"
     (pkg / "sub").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("from kernels import a\n")
+    (pkg / "__init__.py").write_text("from litctx_kernels import a\n")
     (pkg / "a.py").write_text("def f():\n    from .sub import b\n")
     (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "sub" / "b.py").write_text("from .. import a\nfrom ..a import f\nimport kernels.sub\n")
+    (pkg / "sub" / "b.py").write_text("from .. import a\nfrom ..a import f\nimport litctx_kernels.sub\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
-    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ["kernels"])
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ["litctx_kernels"])
     graph = import_graph()
-    assert graph == {"kernels": {"kernels.a"}, "kernels.a": {"kernels.sub.b"}, "kernels.sub": set(),
-                     "kernels.sub.b": {"kernels.a", "kernels.sub"}}
-    assert strongly_connected(graph) == [["kernels.a", "kernels.sub.b"]]
+    assert graph == {"litctx_kernels": {"litctx_kernels.a"}, "litctx_kernels.a": {"litctx_kernels.sub.b"}, "litctx_kernels.sub": set(),
+                     "litctx_kernels.sub.b": {"litctx_kernels.a", "litctx_kernels.sub"}}
+    assert strongly_connected(graph) == [["litctx_kernels.a", "litctx_kernels.sub.b"]]
 
 
 def test_no_import_cycles_between_modules():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from datamodules.synth.hierarchical_gaussian import HierarchicalGaussian, HierarchicalGaussianConfig, phi, phi_inverse
-from kernels.testing import assert_close
+from litctx_kernels.testing import assert_close
 from lightning_modules.lcube.gaussian import gaussian_nll
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")

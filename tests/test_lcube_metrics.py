@@ -9,7 +9,7 @@ import torch
 from torch.distributions import MultivariateNormal, kl_divergence
 
 from datamodules.synth.hierarchical_gaussian import HierarchicalGaussian
-from kernels.testing import assert_close
+from litctx_kernels.testing import assert_close
 from lightning_modules.lcube.gaussian import GaussianHead, gaussian_kl, gaussian_nll
 from lightning_modules.lcube.metrics import ConditionalKL, ContextUtilization
 

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels.testing import assert_close
+import litctx_kernels
+from litctx_kernels.testing import assert_close
 
 pytest.importorskip("transformers")
 
@@ -48,10 +48,10 @@ def test_prefix_and_block_parts_merged_by_lse_equal_full_attention():
     q, k, v = _qkv(n=8, p=48)
     kb, vb = _qkv(n=8, p=8, seed=1)[1:]
     scale = 8 ** -0.5
-    o_p, lse_p = kernels.attention(q, k, v, scale=scale, causal=False)
-    o_b, lse_b = kernels.attention(q, kb, vb, scale=scale, causal=False)
-    o, lse = kernels.merge_lse(o_p, lse_p, o_b, lse_b)
-    full, full_lse = kernels.attention(q, torch.cat([k, kb], 2), torch.cat([v, vb], 2), scale=scale, causal=False)
+    o_p, lse_p = litctx_kernels.attention(q, k, v, scale=scale, causal=False)
+    o_b, lse_b = litctx_kernels.attention(q, kb, vb, scale=scale, causal=False)
+    o, lse = litctx_kernels.merge_lse(o_p, lse_p, o_b, lse_b)
+    full, full_lse = litctx_kernels.attention(q, torch.cat([k, kb], 2), torch.cat([v, vb], 2), scale=scale, causal=False)
     assert_close(o, full, ratio=1e-12)
     assert_close(lse, full_lse, ratio=1e-12)
 
@@ -161,7 +161,7 @@ def test_losa_layer_outputs_equal_dense_at_full_activity():
     o0, lse0, _, _, _ = strat.prefix(st, 0, q, k, v, valid, 0.3, h0)
     q2 = q + 0.1 * torch.randn_like(q)
     o1, lse1, _, act, _ = strat.prefix(st, 1, q2, k, v, valid, 0.3, h0 + 1.0)
-    ref, ref_lse = kernels.attention(q2, k, v, scale=0.3, causal=False)
+    ref, ref_lse = litctx_kernels.attention(q2, k, v, scale=0.3, causal=False)
     assert act == 4
     assert_close(o1, ref, ratio=1e-12)
     assert_close(lse1, ref_lse, ratio=1e-12)
@@ -179,7 +179,7 @@ def test_cached_prefix_results_equal_recomputed_ones_when_nothing_changes():
     st = LayerState()
     strat.prefix(st, 0, q, k, v, valid, 0.3, h)
     o1, lse1, read, act, _ = strat.prefix(st, 1, q, k, v, valid, 0.3, h.clone())
-    ref, ref_lse = kernels.attention(q, k, v, scale=0.3, causal=False)
+    ref, ref_lse = litctx_kernels.attention(q, k, v, scale=0.3, causal=False)
     assert_close(o1, ref, ratio=1e-12)
     assert_close(lse1, ref_lse, ratio=1e-12)
     assert act == 1 and int(read.any(-1).sum(-1).max()) == 1  # one query read the prefix

@@ -16,7 +16,7 @@ from setuptools import find_packages
 
 from conftest import REPO
 
-PACKAGES = ["litctx_common", "kernels", "lightning_modules", "datamodules", "recipes"]
+PACKAGES = ["litctx_common", "litctx_kernels", "lightning_modules", "datamodules", "recipes"]
 # never copied into the build tree: virtual environments, build outputs, run folders, caches, VCS
 _NOT_SOURCE = (".git", ".venv", "build", "dist", "runs", "cache", "__pycache__", "*.egg-info", ".pytest_cache",
                ".ipynb_checkpoints", "lightning_logs", "shared")

@@ -178,3 +178,37 @@ def test_bad_settings_fail_in_one_line():
         ReuseConfig(selector="cacheblend", selector_args={"check_layer": 0})
     with pytest.raises(ValueError, match="selector_args"):
         ReuseConfig(selector="epic", selector_args={"layers": 2})
+
+
+# ---------------------------------------------------------------------------------------------- the papers' own configs
+@pytest.mark.parametrize("name, args, selector_args", [
+    ("prophetkv", {"ratio": 0.3, "layer_fusion": "max"}, {"layer_fusion": "max"}),
+    ("cacheblend", {"ratio": 0.3, "check_layer": 2, "filter_layers": 0}, {"check_layer": 2, "filter_layers": 0}),
+    ("epic", {"ratio": 0.3, "tokens_per_chunk": 2}, {"tokens_per_chunk": 2}),
+])
+def test_each_papers_config_selects_what_kv_reuse_selects_by_name(name, args, selector_args, tmp_path):
+    from recipes import registry
+
+    own = registry.create_callback(name, args).cfg
+    generic = ReuseConfig(selector=name, selector_args=selector_args, ratio=0.3)
+    assert own.reuse_config().selector == name and own.reuse_config().ratio == 0.3
+    assert own.name == generic.name
+    model = tiny(layers=3)
+    store = KVSegmentStore(str(tmp_path))
+    prefix, chunks, question = prompt(seed=3)
+    a = own.build(model, store).prefill(prefix, [chunks], [question])
+    b = generic.build(model, store).prefill(prefix, [chunks], [question])
+    assert a.stats["recomputed"] == b.stats["recomputed"]
+    assert torch.equal(a.first_logits, b.first_logits)
+
+
+def test_each_papers_config_records_its_ratio_and_refuses_a_foreign_knob():
+    from recipes import registry
+    from recipes.configio import ConfigError
+
+    done = registry.complete_args(registry.callback_spec("prophetkv").config, "", {}, "callbacks.reuse.args")
+    assert done == {"layer_fusion": "mean", "ratio": 0.2, "store_dir": None, "store_max_bytes": None}
+    with pytest.raises(ConfigError, match="check_layer"):
+        registry.create_callback("prophetkv", {"check_layer": 2})
+    with pytest.raises(ConfigError, match=r"epic\.ratio"):
+        registry.create_callback("epic", {"ratio": 2.0})

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels.testing import assert_close
+import litctx_kernels
+from litctx_kernels.testing import assert_close
 
 pytest.importorskip("transformers")
 
@@ -25,7 +25,7 @@ def _qkv(n, d=16, hq=4, hk=2, seed=0, dtype=torch.float64):
 def test_lssa_is_the_softmax_of_log_softplus_logits_float64():
     n, d = 512, 16
     q, k, v = _qkv(n, d)
-    o, lse = kernels.attention(q, k, v, score_mode="lssa")
+    o, lse = litctx_kernels.attention(q, k, v, score_mode="lssa")
     # independent: materialise cosine logits, kappa_i = ln d ln N_i, softmax over log softplus with -inf masking
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     c = F.normalize(q, dim=-1) @ F.normalize(kk, dim=-1).transpose(-1, -2)
@@ -58,13 +58,13 @@ def test_lssar_log_domain_is_finite_at_64k_in_fp32_and_equals_the_naive_form_whe
         r = torch.relu(n_i * a - (pos >= 3).to(dtype)[:, None]) ** 15 * mask
         return (r / r.sum(-1, keepdim=True)) @ vr
 
-    o, lse = kernels.attention(q, k, v, score_mode="lssar", lssar_power=15.0, q_offset=n - rows)
+    o, lse = litctx_kernels.attention(q, k, v, score_mode="lssar", lssar_power=15.0, q_offset=n - rows)
     assert torch.isfinite(o).all() and torch.isfinite(lse).all()
     assert not torch.isfinite(naive(q, k, v, n - rows, torch.float32)).all(), "the naive fp32 form should overflow"
     assert_close(o.double(), naive(q, k, v, n - rows, torch.float64), ratio=1e-3)
     # where the naive fp32 form is finite (short rows), the log-domain form equals it
     short = 200
-    o_s, _ = kernels.attention(q, k[:, :, :short], v[:, :, :short], score_mode="lssar", q_offset=short - rows)
+    o_s, _ = litctx_kernels.attention(q, k[:, :, :short], v[:, :, :short], score_mode="lssar", q_offset=short - rows)
     ref = naive(q, k, v, short - rows, torch.float32)
     assert torch.isfinite(ref).all()
     assert_close(o_s, ref, ratio=1e-4)
@@ -93,7 +93,7 @@ def test_the_setting_changes_attention_and_matches_a_manual_forward_of_layer_zer
     ids = _ids()
     with torch.no_grad():
         assert not torch.allclose(plain(input_ids=ids).logits, model(input_ids=ids).logits)
-        # layer 0's attention output equals kernels.attention in that score mode on the module's own q, k, v
+        # layer 0's attention output equals litctx_kernels.attention in that score mode on the module's own q, k, v
         captured = {}
         attn = model.model.layers[0].self_attn
         h = model.model.embed_tokens(ids)
@@ -111,7 +111,7 @@ def test_the_setting_changes_attention_and_matches_a_manual_forward_of_layer_zer
 
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         extra = dict(lssar_power=15.0, lssar_offset_rows=3) if mode == "lssar" else {}
-        o, _ = kernels.attention(q, k, v, score_mode=mode, backend="reference", **extra)
+        o, _ = litctx_kernels.attention(q, k, v, score_mode=mode, backend="reference", **extra)
         expect = attn.o_proj(o.transpose(1, 2).reshape(b, n, -1))
         assert_close(captured["o"], expect, ratio=1e-5)
 

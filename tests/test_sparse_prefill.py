@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import BlockLayout
+import litctx_kernels
+from litctx_kernels import BlockLayout
 from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
 from lightning_modules.sparse_prefill.estimators import DenseEstimator, pool_blocks, top_p_mask
 from lightning_modules.sparse_prefill.metrics import (
@@ -152,7 +152,7 @@ def test_every_estimator_keeps_sink_and_diagonal_and_its_output_is_masked_attent
 
 def test_dense_estimator_and_sale_at_tau_zero_are_exact():
     q, k, v = _qk(n=160, seed=6)
-    ref, ref_lse = kernels.attention(q, k, v, scale=0.25, causal=True)
+    ref, ref_lse = litctx_kernels.attention(q, k, v, scale=0.25, causal=True)
     for est in (DenseEstimator(), SALEConfig(tau=0.0, block_q=32, block_k=16, sink=16, local=32).estimator()):
         o, lse, stats = sparse_prefill_attention(q, k, v, est, 0.25)
         torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-6)
@@ -175,7 +175,7 @@ def test_sale_calibration_halves_until_the_error_budget_holds():
     loose = calibrate_thresholds(q, k, v, scale, theta=5.0, estimator=est, tau0=0.008, tau_min=1e-4)
     tight = calibrate_thresholds(q, k, v, scale, theta=0.01, estimator=est, tau0=0.008, tau_min=1e-4)
     assert (tight <= loose).all()
-    dense, _ = kernels.attention(q, k, v, scale=scale, causal=True)
+    dense, _ = litctx_kernels.attention(q, k, v, scale=scale, causal=True)
     for theta, taus in ((5.0, loose), (0.01, tight)):
         out, _, _ = sparse_prefill_attention(q, k, v, est, scale, tau=taus)
         err = (out - dense).abs().sum((-1, -2))[0]

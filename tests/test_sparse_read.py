@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.testing import assert_close
+from litctx_kernels.testing import assert_close
 from lightning_modules.llm.attention import dense_masked_attention
 from lightning_modules.llm.sparse_read import (
     attention_recovery,

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernels.testing import assert_close
+from litctx_kernels.testing import assert_close
 from lightning_modules.spiking import LIF, LIFConfig, TSConfig, TSNeuron, atan_surrogate, sigmoid_surrogate, spike
 
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.interpret
 
 DEVICE = triton_device()
 
-from kernels.testing import assert_close  # noqa: E402
+from litctx_kernels.testing import assert_close  # noqa: E402
 from lightning_modules.spiking import LIF  # noqa: E402
 
 

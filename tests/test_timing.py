@@ -137,7 +137,7 @@ def test_eval_timer_times_each_batch_on_the_modules_device(fake, fake_cuda):
 
 
 def test_sparse_prefill_compute_time_excludes_the_density_bookkeeping(fake, monkeypatch):
-    from kernels import BlockLayout
+    from litctx_kernels import BlockLayout
     from lightning_modules.sparse_prefill import attention as spa
     from lightning_modules.sparse_prefill.estimators import Selection
 
@@ -149,7 +149,7 @@ def test_sparse_prefill_compute_time_excludes_the_density_bookkeeping(fake, monk
             fake.advance(0.25)
             return Selection(layout, seconds=0.25)
 
-    real_attention, real_density = spa.kernels.attention, BlockLayout.density
+    real_attention, real_density = spa.litctx_kernels.attention, BlockLayout.density
 
     def slow_attention(*args, **kw):
         fake.advance(1.0)
@@ -159,7 +159,7 @@ def test_sparse_prefill_compute_time_excludes_the_density_bookkeeping(fake, monk
         fake.advance(50.0)  # bookkeeping: must not be counted
         return real_density(self, *args, **kw)
 
-    monkeypatch.setattr(spa.kernels, "attention", slow_attention)
+    monkeypatch.setattr(spa.litctx_kernels, "attention", slow_attention)
     monkeypatch.setattr(BlockLayout, "density", slow_density)
     q = torch.randn(1, 1, n, 16)
     _, _, stats = spa.sparse_prefill_attention(q, q, q, Estimator(), 0.25)

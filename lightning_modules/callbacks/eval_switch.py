@@ -27,6 +27,15 @@ class EvalStageSwitch(pl.Callback):
     def _report(self, trainer, pl_module, stage: str) -> None:
         return None
 
+    def _plug(self, pl_module, attr: str, value, what: str) -> None:
+        """Set ``pl_module.<attr>`` (a slot the module declares for this kind of callback: ``reuse``, ``decoder``,
+        ``generation``) to ``value`` until the stage ends; a module without the slot is refused, naming it."""
+        if not hasattr(pl_module, attr):
+            raise TypeError(f"the {what} callback plugs into a module's `{attr}` attribute; "
+                            f"{type(pl_module).__name__} has none")
+        setattr(pl_module, attr, value)
+        self._stack.callback(setattr, pl_module, attr, None)
+
     def _install(self, trainer, pl_module, stage: str) -> None:
         self._remove()
         self._stack = contextlib.ExitStack()

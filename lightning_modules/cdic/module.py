@@ -263,8 +263,8 @@ class CDICModule(SharedEvalStages, LongContextModule):
                           opened=bool(plan and plan.opened), evicted=plan.evicted if plan else None, state=new_state)
 
     def attention_flops(self, record: TurnRecord) -> float:
-        """Forward attention FLOPs of one turn (every layer and query head; ``kernels.flops`` conventions)."""
-        from kernels.flops import attention_flops
+        """Forward attention FLOPs of one turn (every layer and query head; ``litctx_kernels.flops`` conventions)."""
+        from litctx_kernels.flops import attention_flops
 
         config = self.model.config
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -20,7 +20,7 @@ Shape walk (``x [B, C, H, W]`` -> ``[B, C, H, W]``, the next state):
 4. LayerNorm, a linear head to ``C * p * p`` and un-patchify; with ``residual=True`` the head predicts the
    increment over the input state.
 
-All attention runs through :func:`kernels.attention` (non-causal).
+All attention runs through :func:`litctx_kernels.attention` (non-causal).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from einops import rearrange
 from timm.models import register_model
 from torch import nn
 
-import kernels
+import litctx_kernels
 from lightning_modules.emformer.conv import MultiScaleConv2d
 
 __all__ = ["EMFormer", "MultiConvAttention", "HourglassLevel", "VARIANTS", "architecture_args", "grid_problem",
@@ -41,7 +41,7 @@ __all__ = ["EMFormer", "MultiConvAttention", "HourglassLevel", "VARIANTS", "arch
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Non-causal attention ``[B, h, Nq, d]`` over ``[B, h, Nk, d]``."""
-    return kernels.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=False)[0]
+    return litctx_kernels.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=False)[0]
 
 
 class SelfAttention(nn.Module):

@@ -7,7 +7,7 @@ Per sample (``context``, ``question``, ``answer`` token ids; batch rows are proc
    a no-op policy that records each layer's prefill (queries, keys, hidden states). Per layer and KV head, the
    target importance of context key ``j`` mixes (``answer_target_weight``) the attention the question and answer
    queries pay it and the mean attention it receives from every later query, from the kernels' column
-   statistics (:func:`kernels.attention_colstats`, no ``N x N`` matrix), each normalised over the context keys.
+   statistics (:func:`litctx_kernels.attention_colstats`, no ``N x N`` matrix), each normalised over the context keys.
 2. **Indexer loss**: ``KL(target || softmax(indexer(h) / temperature))`` over the context keys, per layer and
    KV head, on the teacher's hidden states (eviction is discrete: the indexer learns from its own target).
 3. **Student** (gradients into the readouts and gates): the same model streams the context ``chunk`` tokens at a

@@ -1,4 +1,4 @@
-"""Per-token eviction scores from per-key attention statistics (:class:`kernels.ColStats`).
+"""Per-token eviction scores from per-key attention statistics (:class:`litctx_kernels.ColStats`).
 
 For one query head, observation queries ``i`` (a window, the last query, or every query so far), a token
 ``p`` with value ``v_p``, probabilities ``A_ip``, scaled logits ``z_ip`` and attention outputs ``o_i``
@@ -24,7 +24,7 @@ from typing import Tuple
 import torch
 from einops import repeat
 
-import kernels
+import litctx_kernels
 
 __all__ = ["SCORE_KINDS", "GQA_REDUCTIONS", "moments_for", "token_scores", "group_heads"]
 
@@ -45,11 +45,11 @@ def check_gqa(reduce: str) -> str:
 
 
 def moments_for(kind: str) -> str:
-    """The :func:`kernels.attention_colstats` moments a score needs."""
+    """The :func:`litctx_kernels.attention_colstats` moments a score needs."""
     return "logit" if check_kind(kind) in ("obcache_k", "obcache_kv") else "attention"
 
 
-def token_scores(stats: kernels.ColStats, values: torch.Tensor, kind: str) -> torch.Tensor:
+def token_scores(stats: litctx_kernels.ColStats, values: torch.Tensor, kind: str) -> torch.Tensor:
     """Scores ``[B, Hq, N]`` (float32; higher = keep) from statistics over ``[B, Hq, N]`` keys and the values
     ``[B, Hk, N, dv]`` (GQA: query head ``h`` reads kv head ``h // (Hq / Hk)``)."""
     check_kind(kind)

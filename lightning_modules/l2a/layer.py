@@ -31,8 +31,8 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-import kernels
-from kernels.layouts import QueryIndex
+import litctx_kernels
+from litctx_kernels.layouts import QueryIndex
 from lightning_modules.llm.attention import mask_to_key_mask
 from lightning_modules.llm.surgery import (
     Anatomy,
@@ -134,7 +134,7 @@ class L2AAttention(nn.Module):
             full = _key_mask(mask, n, mask.shape[-1])
             km = None if full is None else full[..., -n_k:]
         window = self.window if self.window < n_k else None
-        o, _ = kernels.attention(q, k, v, scale=self.scaling, causal=True, window=window, key_mask=km)
+        o, _ = litctx_kernels.attention(q, k, v, scale=self.scaling, causal=True, window=window, key_mask=km)
         return self.o_proj(o.transpose(1, 2).reshape(b, n, -1))
 
     def _local_stream(self, cache: Any):
@@ -173,10 +173,10 @@ class L2AAttention(nn.Module):
             k, v = cache.update(k, v, self.layer_idx)
         km = _key_mask(mask, n, k.shape[2])
         if dense or bool(routed.all()):
-            o, _ = kernels.attention(q, k, v, scale=self.scaling, causal=True, key_mask=km)
+            o, _ = litctx_kernels.attention(q, k, v, scale=self.scaling, causal=True, key_mask=km)
         else:
             index = QueryIndex.from_mask(routed.unsqueeze(1))  # one routing for all heads: [B, 1, Nc]
-            oc, _ = kernels.attention(q, k, v, scale=self.scaling, causal=True, key_mask=km, q_index=index)
+            oc, _ = litctx_kernels.attention(q, k, v, scale=self.scaling, causal=True, key_mask=km, q_index=index)
             o = index.scatter(oc)
         return self.o_proj_global(o.transpose(1, 2).reshape(b, n, -1))
 

@@ -2,7 +2,7 @@
 
 Full causal attention runs through ``torch.nn.functional.scaled_dot_product_attention`` (with attention
 dropout); an optional sliding window (the "windowed attention" architecture of L-CUBE's comparisons)
-restricts each query to the last ``window`` keys, itself included, and runs through :func:`kernels.attention`,
+restricts each query to the last ``window`` keys, itself included, and runs through :func:`litctx_kernels.attention`,
 which skips the blocks outside the window instead of masking an ``N x N`` matrix. Attention dropout is not
 available with a window (use residual/MLP dropout).
 """
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import attention
+from litctx_kernels import attention
 from lightning_modules.layers.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["CausalSelfAttention", "TransformerBlock", "CausalTransformer"]

@@ -3,13 +3,13 @@
 ``ensure_registered()`` adds ``litctx`` to transformers' ``AttentionInterface`` (the attention call) and
 ``AttentionMaskInterface`` (it takes SDPA's boolean masks), so any Llama, Qwen2 or OLMo-2 model loaded with
 ``attn_implementation="litctx"`` (or switched with ``model.set_attn_implementation("litctx")``) runs every
-layer's attention through :func:`kernels.attention`. Registration is explicit (no import-time side effects)
+layer's attention through :func:`litctx_kernels.attention`. Registration is explicit (no import-time side effects)
 and idempotent.
 
 Per layer, the function first looks for a policy runner installed on the attention module by
 :func:`lightning_modules.llm.session.install_policy`; with none installed it computes plain causal attention:
 
-* no mask (no padding) -> ``kernels.attention(q, k, v, causal=True)`` with bottom-right alignment, which is
+* no mask (no padding) -> ``litctx_kernels.attention(q, k, v, causal=True)`` with bottom-right alignment, which is
   also right for decoding with a cache (the new queries are the last ``Nq`` of ``Nk`` positions);
 * a boolean ``[B, 1, Nq, Nk]`` mask that is "causal and a per-key mask" (left or right padding) -> the same
   call with ``key_mask``;
@@ -28,7 +28,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-import kernels
+import litctx_kernels
 
 __all__ = ["ATTN_NAME", "ensure_registered", "litctx_attention", "mask_to_key_mask", "dense_masked_attention",
            "RUNNER_ATTR", "SCORE_ATTR", "score_setting"]
@@ -163,7 +163,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             key_mask = None
     if window is not None and window >= n_k:
         window = None  # no key is far enough back to leave the window: plain causal attention is the same
-    o, _ = kernels.attention(query, key, value, scale=scale, causal=True, window=window, key_mask=key_mask, **extra)
+    o, _ = litctx_kernels.attention(query, key, value, scale=scale, causal=True, window=window, key_mask=key_mask, **extra)
     return o
 
 

@@ -15,7 +15,7 @@ sends every call of such a module to :func:`block_diffusion_attention`:
 * a call without a training layout (prefill, a denoising step, committing a block): the call's ``Nq`` queries are
   the last ``Nq`` of the ``Nk`` columns; query column ``i`` reads key column ``j`` iff ``j // B <= i // B``. Both
   the cache length before the call and ``Nq`` must be multiples of ``B`` (a block-aligned call), so the pattern is
-  a :class:`kernels.BlockLayout` with ``B x B`` tiles, computed non-causally inside the listed tiles;
+  a :class:`litctx_kernels.BlockLayout` with ``B x B`` tiles, computed non-causally inside the listed tiles;
 * the vectorised training forward (:func:`training_layout`): the clean sequence ``x_0`` (``L`` columns, block-
   causal as above) followed by noised copies ``x_t`` of chosen blocks; the copy of block ``c`` reads the clean
   blocks ``< c`` and itself (BD3-LM's ``M_OBC | M_BD``; the clean part is ``M_BC``). Installed for one forward
@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-import kernels
+import litctx_kernels
 from lightning_modules.llm.attention import BLOCK_ATTR, mask_to_key_mask
 
 __all__ = ["BLOCK_ATTR", "CONFIG_KEY", "BlockDiffusionSetting", "BlockAttention", "apply_block_diffusion",
@@ -87,7 +87,7 @@ class BlockAttention:
 
     def __init__(self, setting: BlockDiffusionSetting) -> None:
         self.setting = setting
-        self.layout: Optional[kernels.BlockLayout] = None
+        self.layout: Optional[litctx_kernels.BlockLayout] = None
         self.key_mask: Optional[torch.Tensor] = None
 
     @property
@@ -172,16 +172,16 @@ def _check_aligned(n_q: int, n_k: int, block: int) -> None:
                          f"to a multiple of the block size and feed whole blocks)")
 
 
-def block_call_layout(n_q: int, n_k: int, block: int, device=None) -> kernels.BlockLayout:
-    """The :class:`kernels.BlockLayout` (``block x block`` tiles, computed non-causally) of a block-aligned call."""
+def block_call_layout(n_q: int, n_k: int, block: int, device=None) -> litctx_kernels.BlockLayout:
+    """The :class:`litctx_kernels.BlockLayout` (``block x block`` tiles, computed non-causally) of a block-aligned call."""
     _check_aligned(n_q, n_k, block)
     mq, mk, first = n_q // block, n_k // block, (n_k - n_q) // block
     rows = torch.arange(first, first + mq, device=device).unsqueeze(1)
     mask = torch.arange(mk, device=device).unsqueeze(0) <= rows
-    return kernels.BlockLayout.from_block_mask(mask[None, None], block, block, (n_q, n_k))
+    return litctx_kernels.BlockLayout.from_block_mask(mask[None, None], block, block, (n_q, n_k))
 
 
-def training_layout(n_clean: int, noised_blocks: Sequence[int], block: int, device=None) -> kernels.BlockLayout:
+def training_layout(n_clean: int, noised_blocks: Sequence[int], block: int, device=None) -> litctx_kernels.BlockLayout:
     """The layout of the vectorised training sequence ``[x_0 (n_clean columns) ; x_t]``, where ``x_t`` holds a
     noised copy of each block in ``noised_blocks`` (clean block indices, in order). Clean block ``m`` reads clean
     blocks ``<= m``; the copy of block ``c`` reads clean blocks ``< c`` and itself."""
@@ -198,11 +198,11 @@ def training_layout(n_clean: int, noised_blocks: Sequence[int], block: int, devi
         mask[m + j, :c] = True
         mask[m + j, m + j] = True
     n = total * block
-    return kernels.BlockLayout.from_block_mask(mask[None, None], block, block, (n, n))
+    return litctx_kernels.BlockLayout.from_block_mask(mask[None, None], block, block, (n, n))
 
 
 @contextlib.contextmanager
-def training_forward(model: torch.nn.Module, layout: kernels.BlockLayout,
+def training_forward(model: torch.nn.Module, layout: litctx_kernels.BlockLayout,
                      key_mask: Optional[torch.Tensor] = None) -> Iterator[None]:
     """Run the model calls inside the block over the training sequence of ``layout`` (:func:`training_layout`),
     with ``key_mask [B, N]`` (True = a real column; padding False); restored on exit."""
@@ -240,5 +240,5 @@ def block_diffusion_attention(state: BlockAttention, query: torch.Tensor, key: t
                                  "is neither (packed sequences?)")
     if key_mask is not None and bool(key_mask.all()):
         key_mask = None
-    o, _ = kernels.attention(query, key, value, scale=scale, causal=False, layout=layout, key_mask=key_mask)
+    o, _ = litctx_kernels.attention(query, key, value, scale=scale, causal=False, layout=layout, key_mask=key_mask)
     return o

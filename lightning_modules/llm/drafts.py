@@ -10,7 +10,7 @@ tokenizer offline, so the drafts here are cut from the target:
   or attributes installed on the draft's attention modules (a KV policy, a prefill estimator) do not touch the
   target's, and vice versa.
 * :func:`truncated_draft` - an independent, trainable copy of the embeddings, chosen decoder layers, final norm
-  and head: the initialisation that :mod:`lightning_modules.llm.distill` distils into a better draft.
+  and head: the initialisation that :mod:`lightning_modules.speculative.distill` distils into a better draft.
 * :class:`DraftConfig` - the typed front door: ``kind=early_exit`` builds the early-exit draft,
   ``kind=checkpoint`` loads a distilled draft (the Hugging Face folder ``<run dir>/draft`` written by the
   ``draft_distill`` recipe, or a Lightning ``.ckpt`` of that run); both are checked against the target with

@@ -32,7 +32,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Protocol, Tuple, runtim
 
 import torch
 
-import kernels
+import litctx_kernels
 
 _MOMENTS = ("attention", "output", "logit")
 COMPACTIONS = ("inplace", "gather")
@@ -316,9 +316,9 @@ class KVObservation:
             self._cache[key] = torch.softmax(torch.where(live, s, torch.zeros_like(s)), dim=-1) * live
         return self._cache[key]
 
-    def colstats(self, window: Optional[int] = None, moments: str = "output") -> kernels.ColStats:
-        """Per-key statistics (:class:`kernels.ColStats`, per query head ``[B, Hq, N(, dv)]``) of the last
-        ``window`` queries (None = all of this call's queries) from :func:`kernels.attention_colstats`,
+    def colstats(self, window: Optional[int] = None, moments: str = "output") -> litctx_kernels.ColStats:
+        """Per-key statistics (:class:`litctx_kernels.ColStats`, per query head ``[B, Hq, N(, dv)]``) of the last
+        ``window`` queries (None = all of this call's queries) from :func:`litctx_kernels.attention_colstats`,
         without an N x N matrix; ``moments`` in ``attention | output | logit``. Masked entries are excluded.
         The call's own outputs and LSE are reused when the attention already ran."""
         w = self.q.shape[2] if window is None else min(int(window), self.q.shape[2])
@@ -331,7 +331,7 @@ class KVObservation:
         o = lse = None
         if self.out is not None and self.lse is not None:
             o, lse = self.out[:, :, -w:], self.lse[:, :, -w:]
-        stats = kernels.attention_colstats(self.q, self.k, self.v, scale=self.scale, causal=True, q_window=w, o=o,
+        stats = litctx_kernels.attention_colstats(self.q, self.k, self.v, scale=self.scale, causal=True, q_window=w, o=o,
                                            lse=lse, moments=moments, key_mask=self._key_mask())
         self._cache[("colstats", w, moments)] = stats
         return stats
@@ -521,7 +521,7 @@ class OffloadCompensator:
         if layer not in self._store:
             return None
         k, v, m = (t.to(q.device) for t in self._store[layer])
-        return kernels.attention(q, k, v, scale=scale, causal=False, key_mask=m)
+        return litctx_kernels.attention(q, k, v, scale=scale, causal=False, key_mask=m)
 
     def held_bytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in self._store.values())

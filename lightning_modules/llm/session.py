@@ -7,7 +7,7 @@ layer's cache object) and restores everything on exit, also when the body raises
 Each runner keeps the bookkeeping of its layer's cache: ``slots [B, Hk, N]`` (index of each entry in the
 uncompressed token stream) and ``valid [B, Hk, N]`` (readable: not padding, not masked). A call on an empty
 cache starts a new sequence (the scorer and compensator are reset). Attention is computed by
-:func:`kernels.attention` with ``key_mask = valid`` and bottom-right causal alignment (new entries are
+:func:`litctx_kernels.attention` with ``key_mask = valid`` and bottom-right causal alignment (new entries are
 appended last, and kept entries stay in sequence order), then the policy acts according to its schedule:
 
 * ``evict`` gathers the kept entries into the cache's ``keys``/``values`` (memory really shrinks; heads with
@@ -39,8 +39,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-import kernels
-from kernels.reference.colstats import MOMENTS as COLSTATS_MOMENTS, decode_attention_colstats
+import litctx_kernels
+from litctx_kernels.reference.colstats import MOMENTS as COLSTATS_MOMENTS, decode_attention_colstats
 from lightning_modules.llm.attention import (ATTN_NAME, BLOCK_ATTR, RUNNER_ATTR, SCORE_ATTR, causal_attention,
                                             ensure_registered, mask_to_key_mask)
 from lightning_modules.llm.policy import (Action, KVObservation, KVPolicy, PolicyBatch, Schedule,
@@ -206,7 +206,7 @@ class LayerRunner:
                 stack, n_q) and bool(read.all()):
             # attention and every query's column sums from one call (H2O's scores, or a recorded prefill that
             # policies will read) instead of a second pass over the queries
-            prefill = kernels.fused_attention_colstats(query, key, value, scale=scale, causal=True)
+            prefill = litctx_kernels.fused_attention_colstats(query, key, value, scale=scale, causal=True)
         if prefill is not None:
             o, lse = prefill[0], prefill[1]
         elif fused is not None:
@@ -217,7 +217,7 @@ class LayerRunner:
             o, lse = stack.compute(module, query, key, value, read, scale, window, phase, attention_mask, slots,
                                    first_slot=st.seen)
         elif window is None:
-            o, lse = kernels.attention(query, key, value, scale=scale, causal=True,
+            o, lse = litctx_kernels.attention(query, key, value, scale=scale, causal=True,
                                        key_mask=None if bool(read.all()) else read)
         else:
             o, lse = window_attention(query, key, value, slots, read, scale, window, first_slot=st.seen)
@@ -232,7 +232,7 @@ class LayerRunner:
         elif comp is not None:
             extra = comp.read(self.layer, query, scale)
             if extra is not None:
-                o, lse = kernels.merge_lse(o, lse, extra[0].to(o.dtype), extra[1].to(lse.dtype))
+                o, lse = litctx_kernels.merge_lse(o, lse, extra[0].to(o.dtype), extra[1].to(lse.dtype))
 
         obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, out=o, lse=lse,
                             window=window, hidden=hidden)
@@ -525,12 +525,12 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
     ``query [B, Hq, Nq, d]``; ``key, value [B, Hk, N, d]`` with this call's ``Nq`` entries last (slots
     ``first_slot ..``); ``slots, valid [B, Hk, N]``. A view whose slots run contiguously is already in position
-    order (:func:`kernels.attention` with ``window``); an evicted one is scattered by slot into the span the
+    order (:func:`litctx_kernels.attention` with ``window``); an evicted one is scattered by slot into the span the
     first query can still see (at most ``window - 1 + Nq`` columns), so the same call serves it. Returns
     ``(o [B, Hq, Nq, dv], lse [B, Hq, Nq])``."""
     n_q, n_k = query.shape[2], key.shape[2]
     if n_k == 1 or bool((slots.diff(dim=-1) == 1).all()):
-        return kernels.attention(query, key, value, scale=scale, causal=True, window=window if window < n_k else None,
+        return litctx_kernels.attention(query, key, value, scale=scale, causal=True, window=window if window < n_k else None,
                                  key_mask=None if bool(valid.all()) else valid)
     lo = max(first_slot - window + 1, 0)
     width = first_slot + n_q - lo
@@ -544,7 +544,7 @@ def window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         2, idx.unsqueeze(-1).expand(-1, -1, -1, value.shape[-1]), value)
     m_al = torch.zeros(b, hk, width + 1, dtype=torch.bool, device=key.device).scatter_(2, idx, inside)
     m_al = m_al[..., :width]
-    return kernels.attention(query, k_al[:, :, :width], v_al[:, :, :width], scale=scale, causal=True,
+    return litctx_kernels.attention(query, k_al[:, :, :width], v_al[:, :, :width], scale=scale, causal=True,
                              window=window, key_mask=None if bool(m_al.all()) else m_al)
 
 
@@ -804,7 +804,7 @@ class RunnerStack:
 
                 return sparse_read_attention(query, key, value, old, scale)
         if window is None:
-            return kernels.attention(query, key, value, scale=scale, causal=True,
+            return litctx_kernels.attention(query, key, value, scale=scale, causal=True,
                                      key_mask=None if all_valid else valid)
         if slots is None:
             slots = torch.arange(n_k, device=key.device).view(1, 1, n_k).expand_as(valid)

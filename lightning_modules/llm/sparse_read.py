@@ -8,7 +8,7 @@ Methods (Dustin, Quest, ...) choose read sets; the functions here run them and c
 
 * :func:`gather_read_set` - compact the read entries (plus the new ones) into dense ``[B, Hk, S + n_new, d]``
   tensors and a key mask for the front padding.
-* :func:`sparse_read_attention` - the fused attention over that compact view (``kernels.attention``).
+* :func:`sparse_read_attention` - the fused attention over that compact view (``litctx_kernels.attention``).
 * :func:`kv_read_bytes`, :func:`dense_read_bytes` - exact bytes of K and V a read touches.
 * :func:`page_bounds`, :func:`page_scores`, :func:`quest_read_set` - Quest's query-aware page selection
   (Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference").
@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-import kernels
+import litctx_kernels
 from lightning_modules.llm.policy import protected_mask, top_capacity
 
 __all__ = [
@@ -181,12 +181,12 @@ def sparse_read_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         value: ``[B, Hk, N_old + n_new, dv]``.
         read: boolean ``[B, 1|Hk, N_old]``, the old entries read.
         scale: softmax scale (``None``: ``1 / sqrt(d)``).
-        backend: passed to :func:`kernels.attention`.
+        backend: passed to :func:`litctx_kernels.attention`.
 
     Returns:
         ``(o [B, Hq, n_new, dv], lse [B, Hq, n_new])``: new query ``i`` attends to the read old entries of its KV
         head and the new entries ``0..i``. Computed by :func:`gather_read_set` and one fused
-        ``kernels.attention(q, k_c, v_c, causal=True, key_mask=key_mask_c)``: bottom-right causal alignment puts
+        ``litctx_kernels.attention(q, k_c, v_c, causal=True, key_mask=key_mask_c)``: bottom-right causal alignment puts
         query ``i`` at compact position ``S + i``, so it sees every gathered old entry and the new entries up to
         its own. A head with an empty read set still reads its new entries (no row is empty).
     """
@@ -194,7 +194,7 @@ def sparse_read_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     k_c, v_c, key_mask = gather_read_set(key, value, read, n_new)
     if key_mask is not None and key_mask.stride(1) == 0:
         key_mask = key_mask[:, :1]  # shared over the heads: lets the kernel fold GQA groups
-    return kernels.attention(query, k_c, v_c, scale=scale, causal=True, key_mask=key_mask, backend=backend)
+    return litctx_kernels.attention(query, k_c, v_c, scale=scale, causal=True, key_mask=key_mask, backend=backend)
 
 
 # --- 3. bytes -----------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-import kernels
+import litctx_kernels
 from lightning_modules.llm.session import attach_runners
 from litctx_common.timing import clock
 from lightning_modules.llm.sparse_read import (attention_recovery, dense_read_bytes, kv_read_bytes, quest_read_set,
@@ -208,7 +208,7 @@ class SparseReadRunner:
         scorer_bytes = 0
         if chosen is None:
             read = valid_old
-            o, lse = kernels.attention(query, key, value, scale=scale, causal=True,
+            o, lse = litctx_kernels.attention(query, key, value, scale=scale, causal=True,
                                        key_mask=None if bool(valid.all()) else valid)
         else:
             read, scorer_bytes = chosen

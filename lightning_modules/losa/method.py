@@ -1,7 +1,7 @@
 """LoSA (locality-aware sparse attention) and its baselines for the denoising steps of a block-diffusion LM.
 
 Every arm computes a denoising step's attention split in two parts merged by their log-sum-exp
-(``kernels.merge_lse``): the block's queries over the block itself (dense, ``B x B``) and over the committed
+(``litctx_kernels.merge_lse``): the block's queries over the block itself (dense, ``B x B``) and over the committed
 prefix, which is where the arms differ:
 
 * ``block_dense`` - the whole prefix for every block query;
@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-import kernels
+import litctx_kernels
 from lightning_modules.base import check_field
 from lightning_modules.llm.block_attention import BLOCK_ATTR, block_diffusion_attention
 from lightning_modules.llm.block_sampler import DENOISE_PHASE, BlockHook
@@ -225,7 +225,7 @@ class DensePrefix:
     def prefix(self, st: LayerState, step: int, query, key, value, valid, scale, hidden
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """``(o [B, Hq, n, dv], lse [B, Hq, n], read [B, Hk, n, P], active, meta_bytes)``."""
-        o, lse = kernels.attention(query, key, value, scale=scale, causal=False, key_mask=valid)
+        o, lse = litctx_kernels.attention(query, key, value, scale=scale, causal=False, key_mask=valid)
         n = query.shape[2]
         return o, lse, valid.unsqueeze(2).expand(-1, -1, n, -1), n, 0
 
@@ -251,7 +251,7 @@ class FixedPrefix:
     def prefix(self, st, step, query, key, value, valid, scale, hidden):
         n = query.shape[2]
         if step == 0 or st.read is None or st.read.shape[2] != n or st.read.shape[-1] != key.shape[2]:
-            o, lse = kernels.attention(query, key, value, scale=scale, causal=False, key_mask=valid)
+            o, lse = litctx_kernels.attention(query, key, value, scale=scale, causal=False, key_mask=valid)
             st.read = top_pages_per_query(_page_mass(query, key, valid, lse, scale, self.cfg.page_size), valid,
                                           self.cfg.budget, self.cfg.page_size)
             return o, lse, valid.unsqueeze(2).expand(-1, -1, n, -1), n, 0
@@ -285,7 +285,7 @@ class LoSAPrefix:
         fresh = (step == 0 or st.o is None or st.o.shape[2] != n or st.hidden is None
                  or st.hidden.shape != hidden.shape)
         if fresh:
-            o, lse = kernels.attention(query, key, value, scale=scale, causal=False, key_mask=valid)
+            o, lse = litctx_kernels.attention(query, key, value, scale=scale, causal=False, key_mask=valid)
             st.o, st.lse, st.hidden = o, lse, hidden
             return o, lse, valid.unsqueeze(2).expand(-1, -1, n, -1), n, 0
         change = (hidden.float() - st.hidden.float()).pow(2).mean(-1)  # [B, n]
@@ -359,13 +359,13 @@ class BlockSparseRunner:
         watch = Stopwatch(query.device)
         with watch:
             kb, vb, vb_mask = key[:, :, p:], value[:, :, p:], valid[..., p:]
-            o_b, lse_b = kernels.attention(query, kb, vb, scale=scale, causal=False,
+            o_b, lse_b = litctx_kernels.attention(query, kb, vb, scale=scale, causal=False,
                                            key_mask=None if bool(vb_mask.all()) else vb_mask)
             vp = valid[..., :p]
             hidden = self.hidden if self.hidden is not None else query.transpose(1, 2).reshape(b, n, -1)
             o_p, lse_p, read, active, meta = self.session.strategy.prefix(
                 self.state, self.session.step, query, key[:, :, :p], value[:, :, :p], vp, scale, hidden)
-            o, _ = kernels.merge_lse(o_p.to(o_b.dtype), lse_p.to(lse_b.dtype), o_b, lse_b)
+            o, _ = litctx_kernels.merge_lse(o_p.to(o_b.dtype), lse_p.to(lse_b.dtype), o_b, lse_b)
         union = read.any(2) & vp
         density = page_density(read & vp.unsqueeze(2), vp, self.session.strategy.cfg.page_size)  # [B, Hk]
         self.session.records.append({

@@ -9,7 +9,7 @@ enters through RoPE in the temporal attention.
 Each :class:`CrissCrossBlock` on ``x [B, C, T', d]`` (pre-norm RMSNorm):
 
 * the first ``d/2`` features attend **over time** within each channel (``B*C`` sequences of ``T'`` tokens,
-  bidirectional, RoPE over the token index), through the shared :func:`kernels.attention`;
+  bidirectional, RoPE over the token index), through the shared :func:`litctx_kernels.attention`;
 * the other ``d/2`` attend **over channels** at each time token (``B*T'`` sequences of ``C`` tokens, no
   positions; channel identity comes from the sensor embeddings);
 * the halves are concatenated and added to the residual, then RMSNorm -> FFN (``d -> 4d -> d``, SELU) ->
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-from kernels import attention
+from litctx_kernels import attention
 from lightning_modules.layers.rope import RotaryEmbedding, apply_rotary
 
 __all__ = ["BackboneConfig", "FourierFeatures", "SensorEmbedding", "CrissCrossBlock", "MEGBackbone",

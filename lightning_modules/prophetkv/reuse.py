@@ -30,7 +30,7 @@ from lightning_modules.prophetkv.selectors import SELECTORS
 from litctx_common.options import accepted_keywords, check_options
 from litctx_common.timing import clock
 
-__all__ = ["ReuseConfig", "ReusePrefill", "ReuseResult", "pad_left"]
+__all__ = ["ReuseSettings", "ReuseConfig", "ReusePrefill", "ReuseResult", "pad_left"]
 
 
 def pad_left(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple:
@@ -46,23 +46,42 @@ def pad_left(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple:
 
 
 @dataclass
-class ReuseConfig:
-    """Attributes:
-        selector: ``full``, ``naive``, ``random``, ``epic``, ``cacheblend``, ``prophetkv`` or ``oracle``
-            (:data:`~lightning_modules.prophetkv.selectors.SELECTORS`).
-        selector_args: the selector config's fields (``cacheblend``: ``check_layer``, ``filter_layers``,
-            ``start_factor``; ``epic``: ``tokens_per_chunk``; ``random``: ``seed``; ``prophetkv``:
-            ``layer_fusion``).
+class ReuseSettings:
+    """What every KV-reuse method shares: the share recomputed and the store.
+
+    Attributes:
         ratio: the share of chunk tokens to recompute (ProphetKV's default 0.2).
         store_dir: the KV segment store's folder (None: ``$LITCTX_CACHE_DIR/kv_segments``).
         store_max_bytes: its size limit (None: unbounded).
     """
 
-    selector: str = "prophetkv"
-    selector_args: Dict[str, Any] = field(default_factory=dict)
     ratio: float = 0.2
     store_dir: Optional[str] = None
     store_max_bytes: Optional[int] = None
+
+    def check_settings(self, owner: str) -> None:
+        check_field(is_number(self.ratio) and 0.0 <= self.ratio <= 1.0, owner, "ratio", self.ratio,
+                    "must be a number in [0, 1] (the share of chunk tokens recomputed)")
+        check_field(self.store_max_bytes is None or (is_number(self.store_max_bytes) and self.store_max_bytes > 0),
+                    owner, "store_max_bytes", self.store_max_bytes, "must be null or a positive byte count")
+
+
+@dataclass
+class ReuseConfig(ReuseSettings):
+    """Any selector by name (the ``kv_reuse`` callback; each paper's method also has its own typed config in
+    :mod:`lightning_modules.prophetkv.config`: ``prophetkv``, ``cacheblend``, ``epic``).
+
+    Attributes:
+        selector: ``full``, ``naive``, ``random``, ``epic``, ``cacheblend``, ``prophetkv`` or ``oracle``
+            (:data:`~lightning_modules.prophetkv.selectors.SELECTORS`).
+        selector_args: the selector config's fields (``cacheblend``: ``check_layer``, ``filter_layers``,
+            ``start_factor``; ``epic``: ``tokens_per_chunk``; ``random``: ``seed``; ``prophetkv``:
+            ``layer_fusion``).
+        ratio, store_dir, store_max_bytes: see :class:`ReuseSettings`.
+    """
+
+    selector: str = "prophetkv"
+    selector_args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_field(self.selector in SELECTORS, "kv_reuse", "selector", self.selector,
@@ -70,10 +89,7 @@ class ReuseConfig:
         check_options(dict(self.selector_args), accepted_keywords(SELECTORS[self.selector]),
                       f"kv_reuse.selector_args ({self.selector})")
         SELECTORS[self.selector](**dict(self.selector_args))  # field errors now, not mid-run
-        check_field(is_number(self.ratio) and 0.0 <= self.ratio <= 1.0, "kv_reuse", "ratio", self.ratio,
-                    "must be a number in [0, 1] (the share of chunk tokens recomputed)")
-        check_field(self.store_max_bytes is None or (is_number(self.store_max_bytes) and self.store_max_bytes > 0),
-                    "kv_reuse", "store_max_bytes", self.store_max_bytes, "must be null or a positive byte count")
+        self.check_settings("kv_reuse")
 
     @property
     def name(self) -> str:

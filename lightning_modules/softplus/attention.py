@@ -3,7 +3,7 @@
 The setting is parameter-free: every attention module gets the attribute :data:`SCORE_ATTR` (an
 :class:`~lightning_modules.softplus.config.AttentionScoreConfig`), which the ``litctx`` attention function
 (:func:`lightning_modules.llm.attention.litctx_attention`) reads on every call, in training and evaluation
-alike, and passes to :func:`kernels.attention` (reference on CPU; Triton K1/K2 for LSSA and the two-pass LSSAR
+alike, and passes to :func:`litctx_kernels.attention` (reference on CPU; Triton K1/K2 for LSSA and the two-pass LSSAR
 forward on CUDA). The model is switched to the ``litctx`` attention implementation, and the setting is written to
 ``model.config.attention_score``, so ``save_pretrained`` carries it and ``load_causal_lm`` re-applies it
 (:data:`lightning_modules.llm.surgery.SURGERIES`). LSSA's row scale ``kappa_i = ln(d) ln(N_i)`` counts the keys

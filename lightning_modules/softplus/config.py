@@ -44,7 +44,7 @@ class AttentionScoreConfig:
 
     @property
     def kernel_kwargs(self) -> Dict[str, Any]:
-        """Keyword arguments of :func:`kernels.attention` for this setting."""
+        """Keyword arguments of :func:`litctx_kernels.attention` for this setting."""
         if self.score_mode == "softmax":
             return {}
         out: Dict[str, Any] = {"score_mode": self.score_mode}

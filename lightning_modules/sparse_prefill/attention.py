@@ -7,7 +7,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-import kernels
+import litctx_kernels
 from litctx_common.timing import Stopwatch
 
 __all__ = ["PrefillStats", "sparse_prefill_attention"]
@@ -35,13 +35,13 @@ def sparse_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         sel = estimator.select(q, k, v, scale, **select_kw)
     with compute_watch:  # the attention passes and the merge only; bookkeeping (density) stays outside
         if sel.layout is None:
-            o, lse = kernels.attention(q, k, v, scale=scale, causal=True)
+            o, lse = litctx_kernels.attention(q, k, v, scale=scale, causal=True)
         elif sel.exact is not None:
             rest = sel.exact_layout.complement(within=sel.layout)
-            o2, lse2 = kernels.attention(q, k, v, scale=scale, causal=True, layout=rest)
-            o, lse = kernels.merge_lse(sel.exact[0], sel.exact[1], o2, lse2)
+            o2, lse2 = litctx_kernels.attention(q, k, v, scale=scale, causal=True, layout=rest)
+            o, lse = litctx_kernels.merge_lse(sel.exact[0], sel.exact[1], o2, lse2)
         else:
-            o, lse = kernels.attention(q, k, v, scale=scale, causal=True, layout=sel.layout)
+            o, lse = litctx_kernels.attention(q, k, v, scale=scale, causal=True, layout=sel.layout)
     density = 1.0 if sel.layout is None else sel.layout.density(causal=True)
     # an estimator's own exact pass (SALE's sink + local attention) ran inside select(): it counts as compute
     exact_s = max(select_watch.seconds - sel.seconds, 0.0) if sel.exact is not None else 0.0

@@ -1,9 +1,9 @@
 """Block estimators for sparse prefill: which (query block, key block) tiles of causal attention to compute.
 
 Every estimator reads the post-RoPE ``q [B, Hq, N, d]`` and ``k [B, Hk, N, d]`` of one prefill call and returns
-a :class:`Selection` (a ``[B, Hq]`` :class:`kernels.BlockLayout`, plus any exact partial pass it already ran);
+a :class:`Selection` (a ``[B, Hq]`` :class:`litctx_kernels.BlockLayout`, plus any exact partial pass it already ran);
 :func:`lightning_modules.sparse_prefill.attention.sparse_prefill_attention` computes the selected blocks
-through :func:`kernels.attention` and merges partial passes with :func:`kernels.merge_lse`.
+through :func:`litctx_kernels.attention` and merges partial passes with :func:`litctx_kernels.merge_lse`.
 
 * :class:`DenseEstimator` - every causal block (the reference point).
 * :class:`MeanPoolEstimator` - block-mean-pooled ``Q K^T`` (all dims), causal block softmax, top-p per row
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from einops import repeat
 
-from kernels import BlockLayout
-from kernels.layouts import causal_block_mask
+from litctx_kernels import BlockLayout
+from litctx_kernels.layouts import causal_block_mask
 from litctx_common.timing import Stopwatch
 
 __all__ = [

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kernels import BlockLayout
+from litctx_kernels import BlockLayout
 from lightning_modules.sparse_prefill.estimators import expand_kv
 
 __all__ = ["block_attention_mass", "attention_recall", "relative_output_error", "top_block_hit_rate",

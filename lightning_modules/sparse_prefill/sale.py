@@ -5,11 +5,11 @@ before each query block, plus its causal diagonal) gives each row's log-sum-exp 
 **estimate**: mean-subtracted queries and keys quantised to ``bits`` (int4 by default) give approximate logits
 ``S~_ij``; the Relative Attention Score ``exp(scale S~_ij - LSE^SL_i)`` over-estimates the true probability
 (its denominator is only the sink + local mass), and a ``block_q x block_k`` tile (64 x 32) is computed when
-some pair reaches the head's threshold ``tau_h`` (:func:`kernels.lowbit_block_estimate`: on CUDA the fused
-Triton kernel K4, whose flags equal :func:`kernels.lowbit_block_estimate_reference`; on CPU torch with an exact
+some pair reaches the head's threshold ``tau_h`` (:func:`litctx_kernels.lowbit_block_estimate`: on CUDA the fused
+Triton kernel K4, whose flags equal :func:`litctx_kernels.lowbit_block_estimate_reference`; on CPU torch with an exact
 tile bound, equal up to ties within float rounding).
 ``tau_h = 0`` runs the head dense. The **compute pass** covers the selected tiles outside the sink + local
-band through :func:`kernels.attention`, merged with the exact pass by :func:`kernels.merge_lse`.
+band through :func:`litctx_kernels.attention`, merged with the exact pass by :func:`litctx_kernels.merge_lse`.
 
 :func:`calibrate_thresholds` sets ``tau_h`` per head against an error budget ``theta``: starting at
 ``tau_0 = 0.008``, halve until the summed absolute output error ``sum_{i,d} |O - O~| < theta * N``; a head that
@@ -23,9 +23,9 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-import kernels
-from kernels import BlockLayout
-from kernels.layouts import causal_block_mask
+import litctx_kernels
+from litctx_kernels import BlockLayout
+from litctx_kernels.layouts import causal_block_mask
 from lightning_modules.sparse_prefill.estimators import Selection, _check
 from litctx_common.timing import Stopwatch
 
@@ -76,10 +76,10 @@ class SALEEstimator:
         _check(q, k)
         b, hq, n, _ = q.shape
         exact_layout = sink_local_layout(n, self.block_q, self.block_k, self.sink, self.local, q.device)
-        exact = kernels.attention(q, k, v, scale=scale, causal=True, layout=exact_layout)
+        exact = litctx_kernels.attention(q, k, v, scale=scale, causal=True, layout=exact_layout)
         with Stopwatch(q) as sw:  # the estimate only (the exact pass above counts as compute); synced on CUDA
             tau = self._tau(hq) if tau is None else tau
-            keep = kernels.lowbit_block_estimate(q, k, exact[1], tau, scale=scale, block_q=self.block_q,
+            keep = litctx_kernels.lowbit_block_estimate(q, k, exact[1], tau, scale=scale, block_q=self.block_q,
                                                  block_k=self.block_k, bits=self.bits, group_size=self.group_size)
             layout = BlockLayout.from_block_mask(keep.to_block_mask() | exact_layout.to_block_mask(), self.block_q,
                                                  self.block_k, (n, n))
@@ -99,7 +99,7 @@ def calibrate_thresholds(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
         raise ValueError(f"theta and tau0 must be > 0, got theta={theta}, tau0={tau0}")
     est = estimator
     b, hq, n, _ = q.shape
-    dense, _ = kernels.attention(q, k, v, scale=scale, causal=True)
+    dense, _ = litctx_kernels.attention(q, k, v, scale=scale, causal=True)
     result = torch.zeros(hq, dtype=torch.float64)
     open_heads = torch.ones(hq, dtype=torch.bool)
     tau = tau0

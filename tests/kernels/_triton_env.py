@@ -10,7 +10,7 @@ import torch
 
 def triton_device() -> str:
     """``"cpu"`` under ``TRITON_INTERPRET=1``, else ``"cuda"``; skips the calling module when neither works.
-    Call at module level, before importing ``kernels.triton`` kernel modules."""
+    Call at module level, before importing ``litctx_kernels.triton`` kernel modules."""
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if not interpret and not torch.cuda.is_available():
         pytest.skip("Triton kernel tests need TRITON_INTERPRET=1 (CPU interpreter) or a CUDA device",

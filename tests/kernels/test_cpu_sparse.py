@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from kernels import BlockLayout
-from kernels.cpu_sparse import block_sparse_attention_cpu, plan_buckets
-from kernels.layouts import causal_block_mask
-from kernels.reference import attention_reference
-from kernels.testing import assert_close
+from litctx_kernels import BlockLayout
+from litctx_kernels.cpu_sparse import block_sparse_attention_cpu, plan_buckets
+from litctx_kernels.layouts import causal_block_mask
+from litctx_kernels.reference import attention_reference
+from litctx_kernels.testing import assert_close
 
 CASES = [
     # b, hq, hk, nq, nk, d, bq, bk, causal, q_offset, window
@@ -140,7 +140,7 @@ def test_errors_name_the_problem():
 def test_chunk_sizing_counts_the_key_mask_tile(monkeypatch):
     """With a key mask each chunk also builds an additive ``[n, 1, bq, c * bk]`` mask: the per-entry byte count
     (and the workspace sized from it) includes it, and a tight workspace limit still gives the reference."""
-    import kernels.cpu_sparse as cs
+    import litctx_kernels.cpu_sparse as cs
 
     q, k, v = make(1, 4, 2, 96, 96, 16, torch.float32)
     lay = layout_for("random", 1, 4, 96, 96, 32, 32, True, None, None)
@@ -171,7 +171,7 @@ def test_chunk_sizing_counts_the_key_mask_tile(monkeypatch):
 
 @pytest.fixture(scope="module")
 def native():
-    from kernels.cpu_sparse import native_kernel, native_status
+    from litctx_kernels.cpu_sparse import native_kernel, native_status
 
     mod = native_kernel()
     if mod is None:
@@ -182,7 +182,7 @@ def native():
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("kind", ["random", "empty_rows", "diagonal", "sink"])
 def test_native_forward_matches_reference(native, monkeypatch, case, kind):
-    import kernels.cpu_sparse as cs
+    import litctx_kernels.cpu_sparse as cs
 
     calls = []
     real = cs._native_forward
@@ -208,7 +208,7 @@ def test_native_forward_matches_reference(native, monkeypatch, case, kind):
 def test_native_forward_key_groups_match_reference(native, case, kv_tile):
     """One key block per gemm (kv_tile below the block), a few (gathered when not adjacent) and every listed block
     in one group give the same attention as the float64 reference."""
-    import kernels.cpu_sparse as cs
+    import litctx_kernels.cpu_sparse as cs
 
     b, hq, hk, nq, nk, d, bq, bk, causal, off, window = case
     q, k, v = (t.detach() for t in make(b, hq, hk, nq, nk, d, torch.float32))
@@ -226,7 +226,7 @@ def test_native_forward_key_groups_match_reference(native, case, kv_tile):
 def _dense_probs(q, k, layout, causal, q_offset):
     """Brute-force softmax probabilities ``[B, Hq, Nq, Nk]`` under a block layout and the causal mask (rows with
     no allowed key are 0)."""
-    from kernels.layouts import resolve_q_offset
+    from litctx_kernels.layouts import resolve_q_offset
 
     b, hq, nq, d = q.shape
     nk = k.shape[2]
@@ -246,8 +246,8 @@ def _dense_probs(q, k, layout, causal, q_offset):
 def test_native_colstats_match_reference(native, case, kind):
     """Attention plus per-key statistics in one native call equal the float64 reference's output, LSE and column
     sums of P and P^2 (dense causal or non-causal layouts, and a random block layout)."""
-    from kernels.cpu_sparse import native_attention_colstats
-    from kernels.reference import attention_colstats_reference
+    from litctx_kernels.cpu_sparse import native_attention_colstats
+    from litctx_kernels.reference import attention_colstats_reference
 
     b, hq, hk, nq, nk, d, bq, bk, causal, off, _ = case
     q, k, v = (t.detach() for t in make(b, hq, hk, nq, nk, d, torch.float32))
@@ -284,7 +284,7 @@ def test_native_forward_runs_on_every_thread(native):
 
 
 def test_native_forward_not_taken_with_grad_key_mask_or_kill_switch(native, monkeypatch):
-    import kernels.cpu_sparse as cs
+    import litctx_kernels.cpu_sparse as cs
 
     def boom(*a, **kw):
         raise AssertionError("native forward taken")

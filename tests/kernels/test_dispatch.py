@@ -7,11 +7,11 @@ import logging
 import pytest
 import torch
 
-import kernels
-from kernels import BlockLayout, QueryIndex, TokenIndex
-from kernels.dispatch import BACKEND_ENV, _log_once, select_backend
-from kernels.reference import attention_colstats_reference, attention_reference, gather_attention_reference
-from kernels.testing import assert_close
+import litctx_kernels
+from litctx_kernels import BlockLayout, QueryIndex, TokenIndex
+from litctx_kernels.dispatch import BACKEND_ENV, _log_once, select_backend
+from litctx_kernels.reference import attention_colstats_reference, attention_reference, gather_attention_reference
+from litctx_kernels.testing import assert_close
 
 
 def qkv(hq=4, hk=4, nq=96, nk=None, d=32, dtype=torch.float32, grad=False):
@@ -36,7 +36,7 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, v = qkv()
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        kernels.attention(q, k, v, backend="triton")
+        litctx_kernels.attention(q, k, v, backend="triton")
 
 
 def test_decisions_logged_once(caplog):
@@ -44,7 +44,7 @@ def test_decisions_logged_once(caplog):
     q, k, v = qkv()
     with caplog.at_level(logging.INFO, logger="litctx.kernels"):
         for _ in range(3):
-            kernels.attention(q, k, v)
+            litctx_kernels.attention(q, k, v)
     lines = [r.getMessage() for r in caplog.records if "attention" in r.getMessage()]
     assert lines and len(lines) == len(set(lines))
 
@@ -69,7 +69,7 @@ def test_every_cpu_route_equals_the_reference(kw):
         kw["layout"] = BlockLayout.causal(nq, nk, 32)
     if kw.pop("q_index", False):
         kw["q_index"] = QueryIndex.from_mask(torch.rand(2, 4, nq, generator=torch.Generator().manual_seed(2)) < 0.5)
-    o, lse = kernels.attention(q, k, v, **kw)
+    o, lse = litctx_kernels.attention(q, k, v, **kw)
     ro, rlse = attention_reference(q, k, v, **kw)
     assert_close(o, ro, ratio=1e-5)
     fin = torch.isfinite(rlse)
@@ -82,27 +82,27 @@ def test_every_cpu_route_equals_the_reference(kw):
 def test_gather_and_colstats_routes():
     q, k, v = qkv(hq=4, hk=2, nq=8, nk=64)
     ti = TokenIndex.from_mask(torch.rand(2, 2, 64, generator=torch.Generator().manual_seed(3)) < 0.5)
-    o, _ = kernels.gather_attention(q, k, v, ti)
+    o, _ = litctx_kernels.gather_attention(q, k, v, ti)
     assert_close(o, gather_attention_reference(q, k, v, ti)[0], ratio=1e-6)
-    st = kernels.attention_colstats(q, k, v, q_window=4)
+    st = litctx_kernels.attention_colstats(q, k, v, q_window=4)
     ref = attention_colstats_reference(q, k, v, q_window=4)
     for a, e in zip(st[:4], ref[:4]):
         assert_close(a, e, ratio=1e-6)
     assert st.p2z_sum is None and ref.p2z_sum is None  # logit moments only when asked for
-    masked = kernels.attention_colstats(q, k, v, q_window=4, moments="logit", key_mask=ti.to_mask())
+    masked = litctx_kernels.attention_colstats(q, k, v, q_window=4, moments="logit", key_mask=ti.to_mask())
     assert masked.p2z2_o is not None and masked.p2z2_o.shape == (2, 4, 64, q.shape[-1])
 
 
 def test_bad_inputs_name_the_tensor():
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"q must be \[B, H, N, d\]"):
-        kernels.attention(q[0], k, v)
+        litctx_kernels.attention(q[0], k, v)
     with pytest.raises(ValueError, match="score_mode"):
-        kernels.attention(q, k, v, score_mode="sparsemax")
+        litctx_kernels.attention(q, k, v, score_mode="sparsemax")
     with pytest.raises(ValueError, match="window=4 needs causal=True"):
-        kernels.attention(q, k, v, causal=False, window=4)
+        litctx_kernels.attention(q, k, v, causal=False, window=4)
     with pytest.raises(ValueError, match="head dims differ"):
-        kernels.attention(q, k[..., :16], v)
+        litctx_kernels.attention(q, k[..., :16], v)
 
 
 @pytest.mark.interpret
@@ -113,28 +113,28 @@ def test_triton_backend_through_the_dispatcher(monkeypatch):
     q, k, v = qkv(hq=4, hk=2, nq=64, d=32, grad=True)
     lay = BlockLayout.from_block_mask(torch.rand(2, 4, 4, 4, generator=torch.Generator().manual_seed(5)) < 0.6,
                                       16, 16, (64, 64))
-    o, lse = kernels.attention(q, k, v, layout=lay)
+    o, lse = litctx_kernels.attention(q, k, v, layout=lay)
     ro, _ = attention_reference(q, k, v, layout=lay)
     assert_close(o, ro, ratio=1e-5)
     go = torch.randn_like(o)
     for a, e in zip(torch.autograd.grad(o, (q, k, v), go), torch.autograd.grad(ro, (q, k, v), go)):
         assert_close(a, e, ratio=1e-5)
-    o, _ = kernels.attention(q, k, v, score_mode="lssar")  # K6, the LSSAR forward
+    o, _ = litctx_kernels.attention(q, k, v, score_mode="lssar")  # K6, the LSSAR forward
     assert_close(o, attention_reference(q, k, v, score_mode="lssar")[0], ratio=2e-4)
     with pytest.raises(RuntimeError, match="LSSAR"):  # no K6 for layouts: a forced triton backend refuses
-        kernels.attention(q, k, v, score_mode="lssar", layout=lay)
+        litctx_kernels.attention(q, k, v, score_mode="lssar", layout=lay)
 
 
 @pytest.mark.parametrize("n_q,causal", [(1, True), (5, False)])
 def test_cpu_gqa_without_a_causal_mask_folds_groups_and_matches_the_reference(n_q, causal):
     q, k, v = qkv(hq=6, hk=2, nq=n_q, nk=40)
-    o, lse = kernels.attention(q, k, v, causal=causal)
+    o, lse = litctx_kernels.attention(q, k, v, causal=causal)
     ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
     assert_close(o, ref_o, ratio=1e-6)
     assert_close(lse, ref_lse, ratio=1e-6)
     # gradients flow through the folded call
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-    kernels.attention(qg, kg, vg, causal=causal)[0].square().sum().backward()
+    litctx_kernels.attention(qg, kg, vg, causal=causal)[0].square().sum().backward()
     qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
     attention_reference(qr, kr, vr, causal=causal)[0].square().sum().backward()
     for a, b in ((qg, qr), (kg, kr), (vg, vr)):
@@ -142,9 +142,9 @@ def test_cpu_gqa_without_a_causal_mask_folds_groups_and_matches_the_reference(n_
 
 
 def test_cpu_block_layout_inference_takes_the_native_forward_training_does_not(monkeypatch):
-    """fp32 inference calls with a block layout run the native forward of kernels.cpu_sparse (when it builds);
+    """fp32 inference calls with a block layout run the native forward of litctx_kernels.cpu_sparse (when it builds);
     calls that need a gradient keep the flash-call path and its backward."""
-    import kernels.cpu_sparse as cs
+    import litctx_kernels.cpu_sparse as cs
 
     if cs.native_kernel() is None:
         pytest.skip(f"native forward unavailable: {cs.native_status().get('reason')}")
@@ -157,12 +157,12 @@ def test_cpu_block_layout_inference_takes_the_native_forward_training_does_not(m
     lay = BlockLayout.random_causal(96, 32, 0.5, heads=4, seed=1)
     want, want_lse = attention_reference(q, k, v, layout=lay, causal=True)
     with torch.no_grad():
-        o, lse = kernels.attention(q, k, v, layout=lay)
+        o, lse = litctx_kernels.attention(q, k, v, layout=lay)
     assert calls == [1]
     assert_close(o, want, ratio=1e-5)
     assert_close(lse, want_lse, ratio=1e-5)
     qg = q.clone().requires_grad_(True)
-    o2, _ = kernels.attention(qg, k, v, layout=lay)
+    o2, _ = litctx_kernels.attention(qg, k, v, layout=lay)
     assert calls == [1], "a call that needs a gradient stays on the flash-call path"
     o2.sum().backward()
     assert_close(o2.detach(), want, ratio=1e-5)

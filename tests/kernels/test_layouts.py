@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kernels import BlockLayout, QueryIndex, TokenIndex, attention_flops, layout_pairs, mask_pairs
-from kernels.layouts import causal_block_mask, compact_mask
+from litctx_kernels import BlockLayout, QueryIndex, TokenIndex, attention_flops, layout_pairs, mask_pairs
+from litctx_kernels.layouts import causal_block_mask, compact_mask
 from tests.kernels._brute import brute_mask
 
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kernels import lowbit_block_estimate, lowbit_block_estimate_reference
-from kernels.reference.lowbit import lowbit_scores_reference, quantize_qk_lowbit
+from litctx_kernels import lowbit_block_estimate, lowbit_block_estimate_reference
+from litctx_kernels.reference.lowbit import lowbit_scores_reference, quantize_qk_lowbit
 
 CASES = [  # b, hq, hk, n_q, n_k, d, block_q, block_k, causal, bits, group
     (1, 2, 1, 200, 200, 16, 32, 16, True, 4, 1),
@@ -84,7 +84,7 @@ def _structured(case, seed):
     """Attention-like inputs: queries share a direction, a few keys (every 37th and the first) point along it
     and the rest are weak, so most tiles hold no key a row attends to; ``lse`` is the exact attention's over
     every key (``tau`` is then a share of the true probability mass)."""
-    from kernels.reference import attention_reference
+    from litctx_kernels.reference import attention_reference
 
     b, hq, hk, n_q, n_k, d = case[:6]
     gen = torch.Generator().manual_seed(seed)
@@ -116,7 +116,7 @@ def test_exact_bound_keeps_the_flags_bit_identical(case):
 
 
 def test_the_box_bound_is_above_every_logit_and_rules_tiles_out():
-    from kernels.lowbit_estimate import _key_boxes
+    from litctx_kernels.lowbit_estimate import _key_boxes
 
     q, k, lse = _structured((1, 2, 2, 256, 256, 16, 32, 16, True), 3)
     lb = quantize_qk_lowbit(q.double(), k.double(), 4, 1)

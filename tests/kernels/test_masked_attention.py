@@ -1,4 +1,4 @@
-"""The fused CPU path of ``kernels.attention(..., key_mask=...)`` against the chunked reference (float64) and a
+"""The fused CPU path of ``litctx_kernels.attention(..., key_mask=...)`` against the chunked reference (float64) and a
 float64 brute force: random masks, left-padded batches, GQA, decode steps with a q offset, windows, fully masked
 rows, gradients, and the ``reference`` backend override."""
 
@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-import kernels.dispatch as dispatch
-from kernels import BlockLayout
-from kernels.cpu_sparse import block_sparse_attention_cpu
-from kernels.dispatch import BACKEND_ENV, empty_rows, expand_key_mask
-from kernels.reference import attention_reference
-from kernels.testing import assert_attention_close
+import litctx_kernels
+import litctx_kernels.dispatch as dispatch
+from litctx_kernels import BlockLayout
+from litctx_kernels.cpu_sparse import block_sparse_attention_cpu
+from litctx_kernels.dispatch import BACKEND_ENV, empty_rows, expand_key_mask
+from litctx_kernels.reference import attention_reference
+from litctx_kernels.testing import assert_attention_close
 from tests.kernels._brute import brute_attention, brute_mask
 
 
@@ -37,7 +37,7 @@ def no_reference(monkeypatch):
     """Fail if the dispatcher falls back to the chunked reference (the call must run fused)."""
 
     def boom(*args, **kwargs):
-        raise AssertionError("kernels.attention ran the chunked reference for a masked CPU call")
+        raise AssertionError("litctx_kernels.attention ran the chunked reference for a masked CPU call")
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     monkeypatch.setattr(dispatch, "attention_reference", boom)
@@ -46,7 +46,7 @@ def no_reference(monkeypatch):
 def _check(q, k, v, key_mask, **kw):
     """Fused (fp32) against the reference (float64 inputs): o and lse within 1e-5, the same empty rows, o = 0
     and lse = -inf on them."""
-    o, lse = kernels.attention(q, k, v, key_mask=key_mask, **kw)
+    o, lse = litctx_kernels.attention(q, k, v, key_mask=key_mask, **kw)
     o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), key_mask=expand_key_mask(key_mask, q, k),
                                          **kw)
     assert o.dtype == q.dtype and o.shape == o_ref.shape and lse.shape == lse_ref.shape
@@ -77,7 +77,7 @@ CASES = {
 def test_unmasked_gqa_matches_reference(hk, kw):
     """The dense CPU path without a key mask, including a single KV head (no mask to repeat per group)."""
     q, k, v = _qkv(2, 4, hk, 150, 150, 16)
-    o, lse = kernels.attention(q, k, v, **kw)
+    o, lse = litctx_kernels.attention(q, k, v, **kw)
     o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), **kw)
     torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
@@ -145,7 +145,7 @@ def test_gradients_match_reference(kw, monkeypatch):
         for fn in ("fused", "reference"):
             qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
             if fn == "fused":
-                o, lse = kernels.attention(qq, kk, vv, key_mask=keep, **kw)
+                o, lse = litctx_kernels.attention(qq, kk, vv, key_mask=keep, **kw)
             else:
                 o, lse = attention_reference(qq, kk, vv, key_mask=expand_key_mask(keep, q, k), **kw)
             loss = (o * torch.linspace(-1, 1, o.shape[-1], dtype=o.dtype)).sum()
@@ -186,7 +186,7 @@ def test_float_key_mask_is_rejected(where):
     call = {"block_sparse": lambda: block_sparse_attention_cpu(q, k, v, BlockLayout.full(64, 64, 16),
                                                                key_mask=additive),
             "reference": lambda: attention_reference(q, k, v, key_mask=additive),
-            "dispatch": lambda: kernels.attention(q, k, v, key_mask=additive)}[where]
+            "dispatch": lambda: litctx_kernels.attention(q, k, v, key_mask=additive)}[where]
     with pytest.raises(TypeError, match=r"key_mask must be boolean \[B, 1\|Hk\|Hq, Nk\] = \[1, 1\|2\|4, 64\].*float32"):
         call()
 
@@ -216,12 +216,12 @@ def test_reference_backend_override(monkeypatch):
     q, k, v = _qkv(1, 2, 1, 8, 8, 8)
     keep = torch.ones(1, 1, 8, dtype=torch.bool)
     keep[..., :2] = False
-    o_fused, _ = kernels.attention(q, k, v, key_mask=keep)
+    o_fused, _ = litctx_kernels.attention(q, k, v, key_mask=keep)
     assert calls == []
-    o_ref, _ = kernels.attention(q, k, v, key_mask=keep, backend="reference")
+    o_ref, _ = litctx_kernels.attention(q, k, v, key_mask=keep, backend="reference")
     assert calls == [True]
     monkeypatch.setenv(BACKEND_ENV, "reference")
-    kernels.attention(q, k, v)
+    litctx_kernels.attention(q, k, v)
     assert calls == [True, False]
     torch.testing.assert_close(o_fused, o_ref, atol=1e-6, rtol=1e-6)
 
@@ -229,11 +229,11 @@ def test_reference_backend_override(monkeypatch):
 def test_bad_key_masks_are_named():
     q, k, v = _qkv(2, 6, 2, 5, 9, 8)
     with pytest.raises(ValueError, match=r"key_mask must be \[B, 1\|Hk\|Hq, Nk\] = \[2, 1\|2\|6, 9\], got \[2, 4, 9\]"):
-        kernels.attention(q, k, v, key_mask=torch.ones(2, 4, 9, dtype=torch.bool))
+        litctx_kernels.attention(q, k, v, key_mask=torch.ones(2, 4, 9, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"got \[2, 2, 8\]"):
-        kernels.attention(q, k, v, key_mask=torch.ones(2, 2, 8, dtype=torch.bool))
+        litctx_kernels.attention(q, k, v, key_mask=torch.ones(2, 2, 8, dtype=torch.bool))
     with pytest.raises(TypeError, match="key_mask must be boolean"):
-        kernels.attention(q, k, v, key_mask=torch.ones(2, 2, 9))
+        litctx_kernels.attention(q, k, v, key_mask=torch.ones(2, 2, 9))
 
 
 @pytest.mark.parametrize("heads", ["none", "one", "kv", "q"])
@@ -254,7 +254,7 @@ def test_dense_gqa_never_repeats_kv(heads, kw, monkeypatch, no_reference):
     h = {"none": None, "one": 1, "kv": 2, "q": 6}[heads]
     keep = None if h is None else torch.rand(2, h, 96, generator=torch.Generator().manual_seed(5)) > 0.3
     if keep is None:
-        o, lse = kernels.attention(q, k, v, **kw)
+        o, lse = litctx_kernels.attention(q, k, v, **kw)
         o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), **kw)
         torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
     else:

@@ -1,4 +1,4 @@
-"""Masked attention on CUDA: ``kernels.attention(..., key_mask=...)`` dispatches to the compiled Triton K1/K2 with a
+"""Masked attention on CUDA: ``litctx_kernels.attention(..., key_mask=...)`` dispatches to the compiled Triton K1/K2 with a
 key mask; fp16 / bf16 (and fp32 ieee) against the chunked reference in float64 on the GPU.
 
 Run on a GPU machine with ``pytest -m gpu tests/kernels/test_masked_attention_gpu.py`` (``TRITON_INTERPRET``
@@ -15,10 +15,10 @@ from tests.kernels._triton_env import GPU_RATIO, compiled_cuda_device
 pytestmark = pytest.mark.gpu
 DEV = compiled_cuda_device()
 
-import kernels  # noqa: E402
-from kernels.dispatch import expand_key_mask, select_backend  # noqa: E402
-from kernels.reference import attention_reference  # noqa: E402
-from kernels.testing import assert_attention_close, assert_close  # noqa: E402
+import litctx_kernels  # noqa: E402
+from litctx_kernels.dispatch import expand_key_mask, select_backend  # noqa: E402
+from litctx_kernels.reference import attention_reference  # noqa: E402
+from litctx_kernels.testing import assert_attention_close, assert_close  # noqa: E402
 
 
 def _qkv(b, hq, hk, n_q, n_k, d, dtype, seed=0):
@@ -45,7 +45,7 @@ def test_masked_forward_matches_reference(dtype, shape):
     q, k, v = _qkv(4, 9, 3, n_q, n_k, 64, dtype)
     keep = _left_padded_and_evicted(4, 3, n_k, seed=1)
     assert select_backend("attention", q, key_mask=keep) == "triton"
-    o, lse = kernels.attention(q, k, v, key_mask=keep, **kw)
+    o, lse = litctx_kernels.attention(q, k, v, key_mask=keep, **kw)
     o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), key_mask=expand_key_mask(keep, q, k),
                                          **kw)
     assert_attention_close(o, lse, o_ref, lse_ref, GPU_RATIO[dtype], name="masked forward")
@@ -60,7 +60,7 @@ def test_masked_backward_matches_reference(dtype):
     for fn in ("triton", "reference"):
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
         if fn == "triton":
-            o, lse = kernels.attention(qq, kk, vv, key_mask=keep)
+            o, lse = litctx_kernels.attention(qq, kk, vv, key_mask=keep)
         else:
             o, lse = attention_reference(qq.double(), kk.double(), vv.double(), key_mask=expand_key_mask(keep, q, k))
         live = torch.isfinite(lse)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels
-from kernels import BlockLayout, QueryIndex
-from kernels.reference import attention_colstats_reference, attention_reference
+import litctx_kernels
+from litctx_kernels import BlockLayout, QueryIndex
+from litctx_kernels.reference import attention_colstats_reference, attention_reference
 
 N = 8192
 
@@ -40,11 +40,11 @@ def test_peak_tensor_is_subquadratic(case):
     mode = LargestTensor()
     with mode:
         if case == "dense":
-            o, _ = kernels.attention(q, k, v)
+            o, _ = litctx_kernels.attention(q, k, v)
         elif case == "window":
-            o, _ = kernels.attention(q, k, v, window=512)
+            o, _ = litctx_kernels.attention(q, k, v, window=512)
         elif case == "layout":
-            o, _ = kernels.attention(q, k, v, layout=BlockLayout.random_causal(N, 128, 0.1))
+            o, _ = litctx_kernels.attention(q, k, v, layout=BlockLayout.random_causal(N, 128, 0.1))
         elif case == "reference":
             o, _ = attention_reference(q, k, v, layout=BlockLayout.random_causal(N, 128, 0.3), chunk=128)
         elif case == "reference_lssa":
@@ -52,10 +52,10 @@ def test_peak_tensor_is_subquadratic(case):
         elif case in ("key_mask", "key_mask_window"):  # left padding plus random holes (the fused CPU paths)
             keep = torch.rand(1, 1, N, generator=torch.Generator().manual_seed(2)) < 0.7
             keep[..., : N // 4] = False
-            o, _ = kernels.attention(q, k, v, key_mask=keep, window=512 if case == "key_mask_window" else None)
+            o, _ = litctx_kernels.attention(q, k, v, key_mask=keep, window=512 if case == "key_mask_window" else None)
         elif case == "q_index":
             qi = QueryIndex.from_mask(torch.rand(1, 1, N, generator=torch.Generator().manual_seed(1)) < 0.2)
-            o, _ = kernels.attention(q, k, v, q_index=qi)
+            o, _ = litctx_kernels.attention(q, k, v, q_index=qi)
         else:
             st = attention_colstats_reference(q.detach(), k.detach(), v.detach(), q_window=1024)
             o = st.p2_o

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import dispatch
-from kernels.layouts import QueryIndex
+import litctx_kernels
+from litctx_kernels import dispatch
+from litctx_kernels.layouts import QueryIndex
 from tests.kernels._brute import brute_attention, brute_mask
 
 
@@ -32,7 +32,7 @@ def test_query_subset_matches_brute_force_forward_and_backward(heads, window, ma
     if masked:
         key_mask = torch.rand(b, 1, n, generator=gen) < 0.8
         key_mask[0, :, :5] = False
-    o, lse = kernels.attention(q, k, v, window=window, q_index=index, key_mask=key_mask)
+    o, lse = litctx_kernels.attention(q, k, v, window=window, q_index=index, key_mask=key_mask)
     valid = brute_mask(n, n, window=window).expand(b, hq, n, n)
     if key_mask is not None:
         valid = valid & key_mask.unsqueeze(2)
@@ -55,7 +55,7 @@ def test_query_subset_matches_brute_force_forward_and_backward(heads, window, ma
 def test_an_empty_subset_returns_no_rows_but_keeps_the_graph():
     q, k, v = _case(n=20)
     index = QueryIndex.from_mask(torch.zeros(2, 1, 20, dtype=torch.bool))
-    o, lse = kernels.attention(q, k, v, q_index=index)
+    o, lse = litctx_kernels.attention(q, k, v, q_index=index)
     assert o.shape == (2, 4, 0, 16) and lse.shape == (2, 4, 0)
     o.sum().backward()
     assert q.grad is not None and float(q.grad.abs().sum()) == 0.0

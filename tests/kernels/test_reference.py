@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import BlockLayout, QueryIndex, TokenIndex, merge_lse, merge_lse_many
-from kernels.layouts import causal_block_mask
-from kernels.reference import (
+from litctx_kernels import BlockLayout, QueryIndex, TokenIndex, merge_lse, merge_lse_many
+from litctx_kernels.layouts import causal_block_mask
+from litctx_kernels.reference import (
     attention_colstats_reference,
     attention_reference,
     gather_attention_reference,
@@ -19,7 +19,7 @@ from kernels.reference import (
     quantize_lowbit,
     quantize_qk_lowbit,
 )
-from kernels.testing import assert_close
+from litctx_kernels.testing import assert_close
 from tests.kernels._brute import brute_attention, brute_mask, row_lengths
 
 

@@ -1,4 +1,4 @@
-"""K1/K2 (``kernels.triton.attention``) against a float64 brute force and the torch reference.
+"""K1/K2 (``litctx_kernels.triton.attention``) against a float64 brute force and the torch reference.
 
 Runs in the Triton interpreter on CPU (``TRITON_INTERPRET=1 pytest -m interpret tests/kernels``) or compiled on
 CUDA when ``TRITON_INTERPRET`` is unset and a GPU is present. Sizes stay small (N <= 256) because every program
@@ -23,11 +23,11 @@ from tests.kernels._triton_env import triton_device  # noqa: E402
 DEVICE = triton_device()
 INTERPRET = DEVICE == "cpu"
 
-from kernels.layouts import BlockLayout, QueryIndex  # noqa: E402
-from kernels.testing import assert_close  # noqa: E402
-from kernels.triton.attention import triton_attention  # noqa: E402
+from litctx_kernels.layouts import BlockLayout, QueryIndex  # noqa: E402
+from litctx_kernels.testing import assert_close  # noqa: E402
+from litctx_kernels.triton.attention import triton_attention  # noqa: E402
 
-from kernels.reference import attention_reference  # noqa: E402
+from litctx_kernels.reference import attention_reference  # noqa: E402
 
 RATIO = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.5e-2}
 
@@ -438,22 +438,22 @@ def test_errors_name_the_argument(monkeypatch):
 
 
 def test_kernel_modules_load_lazily_and_survive_missing_triton():
-    """``import kernels.triton`` loads no kernel module; without triton the package still imports and
+    """``import litctx_kernels.triton`` loads no kernel module; without triton the package still imports and
     accessing a kernel raises a clear ImportError (torch itself may import triton; that is not ours)."""
     code = (
         "import sys\n"
-        "import kernels, kernels.triton\n"
-        "assert not any(m.startswith('kernels.triton.') and m != 'kernels.triton._compat' for m in sys.modules), "
-        "sorted(m for m in sys.modules if m.startswith('kernels.triton'))\n"
+        "import litctx_kernels, litctx_kernels.triton\n"
+        "assert not any(m.startswith('litctx_kernels.triton.') and m != 'litctx_kernels.triton._compat' for m in sys.modules), "
+        "sorted(m for m in sys.modules if m.startswith('litctx_kernels.triton'))\n"
         "print('lazy ok')\n"
     )
     missing = (
         "import sys\n"
         "sys.modules['triton'] = None\n"
-        "import kernels, kernels.triton\n"
-        "assert not kernels.triton.HAS_TRITON\n"
+        "import litctx_kernels, litctx_kernels.triton\n"
+        "assert not litctx_kernels.triton.HAS_TRITON\n"
         "try:\n"
-        "    kernels.triton.triton_attention\n"
+        "    litctx_kernels.triton.triton_attention\n"
         "except ImportError as e:\n"
         "    assert 'triton' in str(e)\n"
         "    print('missing ok')\n"

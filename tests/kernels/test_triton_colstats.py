@@ -1,4 +1,4 @@
-"""K5 (``kernels.triton.colstats``) against a float64 brute force and the torch reference."""
+"""K5 (``litctx_kernels.triton.colstats``) against a float64 brute force and the torch reference."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from tests.kernels._triton_env import triton_device  # noqa: E402
 DEVICE = triton_device()
 INTERPRET = DEVICE == "cpu"
 
-from kernels.testing import assert_close  # noqa: E402
-from kernels.triton.attention import triton_attention  # noqa: E402
-from kernels.triton.colstats import ColStats, triton_attention_colstats  # noqa: E402
+from litctx_kernels.testing import assert_close  # noqa: E402
+from litctx_kernels.triton.attention import triton_attention  # noqa: E402
+from litctx_kernels.triton.colstats import ColStats, triton_attention_colstats  # noqa: E402
 
-from kernels.reference import attention_colstats_reference  # noqa: E402
+from litctx_kernels.reference import attention_colstats_reference  # noqa: E402
 
 RATIO = {torch.float32: 1e-5, torch.float16: 5e-3}
 

@@ -1,4 +1,4 @@
-"""K3 (``kernels.triton.gather``) against a float64 brute force and the torch reference (forward only)."""
+"""K3 (``litctx_kernels.triton.gather``) against a float64 brute force and the torch reference (forward only)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from tests.kernels._triton_env import triton_device  # noqa: E402
 DEVICE = triton_device()
 INTERPRET = DEVICE == "cpu"
 
-from kernels.layouts import TokenIndex  # noqa: E402
-from kernels.testing import assert_close  # noqa: E402
-from kernels.triton.gather import triton_gather_attention  # noqa: E402
+from litctx_kernels.layouts import TokenIndex  # noqa: E402
+from litctx_kernels.testing import assert_close  # noqa: E402
+from litctx_kernels.triton.gather import triton_gather_attention  # noqa: E402
 
-from kernels.reference import gather_attention_reference  # noqa: E402
+from litctx_kernels.reference import gather_attention_reference  # noqa: E402
 
 RATIO = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1.5e-2}
 
@@ -112,7 +112,7 @@ def test_gather_empty_lists_and_rows_before_the_first_token():
 
 
 def test_gather_full_list_equals_dense_attention():
-    from kernels.triton.attention import triton_attention
+    from litctx_kernels.triton.attention import triton_attention
 
     q, k, v, _ = make(1, 4, 2, 20, 80, 32, torch.float32, seed=5)
     ti = TokenIndex.from_mask(torch.ones(1, 2, 80, dtype=torch.bool, device=DEVICE))

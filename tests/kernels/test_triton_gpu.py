@@ -18,12 +18,12 @@ from tests.kernels._triton_env import GPU_RATIO, compiled_cuda_device
 pytestmark = pytest.mark.gpu
 DEV = compiled_cuda_device()
 
-from kernels.layouts import BlockLayout, QueryIndex, TokenIndex  # noqa: E402
-from kernels.reference import attention_reference, gather_attention_reference  # noqa: E402
-from kernels.testing import assert_close  # noqa: E402
-from kernels.triton.attention import triton_attention  # noqa: E402
-from kernels.triton.colstats import triton_attention_colstats  # noqa: E402
-from kernels.triton.gather import triton_gather_attention  # noqa: E402
+from litctx_kernels.layouts import BlockLayout, QueryIndex, TokenIndex  # noqa: E402
+from litctx_kernels.reference import attention_reference, gather_attention_reference  # noqa: E402
+from litctx_kernels.testing import assert_close  # noqa: E402
+from litctx_kernels.triton.attention import triton_attention  # noqa: E402
+from litctx_kernels.triton.colstats import triton_attention_colstats  # noqa: E402
+from litctx_kernels.triton.gather import triton_gather_attention  # noqa: E402
 
 
 def brute(q, k, v, *, key_keep=None, **kw):

@@ -17,12 +17,12 @@ from tests.kernels._triton_env import triton_device  # noqa: E402
 
 DEVICE = triton_device()
 
-import kernels  # noqa: E402
-from kernels.dispatch import expand_key_mask  # noqa: E402
-from kernels.layouts import BlockLayout, QueryIndex  # noqa: E402
-from kernels.reference import attention_reference  # noqa: E402
-from kernels.testing import assert_attention_close, assert_close  # noqa: E402
-from kernels.triton.attention import triton_attention  # noqa: E402
+import litctx_kernels  # noqa: E402
+from litctx_kernels.dispatch import expand_key_mask  # noqa: E402
+from litctx_kernels.layouts import BlockLayout, QueryIndex  # noqa: E402
+from litctx_kernels.reference import attention_reference  # noqa: E402
+from litctx_kernels.testing import assert_attention_close, assert_close  # noqa: E402
+from litctx_kernels.triton.attention import triton_attention  # noqa: E402
 
 RATIO = {torch.float32: 1e-5, torch.float16: 5e-3}
 
@@ -76,7 +76,7 @@ def test_left_padded_batch_through_the_dispatcher(dtype):
     keep[0, :, :] = True
     keep[1, :, 20:] = True  # 20 padding tokens
     # row 2: all keys masked
-    o, lse = kernels.attention(q, k, v, key_mask=keep, backend="triton")
+    o, lse = litctx_kernels.attention(q, k, v, key_mask=keep, backend="triton")
     _compare(o, lse, *_reference(q, k, v, keep), dtype, "left-padded")
     assert not bool(torch.isfinite(lse[2]).any())
 

@@ -1,4 +1,4 @@
-"""K4 (``kernels.triton.lowbit``): SALE's fused low-bit estimate against the reference, flag for flag."""
+"""K4 (``litctx_kernels.triton.lowbit``): SALE's fused low-bit estimate against the reference, flag for flag."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tests.kernels._triton_env import triton_device  # noqa: E402
 DEVICE = triton_device()
 INTERPRET = DEVICE == "cpu"
 
-from kernels import lowbit_block_estimate, lowbit_block_estimate_reference  # noqa: E402
-from kernels.triton.lowbit import triton_lowbit_block_estimate  # noqa: E402
+from litctx_kernels import lowbit_block_estimate, lowbit_block_estimate_reference  # noqa: E402
+from litctx_kernels.triton.lowbit import triton_lowbit_block_estimate  # noqa: E402
 
 CASES = [  # b, hq, hk, n_q, n_k, d, block_q, block_k, causal, bits, group, keys_per_step
     (1, 2, 1, 200, 200, 16, 32, 16, True, 4, 1, 1),

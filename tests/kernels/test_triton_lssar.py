@@ -1,4 +1,4 @@
-"""K6 (``kernels.triton.lssar``): the two-pass log-domain LSSAR forward against the torch reference and a float64
+"""K6 (``litctx_kernels.triton.lssar``): the two-pass log-domain LSSAR forward against the torch reference and a float64
 brute force of the paper's definition; the backward (reference recompute) against the reference's gradients.
 
 Runs in the Triton interpreter on CPU (``TRITON_INTERPRET=1 pytest -m interpret tests/kernels``) or compiled on
@@ -19,10 +19,10 @@ from tests.kernels._triton_env import triton_device  # noqa: E402
 
 DEVICE = triton_device()
 
-import kernels  # noqa: E402
-from kernels.reference import attention_reference  # noqa: E402
-from kernels.testing import assert_close  # noqa: E402
-from kernels.triton.lssar import triton_lssar_attention  # noqa: E402
+import litctx_kernels  # noqa: E402
+from litctx_kernels.reference import attention_reference  # noqa: E402
+from litctx_kernels.testing import assert_close  # noqa: E402
+from litctx_kernels.triton.lssar import triton_lssar_attention  # noqa: E402
 
 
 def qkv(b=1, hq=2, hk=1, nq=128, nk=None, d=32, seed=0, sharp=0.0):
@@ -111,9 +111,9 @@ def test_backward_matches_reference_gradients():
 
 def test_dispatcher_runs_k6_for_lssar_and_the_reference_for_what_k6_cannot_serve():
     q, k, v = qkv(nq=64)
-    o, _ = kernels.attention(q, k, v, score_mode="lssar", backend="triton")
+    o, _ = litctx_kernels.attention(q, k, v, score_mode="lssar", backend="triton")
     ro, _ = attention_reference(q, k, v, score_mode="lssar")
     assert_close(o, ro, ratio=2e-4)
     km = torch.ones(1, 1, 64, dtype=torch.bool, device=q.device)
     with pytest.raises(RuntimeError, match="cannot run this call"):
-        kernels.attention(q, k, v, score_mode="lssar", key_mask=km, backend="triton")
+        litctx_kernels.attention(q, k, v, score_mode="lssar", key_mask=km, backend="triton")
