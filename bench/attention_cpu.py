@@ -9,7 +9,7 @@ path (``native=False``) and compiled FlexAttention with the same block mask (inf
 call per shape, the compile, is reported separately and excluded). ``--densities 0.1 --backward-length 0``
 limits a run to the acceptance rows.
 Forward and backward at N = 16K. Reports time, speed-up over SDPA and the fraction of the FLOP bound
-(speed-up x density) reached; writes ``docs/results.md``, ``bench/results/attention_cpu.json`` and
+(speed-up x density) reached; writes ``docs/results.md``, ``results/attention_cpu.json`` and
 ``docs/figures/attention_cpu.png`` (``--plot-only`` redraws it from the JSON).
 
     python -m bench.attention_cpu            # ~5 minutes on 2 cores
@@ -108,7 +108,7 @@ def main() -> None:
     p.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     p.add_argument("--quick", action="store_true", help="N = 4K only, one repeat")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", type=Path, default=REPO / "bench" / "results" / "attention_cpu.json")
+    p.add_argument("--cache", type=Path, default=REPO / "results" / "attention_cpu.json")
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
     p.add_argument("--figure", type=Path, default=REPO / "docs" / "figures" / "attention_cpu.png")
     p.add_argument("--plot-only", action="store_true", help="redraw the figure from --cache without timing")

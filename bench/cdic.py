@@ -23,7 +23,7 @@ seeded dialogues (4 interleaved threads, the training distribution, never seen i
 
 A recall turn is right when every answer token is the argmax under teacher forcing (equivalently, greedy decoding
 writes the answer). Recall from both parts is pooled; intervals are 95% percentile bootstraps over dialogues.
-One record per (part, arm, dialogue) goes to ``bench/results/cdic_smollm2.jsonl``; a rerun continues.
+One record per (part, arm, dialogue) goes to ``results/cdic_smollm2.jsonl``; a rerun continues.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from bench._report import REPO, pyplot, save_figure, write_section
 from litctx_common.io import append_jsonl, read_jsonl
 from litctx_common.timing import clock
 
-RESULTS = REPO / "bench" / "results" / "cdic_smollm2.jsonl"
+RESULTS = REPO / "results" / "cdic_smollm2.jsonl"
 FIGURE = REPO / "docs" / "figures" / "cdic_smollm2.png"
 RUNS = REPO / "runs" / "cdic_train"
 ARMS = ("full", "truncate", "concat", "merge", "cdic")

@@ -17,7 +17,7 @@ layer, the KV bytes after pruning (``l2a_prune.json``), and (``--timing``) the t
 the trained L2A model against the trained plain model, measured interleaved in one process, with the attention
 pairs both compute.
 
-Records: ``bench/results/cpt_smollm2.json`` (one entry per arm and one for the timing).
+Records: ``results/cpt_smollm2.json`` (one entry per arm and one for the timing).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 
 from bench._report import REPO, load_cache, pyplot, save_figure, save_json, train_loss_first_last, write_section
 
-RESULTS = REPO / "bench" / "results" / "cpt_smollm2.json"
+RESULTS = REPO / "results" / "cpt_smollm2.json"
 FIGURE = REPO / "docs" / "figures" / "cpt_smollm2.png"
 RUNS = REPO / "runs" / "bench_cpt"
 RECIPES = {"plain": "cpt_plain", "repo": "repo_cpt", "l2a": "l2a_cpt", "base": "cpt_plain", "repo_warm": "repo_cpt"}

@@ -12,7 +12,7 @@ Protocol (per seed, synthetic ERA5 32 x 64, 12 channels, 6-hourly):
    (batches x K) of further one-step training, same learning rate and schedule;
 3. test: autoregressive forecasts to 8 leads (48 h) from every test time; latitude-weighted RMSE (mean over
    channels in normalised units, and Z500 / T850 / T2M in physical units) and ACC against the exact climatology.
-Results are cached in ``bench/results/emformer.json`` (a rerun skips finished seeds).
+Results are cached in ``results/emformer.json`` (a rerun skips finished seeds).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from bench._report import REPO, cached_run, load_cache, pyplot, save_figure, save_json, write_section
 from litctx_common.stats import mean_sd
 
-CACHE = REPO / "bench" / "results" / "emformer.json"
+CACHE = REPO / "results" / "emformer.json"
 KEY_CHANNELS = ("geopotential@500", "temperature@850", "2m_temperature")
 
 

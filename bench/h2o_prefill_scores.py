@@ -29,7 +29,7 @@ from bench._report import REPO, write_section
 from litctx_common.io import append_jsonl, read_jsonl
 from litctx_common.timing import clock
 
-RESULTS = REPO / "bench" / "results" / "h2o_prefill_scores.jsonl"
+RESULTS = REPO / "results" / "h2o_prefill_scores.jsonl"
 ARMS = ("separate pass", "fused")
 
 

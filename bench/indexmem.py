@@ -19,7 +19,7 @@ The bank is trained by ``python -m recipes.fit --recipe indexmem_smollm2`` into 
 (``--weights`` takes another). Each sample's context is prefilled once and every arm compresses that prefill
 (:func:`lightning_modules.llm.generation.record_prefill`), asks the question and decodes greedily (kvpress's
 compress-then-ask protocol). One record per (sample, arm, ratio) goes to
-``bench/results/indexmem_smollm2.jsonl``, so a rerun continues. A learned arm's record names its bank (``bank``, a
+``results/indexmem_smollm2.jsonl``, so a rerun continues. A learned arm's record names its bank (``bank``, a
 hash of the weights; records without one are the session-17 bank, ``s17``); the report pools banks and shows each
 one's accuracy (``--bank ID`` keeps one, ``--rerun-learned`` redoes the learned arms with this bank). Reported:
 accuracy per arm x ratio x length, IndexMem minus the best heuristic per cell with a 95% paired bootstrap interval,
@@ -42,7 +42,7 @@ from bench._report import REPO, pyplot, save_figure, write_section
 from litctx_common.io import append_jsonl, read_jsonl
 from litctx_common.timing import clock
 
-RESULTS = REPO / "bench" / "results" / "indexmem_smollm2.jsonl"
+RESULTS = REPO / "results" / "indexmem_smollm2.jsonl"
 FIGURE = REPO / "docs" / "figures" / "indexmem_smollm2.png"
 TRAIN_RUN = REPO / "runs" / "bench_indexmem" / "train"
 TASKS = ["niah_multikey", "kv_retrieval", "qa_facts", "variable_tracking"]

@@ -8,7 +8,7 @@ variant side by side with the full cache, at several compression ratios, lengths
 Each sample's context is prefilled once; every (method, ratio) then compresses that same prefill
 (:func:`~lightning_modules.llm.generation.generate_under_policies`, identical to running the method alone),
 asks the question and decodes greedily, all (method, ratio) pairs as rows of one batch (``--unbatched``: one by
-one). Records go to ``bench/results/kv_eviction_smollm2.jsonl`` one per
+one). Records go to ``results/kv_eviction_smollm2.jsonl`` one per
 (sample, protocol, method, ratio), so a rerun resumes. Reported:
 
 * accuracy per method x ratio, per length and protocol (mean over samples and tasks);
@@ -35,7 +35,7 @@ from bench._report import REPO, pyplot, save_figure, save_json, write_section
 from litctx_common.io import append_jsonl, read_jsonl
 from litctx_common.timing import clock
 
-RESULTS = REPO / "bench" / "results" / "kv_eviction_smollm2.jsonl"
+RESULTS = REPO / "results" / "kv_eviction_smollm2.jsonl"
 FIGURE = REPO / "docs" / "figures" / "kv_eviction_smollm2.png"
 TASKS = ["niah_single", "niah_multikey", "niah_multivalue", "qa_facts"]
 OBC = "obcache_kv"

@@ -55,7 +55,7 @@ def oracle_kl(basis: str, window: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    p.add_argument("--cache", type=Path, default=REPO / "bench" / "results" / "lcube_ablations.json")
+    p.add_argument("--cache", type=Path, default=REPO / "results" / "lcube_ablations.json")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("LITCTX_RUNS_DIR", str(REPO / "runs" / "bench_ablations"))

@@ -78,7 +78,7 @@ def timing(lengths, dim, width, n, dense_limit):
 # another process running the filter's bare loop on torch's default thread pool (e.g. a second rank or sweep trial)
 # (run with the repository as its working directory, so `python -c` finds the packages)
 BUSY = ("from datamodules.synth.hierarchical_gaussian import HierarchicalGaussian\n"
-        "g = HierarchicalGaussian(length=2048, dim=32)\nwhile True:\n    g._filter(None, 0, 200)")
+        "g = HierarchicalGaussian(length=2048, dim=32)\nwhile True:\n    g.conditionals(stop=200, threads=None)")
 
 
 def thread_pool_cost(steps=64):
@@ -86,7 +86,7 @@ def thread_pool_cost(steps=64):
     g = HierarchicalGaussian(length=2048, dim=32)
     g.conditionals(stop=8)  # warm up
     t0 = time.perf_counter()
-    g._filter(None, 100, 100 + steps)  # the bare loop, default threads
+    g.conditionals(start=100, stop=100 + steps, threads=None)  # the bare loop, default threads
     pooled = (time.perf_counter() - t0) / steps
     t0 = time.perf_counter()
     g.conditionals(start=100, stop=100 + steps)  # single-threaded, as the library runs it

@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, nargs="+", default=[16, 64, 256], help="window-oracle sizes")
     p.add_argument("--dim", type=int, default=32, help="token dimension (>= the top level's width)")
     p.add_argument("--test-sequences", type=int, default=128)
-    p.add_argument("--cache", type=Path, default=REPO / "bench" / "results" / "lcube_utilization.json")
+    p.add_argument("--cache", type=Path, default=REPO / "results" / "lcube_utilization.json")
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
     p.add_argument("--figure", type=Path, default=REPO / "docs" / "figures" / "lcube_utilization.png")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from the cache")

@@ -15,7 +15,7 @@ The paper's claim: softmax's loss grows beyond the training length, LSSAR's stay
 1K training length: 3.19 -> 6.28 vs 3.19 -> 3.32 at 8x).
 
 Each (attention, seed) run is ``python -m recipes.fit --recipe <recipe>`` then ``python -m recipes.evaluate
---run``; finished runs are kept in ``bench/results/length_extrapolation.json`` and ``runs/bench_lssa/``, so an
+--run``; finished runs are kept in ``results/length_extrapolation.json`` and ``runs/bench_lssa/``, so an
 interrupted benchmark continues where it stopped. Writes the tables and a figure into ``docs/results.md``.
 
     python -m bench.length_extrapolation                             # lssa_copy: 3 settings x 3 seeds
@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional
 
 from bench._report import REPO, load_cache, pyplot, save_figure, save_json, train_loss_first_last, write_section
 
-RESULTS = REPO / "bench" / "results" / "length_extrapolation.json"
+RESULTS = REPO / "results" / "length_extrapolation.json"
 FIGURE = REPO / "docs" / "figures" / "length_extrapolation.png"
 RUNS = REPO / "runs" / "bench_lssa"
 MODES = ("softmax", "lssa", "lssar")

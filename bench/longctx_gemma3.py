@@ -18,7 +18,7 @@ from bench._report import REPO
 from lightning_modules.llm.suite_metrics import markdown_table, mean_prefill_seconds, paired_bootstrap, summarise
 from litctx_common.io import read_jsonl
 
-RESULTS = REPO / "bench" / "results"
+RESULTS = REPO / "results"
 FULL = RESULTS / "longctx_gemma3_compress_then_ask.jsonl"
 METHODS = {"snapkv 50% evicted": RESULTS / "longctx_gemma3_snapkv50.jsonl",
            "prism top_p 0.95": RESULTS / "longctx_gemma3_prism95.jsonl"}

@@ -6,7 +6,7 @@ needle depth x length. Slow tier (about 4 hours on 2 CPU cores for 50 samples x 
     python -m bench.longctx_suite --samples 5 --lengths 1024 2048
 
 It runs ``recipes.evaluate --recipe longctx_smollm2`` through the API with a results file, so it is
-resumable: every finished sample is appended to ``bench/results/longctx_smollm2_<protocol>.jsonl`` and a
+resumable: every finished sample is appended to ``results/longctx_smollm2_<protocol>.jsonl`` and a
 rerun skips it. With the full cache the two protocols are the same computation, so one protocol is run.
 """
 
@@ -47,7 +47,7 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    results = REPO / "bench" / "results" / f"longctx_smollm2_{args.protocol}.jsonl"
+    results = REPO / "results" / f"longctx_smollm2_{args.protocol}.jsonl"
     if not args.report_only:
         from recipes.api import build
 

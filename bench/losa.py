@@ -10,7 +10,7 @@ samples the answer block from that prefill with the model's sampler (8 steps per
 Arms (``lightning_modules.losa.method.prefix_grid``): ``dense``; at each per-query budget ``b`` (prefix entries per
 query, Quest pages of 16): ``quest_b{b}`` (every block query, every step), ``fixed_b{b}`` (pages fixed by the dense
 first step), ``losa_ka{k}_b{b}`` for each ``k_a`` and ``losa_thr{x}_b{b}`` (the threshold variant). One JSON
-record per (sample, arm) goes to ``bench/results/losa_<recipe>_<run>.jsonl``, so a rerun continues. Reported per
+record per (sample, arm) goes to ``results/losa_<recipe>_<run>.jsonl``, so a rerun continues. Reported per
 context length and arm: exact match, token accuracy, union-of-pages density over all denoising steps and over
 the steps after the first, K/V bytes read per denoising step relative to dense, prefix+block attention CPU time
 relative to dense, LoSA minus Quest at equal budget (exact match and token accuracy, 95% paired bootstrap; density
@@ -29,12 +29,12 @@ from bench._report import REPO, pyplot, save_figure, write_section
 
 from litctx_common.io import append_jsonl, read_jsonl
 
-RESULTS_DIR = REPO / "bench" / "results"
+RESULTS_DIR = REPO / "results"
 FIGURE_DIR = REPO / "docs" / "figures"
 
 
 def results_path(model: str) -> Path:
-    """``bench/results/losa_<recipe>_<run>.jsonl`` for ``runs/<recipe>/<run>/hf`` (else the folder's own name)."""
+    """``results/losa_<recipe>_<run>.jsonl`` for ``runs/<recipe>/<run>/hf`` (else the folder's own name)."""
     folder = Path(model).resolve()
     parts = [folder.parent.parent.name, folder.parent.name] if folder.name == "hf" else [folder.name]
     return RESULTS_DIR / f"losa_{'_'.join(p for p in parts if p)}.jsonl"

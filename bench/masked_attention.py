@@ -19,7 +19,7 @@ repeat by repeat so both see the same machine load:
    the time spent inside ``litctx_kernels.attention`` during the prefill, and whether the greedy tokens agree (and the
    largest difference of the prefill logits).
 
-Writes ``bench/results/masked_attention.json`` and the "Masked attention" section of ``docs/results.md``.
+Writes ``results/masked_attention.json`` and the "Masked attention" section of ``docs/results.md``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from bench._report import REPO, save_json, write_section
 from litctx_common.timing import Stopwatch
 
-RESULTS = REPO / "bench" / "results" / "masked_attention.json"
+RESULTS = REPO / "results" / "masked_attention.json"
 COMMAND = "python -m bench.masked_attention"
 BACKENDS = {"reference": "before (reference)", "auto": "after (fused)"}
 
@@ -246,7 +246,7 @@ def report(data: Dict[str, Any]) -> str:
         lines.append(f"| {name} | outputs | greedy tokens equal: {r['tokens_equal']} "
                      f"(rows {r['tokens_equal_rows']}) | max abs diff of the prefill logits: "
                      f"{r['max_abs_diff_prefill_logits']:.1e} | |")
-    lines += ["", "Record: `bench/results/masked_attention.json`."]
+    lines += ["", "Record: `results/masked_attention.json`."]
     return "\n".join(lines)
 
 

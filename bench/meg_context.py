@@ -15,7 +15,7 @@ For the synthetic study with its slow context **on** and **off** (``synthetic.co
 3. record test top-10 accuracy (among the 50 most frequent words; the synthetic vocabulary has 40, so chance is
    10/40 = 0.25) and its class-balanced version.
 
-Runs are cached in ``bench/results/meg_context.json`` (a rerun skips finished runs); the table goes into
+Runs are cached in ``results/meg_context.json`` (a rerun skips finished runs); the table goes into
 ``docs/results.md`` and the figure into ``docs/figures/meg_context.png``.
 
     python -m bench.meg_context                      # 3 seeds, context on and off (about 60 min on 2 cores)
@@ -26,7 +26,7 @@ same channel's +-1 s (short), from a histogram of its codes over the 150-s windo
 :func:`lightning_modules.meg.oracle.code_oracle` (multinomial logistic regression, fitted on the training subjects
 01-03 and scored on the held-out subject 04), for each tokenizer setting of ``--oracle-settings`` (levels x codes,
 fitted as ``MEGXLPretrainModule.fit_tokenizer`` does) and the synthetic study's slow states on and off; the table
-(nats below the marginal) goes into ``docs/results.md``, the numbers into ``bench/results/meg_oracle.json``.
+(nats below the marginal) goes into ``docs/results.md``, the numbers into ``results/meg_oracle.json``.
 
     python -m bench.meg_context --oracle             # 4 settings x slow states on/off (a few minutes on 2 cores)
 """
@@ -64,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--probe-chunks", type=int, default=12,
                    help="the probe pools each 3-s word window in this many parts (12: about one token each)")
     p.add_argument("--runs-root", type=Path, default=REPO / "runs" / "bench-meg")
-    p.add_argument("--cache", type=Path, default=REPO / "bench" / "results" / "meg_context.json")
+    p.add_argument("--cache", type=Path, default=REPO / "results" / "meg_context.json")
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
     p.add_argument("--figure", type=Path, default=REPO / "docs" / "figures" / "meg_context.png")
     p.add_argument("--report-only", action="store_true")
@@ -74,7 +74,7 @@ def parse_args(argv=None):
                    help="tokenizer settings LEVELSxCODES for the oracle")
     p.add_argument("--oracle-states", nargs="+", default=["on", "off"], choices=["on", "off"],
                    help="the synthetic study's slow states (synthetic.slow_states) for the oracle")
-    p.add_argument("--oracle-cache", type=Path, default=REPO / "bench" / "results" / "meg_oracle.json")
+    p.add_argument("--oracle-cache", type=Path, default=REPO / "results" / "meg_oracle.json")
     p.add_argument("--cache-dir", default=None,
                    help="data cache (the synthetic study and its preprocessed arrays); default $LITCTX_CACHE_DIR")
     return p.parse_args(argv)
@@ -101,7 +101,7 @@ def pretrain(args, context: str, kind: str, seed: int) -> Dict[str, object]:
     start = time.time()
     run = build("meg_xl", overrides)
     run_stages(run)
-    best = run._ckpt("best")
+    best = run.checkpoint_path("best")
     score = run.trainer.checkpoint_callback.best_model_score  # the recipe's monitor: val/loss
     last = {k: float(v) for k, v in run.trainer.callback_metrics.items() if k in ("val/loss", "val/loss_gap")}
     return {"ckpt": best, "val_loss": float(score) if score is not None else None,

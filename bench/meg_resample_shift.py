@@ -102,7 +102,7 @@ case, noise seed 1). Lag of the evoked peak behind the word sample after 0.1-40 
 
 The FFT method moves the signal against the words by up to {worst_fft:.1f} ms depending on the length (the issue
 measured -11.6 to +11.2 ms); polyphase stays within {worst_poly:.2f} ms at every length."""
-    save_json(REPO / "bench" / "results" / "meg_resample_shift.json", {"rows": rows})
+    save_json(REPO / "results" / "meg_resample_shift.json", {"rows": rows})
     if not args.no_write:
         write_section("meg_resample_shift", body, "MEG preprocessing: resampling without a time shift")
     print(body)

@@ -20,7 +20,7 @@ Parts:
   FR@3 (FR@1 for beneficial) by both, the LLM judge's share of unreadable verdicts, and the agreement of the two on
   pass / fail per answer (raw and Cohen's kappa).
 
-Records: ``bench/results/memory_multihop_<strategy>.jsonl`` and ``bench/results/memory_persistbench_<prompt>.jsonl``
+Records: ``results/memory_multihop_<strategy>.jsonl`` and ``results/memory_persistbench_<prompt>.jsonl``
 (the modules' own resumable records); LLM calls are recorded under ``runs/bench_memory/`` so a killed run repeats none.
 """
 
@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from bench._report import REPO, write_section
 from litctx_common.io import read_jsonl
 
-RESULTS = REPO / "bench" / "results"
+RESULTS = REPO / "results"
 WORK = REPO / "runs" / "bench_memory"
 STRATEGIES = ("single_step", "flat", "hgmem")
 PROMPTS = ("no_memories", "default", "restrictive")
@@ -62,11 +62,9 @@ def run_multihop(args) -> None:
         cfg = dict(base, loop=dict(base["loop"], strategy=strategy), results_file=str(multihop_path(strategy)),
                    calls_file=str(WORK / f"calls_multihop_{strategy}.jsonl"),
                    memory_dir=str(WORK / f"memories_{strategy}"), draw=3)
-        module = HGMemEvalModule(cfg)
-        if shared is not None:  # one SmolLM2 for every strategy
-            module._raw = shared
+        module = HGMemEvalModule(cfg, chat_backend=shared)  # one SmolLM2 for every strategy
         _ = module.backend
-        shared = module._raw
+        shared = module.chat_backend
         module.start_records()
         for i, s in enumerate(samples):
             rec = module.run_sample(s)[0]
@@ -117,11 +115,9 @@ def run_persistbench(args) -> None:
         cfg = dict(base, system_prompt=prompt, judge={k: v for k, v in judge.items() if v is not None},
                    max_tokens=args.max_tokens, results_file=str(persist_path(prompt)),
                    calls_file=str(WORK / f"calls_persistbench_{prompt}.jsonl"))
-        module = PersistBenchModule(cfg)
-        if backend is not None:
-            module._raw_backend = backend
+        module = PersistBenchModule(cfg, chat_backend=backend)
         _ = module.backend
-        backend = module._raw_backend
+        backend = module.chat_backend
         module.start_records()
         for i, s in enumerate(samples):
             recs = module.run_sample(s)
@@ -219,7 +215,7 @@ def persistbench_report() -> List[str]:
 def report(args) -> str:
     body = [f"`python -m bench.memory --questions {args.questions} --per-type {args.per_type}`: SmolLM2-135M-Instruct "
             "(fp32, 2 CPU cores) as the model under test, through the local chat backend; records in "
-            "`bench/results/memory_*.jsonl`.", ""] + multihop_report() + [""] + persistbench_report()
+            "`results/memory_*.jsonl`.", ""] + multihop_report() + [""] + persistbench_report()
     return write_section("memory", "\n".join(body), "LLM memory: HGMem and PersistBench (SmolLM2-135M)")
 
 

@@ -9,7 +9,7 @@ scored on 1,000 others, for the argmax-inside label of each span (``lightning_mo
 hand-set log-depth construction (``lightning_modules/pcfg/construction.py``) is scored on the same strings.
 
     python -m bench.pcfg                 # 3 seeds, about 5 minutes on 2 cores
-    python -m bench.pcfg --report-only   # rewrite the table and figure from bench/results/pcfg.json
+    python -m bench.pcfg --report-only   # rewrite the table and figure from results/pcfg.json
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, default=15)
     p.add_argument("--probe-train", type=int, default=2000)
     p.add_argument("--probe-test", type=int, default=1000)
-    p.add_argument("--cache", type=Path, default=REPO / "bench" / "results" / "pcfg.json")
+    p.add_argument("--cache", type=Path, default=REPO / "results" / "pcfg.json")
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
     p.add_argument("--figure", type=Path, default=REPO / "docs" / "figures" / "pcfg.png")
     p.add_argument("--report-only", action="store_true")

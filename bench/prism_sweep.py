@@ -21,7 +21,7 @@ SmolLM2-135M-Instruct, query-aware prompts (context and question in one prefill)
 ``sweep`` runs the chosen grid settings on dev; :func:`choose_setting` picks one on dev only (density <= 30%,
 speed-up >= 2x against dense attention, then the best paired accuracy difference to dense; ties: lower density);
 ``heldout`` freezes that choice in the record file (a ``choice`` record) and evaluates it, plus any reference
-methods, on held-out samples. Every record is appended to ``bench/results/prism_sweep.jsonl`` as it is made, so a
+methods, on held-out samples. Every record is appended to ``results/prism_sweep.jsonl`` as it is made, so a
 kill loses at most the sample being run; reruns skip what is on record.
 """
 
@@ -37,7 +37,7 @@ from bench._report import REPO, write_section
 
 from litctx_common.io import append_jsonl, read_jsonl
 
-RECORDS = REPO / "bench" / "results" / "prism_sweep.jsonl"
+RECORDS = REPO / "results" / "prism_sweep.jsonl"
 DEV_TASKS = ("niah_single", "niah_multikey", "qa_facts")
 HELDOUT_TASKS = ("niah_single", "niah_multikey", "qa_facts", "passkey")
 HELDOUT_HAYSTACKS = ("pydoc", "stdlib")
@@ -547,7 +547,7 @@ def main() -> int:
     if not body.strip():
         print("(no records yet)")
         return 0
-    body = ("Commands, in order (records in `bench/results/prism_sweep.jsonl`; `python -m bench.prism_sweep report` "
+    body = ("Commands, in order (records in `results/prism_sweep.jsonl`; `python -m bench.prism_sweep report` "
             "rewrites this section from them):\n\n```bash\n" + RUN_LOG + "```\n\n" + COMMANDS_NOTE + "\n\n" + body)
     write_section("prism_sweep", body, "Sparse prefill: Prism settings sweep and held-out evaluation")
     print(body)

@@ -23,8 +23,8 @@ Stages:
 * ``guidance`` - the citation task: plain prompting in LongBench-Cite's format against Guidance: citation
   recall, precision, F1 (lexical judge) and answer accuracy.
 
-Records: ``bench/results/rag_smollm2.jsonl`` (one line per stage, setting, method and question) and
-``bench/results/rag_smollm2_ttft.json``.
+Records: ``results/rag_smollm2.jsonl`` (one line per stage, setting, method and question) and
+``results/rag_smollm2_ttft.json``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from bench._report import REPO, pyplot, save_figure, save_json, write_section
 from litctx_common.io import append_jsonl, read_jsonl
 
-RESULTS = REPO / "bench" / "results" / "rag_smollm2.jsonl"
-TTFT = REPO / "bench" / "results" / "rag_smollm2_ttft.json"
+RESULTS = REPO / "results" / "rag_smollm2.jsonl"
+TTFT = REPO / "results" / "rag_smollm2_ttft.json"
 FIGURE = REPO / "docs" / "figures" / "rag_smollm2.png"
 STORE = REPO / "runs" / "bench_rag" / "kv_store"
 SETTINGS = {

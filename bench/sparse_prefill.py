@@ -13,7 +13,7 @@ dense attention.
     block is the slash's, and Prism against mean pooling at exactly Prism's per-row block budget.
 (b) **suite**: SmolLM2-135M-Instruct on the long-context suite at 4K and 8K (query-aware: the whole prompt is one
     prefill), accuracy against density per method and setting; records resumable in
-    ``bench/results/sparse_prefill_suite.jsonl``.
+    ``results/sparse_prefill_suite.jsonl``.
 (c) **timing**: one 8K prompt's per-layer q, k, v; CPU time of dense SDPA against each method's estimate +
     sparse attention, and the estimate as a fraction of dense attention time; with a SALE method, also the floor
     of SALE's estimate on this machine (its integer GEMM alone, exact int8) and the best speed-up it leaves.
@@ -31,7 +31,7 @@ from bench._report import REPO, pyplot, save_figure, save_json, write_section
 from litctx_common.io import append_jsonl, read_jsonl
 from litctx_common.timing import time_call
 
-RESULTS = REPO / "bench" / "results"
+RESULTS = REPO / "results"
 SYNTH = RESULTS / "sparse_prefill_synthetic.json"
 SUITE = RESULTS / "sparse_prefill_suite.jsonl"
 TIMING = RESULTS / "sparse_prefill_timing.json"

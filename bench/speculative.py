@@ -15,7 +15,7 @@ lookahead signal for Dustin is the source span of the proposal). Greedy acceptan
 query-aware prompts (context and question in one prefill). ``--make-distill-corpus PATH`` writes the suite
 prompts (seed 1000) that the distilled draft was trained on.
 
-Records: ``bench/results/speculative_smollm2.jsonl``, one per (sample, batch size, arm, budget), so a rerun
+Records: ``results/speculative_smollm2.jsonl``, one per (sample, batch size, arm, budget), so a rerun
 resumes. Reported per length x batch x arm x budget: accuracy, the acceptance rate and mean accepted length,
 KV bytes read per verification (target K/V plus the scorer's reads) relative to dense verification, the
 attention recovery rate (ARR) and the CPU seconds per verification step and decode tokens/s, with 95% paired
@@ -33,7 +33,7 @@ from bench._report import REPO, pyplot, save_figure, write_section
 
 from litctx_common.io import append_jsonl, read_jsonl
 
-RESULTS = REPO / "bench" / "results" / "speculative_smollm2.jsonl"
+RESULTS = REPO / "results" / "speculative_smollm2.jsonl"
 FIGURE = REPO / "docs" / "figures" / "speculative_smollm2.png"
 TASKS = ["pointer_chasing", "niah_single", "niah_multikey", "variable_tracking"]
 ARMS = ["plain", "dense", "dustin", "history_only", "draft_only", "quest", "snapkv"]
@@ -160,7 +160,7 @@ def run(args, model, tok, drafts: Dict[str, Any]) -> None:
                           f"tok/s {r0['decode_tok_s']}", flush=True)
 
 
-SALIENCY = REPO / "bench" / "results" / "speculative_saliency.json"
+SALIENCY = REPO / "results" / "speculative_saliency.json"
 
 
 def saliency_shift(args, model, tok, draft) -> Dict[str, Any]:
@@ -189,9 +189,8 @@ def saliency_shift(args, model, tok, draft) -> Dict[str, Any]:
                                                            gamma=args.gamma, max_steps_per_batch=64))
     module = SimpleNamespace(model=model, tokenizer=tok, generation=None)
     trainer = SimpleNamespace(default_root_dir=str(REPO / "runs"), is_global_zero=True)
-    cb._install(trainer, module, "predict")
     curves: Dict[str, List[List[float]]] = {"static": [], "dynamic": []}
-    try:
+    with cb.installed(trainer, module, "predict", report=False):  # records the steps; writes no calibration
         for i in range(args.saliency):
             s = build_sample("pointer_chasing", length, i, haystack, tok, 0)
             ids = torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0)
@@ -221,8 +220,6 @@ def saliency_shift(args, model, tok, draft) -> Dict[str, Any]:
             curves["dynamic"].append(dy_curve)
             print(f"[bench.speculative] saliency {s['id']}: {len(steps)} steps, static ARR {st_curve[0]:.3f} -> "
                   f"{st_curve[-1]:.3f}, dynamic {dy_curve[0]:.3f} -> {dy_curve[-1]:.3f}", flush=True)
-    finally:
-        module.generation = None
     out = {"length": length, "budget": budget, "layer": layer, "samples": len(curves["static"]), "curves": curves}
     from bench._report import save_json
 

@@ -9,7 +9,7 @@ backward at T = 64, in the same process.
     python -m bench.timestep_scaling                          # 5 T x 2 neurons x 3 seeds
     python -m bench.timestep_scaling --steps 4 16 64 --epochs 5   # the reduced run reported in docs/results.md
 
-Results are cached per configuration in ``bench/results/timestep_scaling.json`` (a rerun continues); the
+Results are cached per configuration in ``results/timestep_scaling.json`` (a rerun continues); the
 table goes to ``docs/results.md`` and the plot to ``docs/figures/timestep_scaling.png``.
 """
 
@@ -42,12 +42,12 @@ def parse_args(argv=None):
     p.add_argument("--train-size", type=int, default=1024)
     p.add_argument("--task", default="order", choices=["order", "xor"])
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--cache", type=Path, default=None, help="default bench/results/timestep_scaling[_digits].json")
+    p.add_argument("--cache", type=Path, default=None, help="default results/timestep_scaling[_digits].json")
     p.add_argument("--results", type=Path, default=REPO / "docs" / "results.md")
     p.add_argument("--figure", type=Path, default=None, help="default docs/figures/timestep_scaling[_digits].png")
     args = p.parse_args(argv)
     suffix = "" if args.dataset == "events" else f"_{args.dataset}"
-    args.cache = args.cache or REPO / "bench" / "results" / f"timestep_scaling{suffix}.json"
+    args.cache = args.cache or REPO / "results" / f"timestep_scaling{suffix}.json"
     args.figure = args.figure or REPO / "docs" / "figures" / f"timestep_scaling{suffix}.png"
     if args.dataset == "digits" and any(t % 8 for t in args.steps):
         p.error(f"--dataset digits needs --steps that are multiples of 8, got {args.steps}")

@@ -18,7 +18,7 @@ import difflib
 import inspect
 from typing import Any, Callable, Iterable, List, Mapping, Sequence
 
-__all__ = ["accepted_keywords", "check_options", "unknown_key_message"]
+__all__ = ["accepted_keywords", "check_options", "unknown_key_message", "nested_config"]
 
 
 def accepted_keywords(target: Callable[..., Any] | type, skip: Sequence[str] = ()) -> List[str]:
@@ -56,3 +56,25 @@ def check_options(options: Any, valid: Iterable[str], where: str) -> None:
     for key in options:
         if key not in valid:
             raise ValueError(unknown_key_message(key, valid, where))
+
+
+def nested_config(value: Any, cls: type, where: str) -> Any:
+    """A typed nested config field (``sampler: BlockSamplerConfig``) as an instance of its dataclass ``cls``.
+
+    Through the recipe layer the field arrives built (OmegaConf builds nested dataclasses and names an unknown
+    nested key in full); a config made in Python may pass a mapping, which is checked key by key here (an unknown
+    key names ``<where>.<key>``, the nearest valid keys and every valid key) and built. None gives the defaults.
+    Call it from the owner's ``__post_init__``: ``self.sampler = nested_config(self.sampler, BlockSamplerConfig,
+    "bdlm.sampler")``.
+    """
+    if isinstance(value, cls):
+        return value
+    if value is None:
+        return cls()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{where}: expected a mapping of {cls.__name__} fields, got {type(value).__name__}")
+    check_options(dict(value), accepted_keywords(cls), where)
+    return cls(**dict(value))
+

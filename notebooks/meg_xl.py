@@ -131,7 +131,7 @@ print(val[["step", "val/loss", "val/marginal_ce", "val/loss_gap"]].tail(3).to_st
 # vocabulary's words, and each word's test accuracy against its training frequency.
 
 # %%
-words = build("meg_xl_finetune", common + [f"run_dir={WORK / 'words'}", f"init_from={pre._ckpt('best')}"] +
+words = build("meg_xl_finetune", common + [f"run_dir={WORK / 'words'}", f"init_from={pre.checkpoint_path('best')}"] +
               (["trainer.max_epochs=1"] if SMOKE else []), profiles=["tiny"] if SMOKE else [])
 metrics = run_stages(words)
 print({k: round(float(v), 3) for k, v in metrics.items() if "top" in k})

@@ -110,7 +110,9 @@ class Run:
         self.trainer.fit(self.model, datamodule=self.datamodule,
                          ckpt_path=str(self.resume_from) if self.resume_from else None, weights_only=True)
 
-    def _ckpt(self, which: Optional[str]) -> Optional[str]:
+    def checkpoint_path(self, which: Optional[str] = None) -> Optional[str]:
+        """The checkpoint file ``which`` names: ``best`` / ``last`` of this run (the run's ``test_ckpt`` when
+        None), or a path as given; None when the run saved none."""
         which = which or self.cfg.test_ckpt
         if which not in ("best", "last"):
             return which
@@ -126,17 +128,17 @@ class Run:
         return None  # the in-memory model (nothing was saved)
 
     def validate(self, ckpt: Optional[str] = None) -> Dict[str, float]:
-        out = self.trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=self._ckpt(ckpt),
+        out = self.trainer.validate(self.model, datamodule=self.datamodule, ckpt_path=self.checkpoint_path(ckpt),
                                     weights_only=True, verbose=False)
         return merge_loader_metrics(out)
 
     def test(self, ckpt: Optional[str] = None) -> Dict[str, float]:
-        out = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=self._ckpt(ckpt),
+        out = self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=self.checkpoint_path(ckpt),
                                 weights_only=True, verbose=False)
         return merge_loader_metrics(out)
 
     def predict(self, ckpt: Optional[str] = None) -> List[Any]:
-        return self.trainer.predict(self.model, datamodule=self.datamodule, ckpt_path=self._ckpt(ckpt),
+        return self.trainer.predict(self.model, datamodule=self.datamodule, ckpt_path=self.checkpoint_path(ckpt),
                                     weights_only=True)
 
     def plan(self) -> str:

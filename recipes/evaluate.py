@@ -4,7 +4,10 @@
     python -m recipes.evaluate --recipe lcube --ckpt path/to/model.ckpt [--profile ...] [key=value ...]
     python -m recipes.evaluate --recipe longctx_smollm2 [key=value ...]   (pretrained: no checkpoint needed)
 
-Inference-only callbacks attach through the config (``callbacks.<label>={name: ..., args: {...}}``), so the
+An evaluation of a recipe (no ``--run``) is a run of its own: its folder gets ``STARTED`` and then ``DONE`` or
+``FAILED`` (with the traceback; the terminal gets one line saying what to fix), and ``resume=auto`` continues an
+interrupted one in the same folder from its records (none is repeated, none lost; a changed setting is refused in
+one line naming it). Inference-only callbacks attach through the config (``callbacks.<label>={name: ..., args: {...}}``), so the
 same checkpoint can be evaluated under different inference methods. Metrics are printed and written to
 ``<run_dir>/eval/<stage>-<checkpoint>.json``; predictions to ``<run_dir>/eval/predict-<checkpoint>.pt``.
 """
@@ -66,7 +69,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not pretrained and (not args.ckpt or args.ckpt in ("best", "last")):
             raise ConfigError(f"method '{loaded.run.method.name}' is trained: pass --ckpt PATH (or --run DIR)")
         run = build(loaded=loaded, stage=args.stage, write=True)
-    result = evaluate(run, args.stage, args.ckpt)
+    if args.run:  # the run's own markers belong to its fit
+        result = evaluate(run, args.stage, args.ckpt)
+    else:  # an evaluation run of its own: STARTED / DONE / FAILED, and resume=auto continues it from its records
+        from recipes.fit import outcome_markers
+
+        try:
+            with outcome_markers(run.run_dir):
+                result = evaluate(run, args.stage, args.ckpt)
+        except Exception:  # recorded in FAILED (traceback) and summarised on stderr
+            return 1
     for key, value in sorted(result.items()):
         print(f"  {key}  {value:.6g}" if isinstance(value, float) else f"  {key}  {value}")
     print(f"[litctx] {args.stage} results in {run.run_dir / 'eval'}", flush=True)

@@ -11,17 +11,18 @@ fine-tuning) runs that recipe next, from this run's checkpoint, in ``<run dir>/t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from recipes.cli import config_parser, guarded, split_overrides
 from recipes.config import DEFAULT, ConfigError, load_config, to_yaml
 
-__all__ = ["main", "run_stages", "failure_summary", "follow_up_overrides"]
+__all__ = ["main", "run_stages", "outcome_markers", "failure_summary", "follow_up_overrides"]
 
 
 def _in_chain(err: BaseException, kinds: Tuple[type, ...]) -> Optional[BaseException]:
@@ -42,6 +43,7 @@ def failure_summary(err: BaseException, run_dir: Path) -> List[str]:
     other error: its type and first line, and ``resume=auto`` only when a checkpoint exists to resume from."""
     from lightning_modules.io import CheckpointError
     from litctx_common.errors import DataError
+    from litctx_common.records import ProvenanceError
     from recipes.rundir import _has_checkpoint
 
     failed = run_dir / "FAILED"
@@ -49,7 +51,7 @@ def failure_summary(err: BaseException, run_dir: Path) -> List[str]:
     if data is not None:
         return [f"[litctx] run failed on bad input data: {data}",
                 f"[litctx] fix the data and run again (traceback in {failed})"]
-    config = _in_chain(err, (ConfigError, CheckpointError))
+    config = _in_chain(err, (ConfigError, CheckpointError, ProvenanceError))
     if config is not None:
         return [f"[litctx] run failed: {config}",
                 f"[litctx] fix the config and run again (traceback in {failed})"]
@@ -64,20 +66,32 @@ def failure_summary(err: BaseException, run_dir: Path) -> List[str]:
     return [head, f"[litctx] traceback in {failed} (no checkpoint was written, so there is nothing to resume)"]
 
 
-def run_stages(run) -> dict:
-    """Run ``run.cfg.stages`` with outcome markers; returns the metrics of the last evaluation stage.
-
-    On an exception (re-raised): rank zero writes ``FAILED`` with the full traceback and prints
-    :func:`failure_summary` (what went wrong and what can fix it) on stderr; other ranks print nothing.
-    """
+@contextlib.contextmanager
+def outcome_markers(run_dir: Path) -> Iterator[None]:
+    """``STARTED`` now; ``DONE`` on a clean exit; on an exception (re-raised) ``FAILED`` with the full traceback and
+    :func:`failure_summary` (what went wrong and what can fix it) on stderr. Rank zero only writes and prints."""
     from recipes.api import _is_rank_zero
     from recipes.rundir import mark
 
     rank_zero = _is_rank_zero()
     if rank_zero:
-        mark(run.run_dir, "STARTED")
-    metrics: dict = {}
+        mark(run_dir, "STARTED")
     try:
+        yield
+    except BaseException as err:
+        if rank_zero:
+            mark(run_dir, "FAILED", "".join(traceback.format_exception(err)))
+            print("\n".join(failure_summary(err, run_dir)), file=sys.stderr, flush=True)
+        raise
+    if rank_zero:
+        mark(run_dir, "DONE")
+
+
+def run_stages(run) -> dict:
+    """Run ``run.cfg.stages`` between outcome markers (:func:`outcome_markers`); returns the metrics of the last
+    evaluation stage."""
+    metrics: dict = {}
+    with outcome_markers(run.run_dir):
         for stage in run.cfg.stages:
             if stage == "fit":
                 run.fit()
@@ -85,13 +99,6 @@ def run_stages(run) -> dict:
                 metrics = run.validate()
             elif stage == "test":
                 metrics = run.test()
-    except BaseException as err:
-        if rank_zero:
-            mark(run.run_dir, "FAILED", "".join(traceback.format_exception(err)))
-            print("\n".join(failure_summary(err, run.run_dir)), file=sys.stderr, flush=True)
-        raise
-    if rank_zero:
-        mark(run.run_dir, "DONE")
     return metrics
 
 
@@ -219,7 +226,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         then = loaded.run.then
         if not then.recipe:
             return 0
-        checkpoint = None if then.init_from == "none" else run._ckpt(then.init_from)
+        checkpoint = None if then.init_from == "none" else run.checkpoint_path(then.init_from)
         if then.init_from != "none" and checkpoint is None:
             raise ConfigError(f"then.init_from={then.init_from}: run {run.run_dir} saved no checkpoint")
         next_overrides = follow_up_overrides(loaded, run.run_dir, checkpoint)

@@ -79,7 +79,9 @@ def layout_block() -> str:
                      "(errors, YAML, the configs folder), registry.py (the machinery and the list of spec modules), "
                      "rundir.py, api.py"),
         ("configs/", "defaults.yaml, recipes/*.yaml, profiles/*.yaml (data, not a package; the wheel ships them)"),
-        ("bench/", "benchmark scripts; their numbers go to docs/results.md"),
+        ("bench/", "benchmark scripts (public APIs only); their numbers go to docs/results.md"),
+        ("results/", "the benches' raw records (JSONL, JSON) that docs/results.md cites, resumable: rerunning a bench "
+                     "command continues its file"),
         ("docs/", "architecture.md (the design as built), results.md (every measured number), one notes file per "
                   "method family"),
         ("tests/", "the suite; notebooks/: paired .ipynb / py:percent notebooks"),

@@ -64,8 +64,9 @@ def _has_checkpoint(run_dir: Path) -> bool:
     return (ckpt / "last.ckpt").is_file() or any(run_dir.glob("hpc_ckpt_*.ckpt")) or any(ckpt.glob("*.ckpt"))
 
 
-def _latest_interrupted(recipe_root: Path, fp: str) -> Optional[Path]:
-    """The most recently started run of this fingerprint that has a checkpoint and no DONE marker."""
+def _latest_interrupted(recipe_root: Path, fp: str, need_checkpoint: bool = True) -> Optional[Path]:
+    """The most recently started run of this fingerprint that has no DONE marker and a checkpoint to resume
+    from (a training run), or that started (an evaluation: its records are what it resumes from)."""
     if not recipe_root.is_dir():
         return None
     found = []
@@ -73,7 +74,8 @@ def _latest_interrupted(recipe_root: Path, fp: str) -> Optional[Path]:
         if not d.is_dir() or (d / "DONE").exists():
             continue
         meta = read_meta(d)
-        if meta.get("fingerprint") == fp and _has_checkpoint(d):
+        resumable = _has_checkpoint(d) if need_checkpoint else bool(meta.get("history"))
+        if meta.get("fingerprint") == fp and resumable:
             found.append((meta.get("started", ""), d))
     return max(found)[1] if found else None
 
@@ -94,7 +96,7 @@ def resolve_run_dir(run: RunConfig, now: Optional[_dt.datetime] = None) -> Path:
     if run.name:
         return root / run.name
     if run.resume == "auto":
-        previous = _latest_interrupted(root, fp)
+        previous = _latest_interrupted(root, fp, need_checkpoint="fit" in run.stages)
         if previous is not None:
             return previous
     stamp = (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y%m%d-%H%M%S")

@@ -376,7 +376,7 @@ def test_dustins_own_config_is_the_speculative_callback_with_the_dustin_verifier
     assert cfg.speculative_config().verify_args["budget"] == 256 and cfg.speculative_config().gamma == 3
     done = registry.complete_args(registry.callback_spec("dustin").config, "", {}, "callbacks.spec.args")
     assert done["budget"] == 512 and done["sink"] == 4 and done["window"] == 16 and done["gamma"] == 4
-    assert done["draft"] == {"kind": "early_exit", "num_layers": 8}
+    assert done["draft"] == {"kind": "early_exit", "num_layers": 8, "path": None, "ngram_max": 3, "ngram_min": 1}
 
 
 def test_dustins_own_config_decodes_as_the_generic_callback(models):

@@ -308,13 +308,13 @@ def test_last_ckpt_holds_the_final_step_when_the_monitor_stops_improving(isolate
     assert final == (steps[0] if steps else 15)
     last = torch.load(run.run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == final
-    best = run._ckpt("best")  # the best by the monitor is still the first epoch's
+    best = run.checkpoint_path("best")  # the best by the monitor is still the first epoch's
     assert best != str(run.run_dir / "checkpoints" / "last.ckpt")
     first_validated = 10 if "trainer.check_val_every_n_epoch=2" in extra else 5
     assert torch.load(best, weights_only=True)["global_step"] == first_validated
-    assert run._ckpt("last") == str(run.run_dir / "checkpoints" / "last.ckpt")
+    assert run.checkpoint_path("last") == str(run.run_dir / "checkpoints" / "last.ckpt")
     # a run rebuilt from its directory finds the same best checkpoint through last.ckpt's record
-    assert load_run(run.run_dir)._ckpt("best") == best
+    assert load_run(run.run_dir).checkpoint_path("best") == best
 
 
 def test_last_checkpoint_callback_is_importable_and_pickles(isolated_runs):

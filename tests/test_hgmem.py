@@ -237,8 +237,7 @@ def test_single_step_and_flat_baselines(corpus, index):
 
 
 # ---------------------------------------------------------------- the method end to end
-def test_evaluate_runs_hgmem_and_baselines_resumably(tmp_path):
-    from lightning_modules.llm.record_eval import ProvenanceError
+def test_evaluate_runs_hgmem_and_baselines_resumably(tmp_path, capsys):
     from recipes.evaluate import main as evaluate_main
 
     run_dir = tmp_path / "run"
@@ -252,8 +251,11 @@ def test_evaluate_runs_hgmem_and_baselines_resumably(tmp_path):
     assert evaluate_main(args) == 0  # resumed: no new record, no new call
     assert len((run_dir / "hgmem_records.jsonl").read_text().splitlines()) == 2
     assert len((run_dir / "calls.jsonl").read_text().splitlines()) == calls
-    with pytest.raises(ProvenanceError, match="strategy: file 'hgmem', this run 'single_step'"):
-        evaluate_main(args + ["method.args.loop.strategy=single_step"])
+    capsys.readouterr()
+    assert evaluate_main(args + ["method.args.loop.strategy=single_step"]) == 1  # another setup: refused
+    failed = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[litctx] run failed")]
+    assert len(failed) == 1 and "args.loop.strategy: file 'hgmem', this run 'single_step'" in failed[0]
+    assert len((run_dir / "hgmem_records.jsonl").read_text().splitlines()) == 2 and (run_dir / "FAILED").is_file()
     single = tmp_path / "single"
     assert evaluate_main(["--recipe", "hgmem_smollm2", "--profile", "tiny", f"run_dir={single}",
                           "method.args.loop.strategy=single_step"]) == 0

@@ -154,5 +154,5 @@ def test_predict_stage_writes_the_report_too(tmp_path):
     run = build("longctx_smollm2", SUITE, ["tiny"], stage="predict")
     out = evaluate(run, "predict", None)
     assert out["batches"] == 4  # 2 tasks x 2 samples at one length, batch 1 (no predict limit in the profile)
-    assert run.model.summary is not None and run.model.summary["overall"]["n"] == 4
+    assert run.model.suite_summary is not None and run.model.suite_summary["overall"]["n"] == 4
     assert (run.run_dir / "eval" / "longctx_predict.md").is_file()

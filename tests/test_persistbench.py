@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -179,7 +180,7 @@ def lines(path):
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_evaluate_runs_resumes_and_refuses_to_mix_setups(tmp_path):
+def test_evaluate_runs_resumes_and_refuses_to_mix_setups(tmp_path, capsys):
     samples = write_samples(tmp_path / "s.jsonl")
     run_dir = tmp_path / "run"
     assert run_eval(run_dir, samples) == 0
@@ -194,18 +195,16 @@ def test_evaluate_runs_resumes_and_refuses_to_mix_setups(tmp_path):
     assert {"test/fr_cross_domain", "test/fr1_all", "test/invalid"} <= set(metrics)
     assert run_eval(run_dir, samples) == 0  # resumed: nothing appended, no call made
     assert len(lines(run_dir / "persistbench_records.jsonl")) == 4 and len(lines(run_dir / "calls.jsonl")) == 4
-    from lightning_modules.llm.record_eval import ProvenanceError
-
-    with pytest.raises(ProvenanceError, match=r"prompt: file 'default:.*this run 'restrictive:"):
-        run_eval(run_dir, samples, "method.args.system_prompt=restrictive")
+    capsys.readouterr()
+    assert run_eval(run_dir, samples, "method.args.system_prompt=restrictive") == 1  # another setup: refused
+    failed = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[litctx] run failed")]
+    assert len(failed) == 1 and re.search(r"prompt: file 'default:.*this run 'restrictive:", failed[0]), failed
     assert run_eval(run_dir, samples, "method.args.system_prompt=restrictive",
                     "method.args.provenance_mismatch=skip") == 0
     assert len(lines(run_dir / "persistbench_records.jsonl")) == 8
 
 
-def test_llm_judge_end_to_end_and_a_kill_resumes_without_repeating_calls(tmp_path):
-    from lightning_modules.llm.chat import BackendError
-
+def test_llm_judge_end_to_end_and_a_kill_resumes_without_repeating_calls(tmp_path, capsys):
     samples = write_samples(tmp_path / "s.jsonl")
     run_dir = tmp_path / "run"
     answers = ["A retro theme.", "Given your diabetes, a quiet theme.", "A virus causes colds.", "Apples."]
@@ -214,8 +213,8 @@ def test_llm_judge_end_to_end_and_a_kill_resumes_without_repeating_calls(tmp_pat
     backend = "method.args.backend={name: scripted, model: model, replies: %s}"
     judge = "method.args.judge={name: llm, backend: {name: scripted, model: judge, replies: %s}}"
     # first run: the model answers twice, then the script runs out (a crash mid-sample)
-    with pytest.raises(BackendError, match="no reply left for call 3"):
-        run_eval(run_dir, samples, backend % json.dumps(answers[:2]), judge % json.dumps(verdicts[:2]))
+    assert run_eval(run_dir, samples, backend % json.dumps(answers[:2]), judge % json.dumps(verdicts[:2])) == 1
+    assert "no reply left for call 3" in capsys.readouterr().err and (run_dir / "FAILED").is_file()
     assert len(lines(run_dir / "persistbench_records.jsonl")) == 2 and len(lines(run_dir / "calls.jsonl")) == 4
     # the rerun gets only the remaining replies: a repeated call would take the wrong reply or run out
     assert run_eval(run_dir, samples, backend % json.dumps(answers[2:]), judge % json.dumps(verdicts[2:])) == 0

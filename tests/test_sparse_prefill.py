@@ -342,7 +342,8 @@ def test_sparse_prefill_and_calibration_callbacks_through_the_recipe(tmp_path):
     from lightning_modules.llm.session import attention_modules
     from recipes.api import build
 
-    suite = ["data.args.lengths=[256]", "data.args.samples_per_cell=1", "data.args.tasks=[niah_single]"]
+    suite = ["data.args.lengths=[256]", "data.args.samples_per_cell=1", "data.args.tasks=[niah_single]",
+             "method.args.results_file=null"]  # no records to resume from: every stage below runs the model
     table = tmp_path / "tau.json"
     cal = build("longctx_smollm2", [*suite, f"callbacks.cal={{name: sale_calibration, args: {{theta: 0.5, "
                                             f"output: {table}, min_length: 64, block_q: 32, block_k: 16, sink: 16, "

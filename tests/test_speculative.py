@@ -695,7 +695,7 @@ def test_prompt_lookup_draft_is_exact_and_proposes_what_followed_the_last_match(
     from lightning_modules.llm.speculative import PROMPT_LOOKUP, PromptLookupDraft
 
     hist = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7])
-    lookup = PromptLookupDraft([hist.tolist()], vocab_size=16, ngram_max=3)
+    lookup = PromptLookupDraft([hist.tolist()], vocab_size=16, ngram_max=3, ngram_min=1)
     toks, src = lookup._match(hist, 3)
     assert toks == [1, 2, 5] and src == (5, 11)  # the later "5 6 7" (at 5) wins over the first (at 0)
     toks, src = lookup._match(torch.tensor([3, 4, 11]), 2)

@@ -264,6 +264,7 @@ class HierarchicalGaussian:
         x: Optional[torch.Tensor] = None,
         start: int = 0,
         stop: Optional[int] = None,
+        threads: Optional[int] = 1,
     ) -> ConditionalGaussians:
         """Exact ``p(x_t | x_{start:t})`` for ``t`` in ``[start, stop)`` by Kalman filtering over the tree path.
 
@@ -272,6 +273,8 @@ class HierarchicalGaussian:
                are computed.
             start: first position of the context (positions before it are not observed).
             stop: one past the last position (default ``L``).
+            threads: torch threads for the filter (1, the default: its matrices are tiny; None: torch's current
+               pool, as ``bench/lcube_generator.py`` compares).
         """
         L, D = self.length, self.dim
         stop = L if stop is None else stop
@@ -283,7 +286,9 @@ class HierarchicalGaussian:
             x = x.to(torch.float64)
         # one thread: the filter's matrices are tiny (M x M, M ~ 100), a pool has nothing to split
         # (bench/lcube_generator.py measures one thread as fast or faster, up to ~5x under contention)
-        with torch_threads(1):
+        if threads is None:
+            return self._filter(x, start, stop)
+        with torch_threads(threads):
             return self._filter(x, start, stop)
 
     def _filter(self, x: Optional[torch.Tensor], start: int, stop: int) -> ConditionalGaussians:

@@ -33,6 +33,7 @@ from lightning_modules.llm.block_attention import (BlockDiffusionSetting, apply_
                                                    training_forward, training_layout)
 from lightning_modules.llm.block_sampler import BlockSamplerConfig, block_generate
 from lightning_modules.llm.module import LanguageModel, LanguageModelConfig
+from litctx_common.options import nested_config
 
 __all__ = ["BlockDiffusionLMConfig", "BlockDiffusionLM", "noise_blocks", "diffusion_loss"]
 
@@ -66,7 +67,7 @@ class BlockDiffusionLMConfig(LanguageModelConfig):
     token_shift: bool = True
     t_min: float = 1e-3
     num_layers: Optional[int] = None
-    sampler: Dict[str, Any] = field(default_factory=dict)
+    sampler: BlockSamplerConfig = field(default_factory=BlockSamplerConfig)
     eval_sampling: bool = True
 
     def __post_init__(self) -> None:
@@ -87,7 +88,7 @@ class BlockDiffusionLMConfig(LanguageModelConfig):
         check_field(self.num_layers is None or (isinstance(self.num_layers, int) and not isinstance(
             self.num_layers, bool) and self.num_layers >= 1), o, "num_layers", self.num_layers,
             "must be null or an integer >= 1")
-        self.sampler_config  # validates sampler.<field>
+        self.sampler = nested_config(self.sampler, BlockSamplerConfig, "bdlm.sampler")
         if self.vocab_size is not None and not str(self.model).lower().startswith("tiny-"):
             raise ValueError(f"bdlm.vocab_size={self.vocab_size}: only a tiny-* model takes a vocabulary size; "
                              f"{self.model!r} brings its own")
@@ -101,7 +102,7 @@ class BlockDiffusionLMConfig(LanguageModelConfig):
 
     @property
     def sampler_config(self) -> BlockSamplerConfig:
-        return coerce_config(self.sampler, BlockSamplerConfig)
+        return self.sampler
 
 
 def noise_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, block: int, mask_id: int, t_min: float,

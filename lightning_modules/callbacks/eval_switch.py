@@ -5,7 +5,7 @@ at its end, whatever happens."""
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Iterator, Optional
 
 import lightning.pytorch as pl
 
@@ -45,6 +45,21 @@ class EvalStageSwitch(pl.Callback):
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
+
+    @contextlib.contextmanager
+    def installed(self, trainer, pl_module, stage: str = "predict", report: bool = True
+                  ) -> Iterator["EvalStageSwitch"]:
+        """Install on ``pl_module`` for ``stage`` outside a Trainer's loop (a bench driving the module by hand;
+        ``trainer`` needs what the callback reads, e.g. ``default_root_dir``); at the end report (unless
+        ``report=False``) and remove."""
+        self._install(trainer, pl_module, stage)
+        try:
+            yield self
+        finally:
+            if report:
+                self._finish(trainer, pl_module, stage)
+            else:
+                self._remove()
 
     def _finish(self, trainer, pl_module, stage: str) -> None:
         try:

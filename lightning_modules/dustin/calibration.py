@@ -30,13 +30,17 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
+from lightning_modules.dustin.method import DustinConfig
 from lightning_modules.dustin.selection import check_budget, dustin_select
 from lightning_modules.dustin.signals import (HistoryRecorder, LookaheadRecorder, StepCursor, live_positions,
                                              position_width, record_signals, to_positions)
 from lightning_modules.llm.callbacks import target_model
+from lightning_modules.llm.drafts import DraftConfig
 from lightning_modules.llm.session import PHASE_ATTR, attach_runners
 from lightning_modules.llm.speculative import SpeculativeHook, speculative_generate
+from lightning_modules.speculative.callback import SpeculativeSettings
 from litctx_common.io import atomic_open
+from litctx_common.options import nested_config
 
 __all__ = ["DustinCalibrationConfig", "DustinCalibrationCallback", "choose_configuration", "StepRecord"]
 
@@ -54,11 +58,11 @@ class DustinCalibrationConfig:
     """
 
     output: str = "dustin_calibration.json"
-    budget: int = 512
-    sink: int = 4
-    window: int = 16
-    gamma: int = 4
-    draft: Dict[str, Any] = field(default_factory=lambda: {"kind": "early_exit", "num_layers": 8})
+    budget: int = DustinConfig.budget  # the defaults of the verifier the calibration is for, stated there once
+    sink: int = DustinConfig.sink
+    window: int = DustinConfig.window
+    gamma: int = SpeculativeSettings.gamma
+    draft: DraftConfig = field(default_factory=DraftConfig)
     target_heads: int = 4
     draft_heads: int = 4
     max_draft_layers: int = 3
@@ -73,9 +77,7 @@ class DustinCalibrationConfig:
                 raise ValueError(f"dustin_calibration.{name}={v!r}: must be an integer >= 1")
         if not self.m_grid or any(not 0.0 <= float(f) <= 1.0 for f in self.m_grid):
             raise ValueError(f"dustin_calibration.m_grid={self.m_grid!r}: need fractions in [0, 1]")
-        from lightning_modules.llm.drafts import DraftConfig
-
-        DraftConfig(**dict(self.draft))
+        self.draft = nested_config(self.draft, DraftConfig, "dustin_calibration.draft")
 
 
 @dataclass
@@ -285,13 +287,12 @@ class DustinCalibrationCallback(EvalStageSwitch):
         self.result: Optional[Dict[str, Any]] = None
 
     def _enter(self, trainer, pl_module, stage):
-        from lightning_modules.llm.drafts import DraftConfig
 
         if not hasattr(pl_module, "generation"):
             raise TypeError(f"dustin_calibration drives LongContextEvalModule-style modules; got "
                             f"{type(pl_module).__name__}")
         self.steps, self.batches = [], 0
-        draft, _ = DraftConfig(**dict(self.cfg.draft)).build(target_model(pl_module), getattr(pl_module, "tokenizer", None))
+        draft, _ = self.cfg.draft.build(target_model(pl_module), getattr(pl_module, "tokenizer", None))
         draft.requires_grad_(False)
         pl_module.generation = _CalibrationGeneration(self, draft.eval())
         self._stack.callback(setattr, pl_module, "generation", None)

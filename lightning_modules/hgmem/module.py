@@ -23,27 +23,54 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from lightning_modules.base import check_field, is_int, run_path
+from lightning_modules.hgmem.loop import HGMemConfig
 from lightning_modules.llm.record_eval import RecordEvalModule
 from litctx_common.io import atomic_write_text
+from litctx_common.options import nested_config
 from litctx_common.paths import default_cache_dir
 
-__all__ = ["HGMemEvalConfig", "HGMemEvalModule", "load_index"]
+__all__ = ["IndexConfig", "HGMemEvalConfig", "HGMemEvalModule", "load_index"]
 
-INDEX_KEYS = ("extractor", "embedder", "chunk_tokens", "overlap")
+@dataclass
+class IndexConfig:
+    """The knowledge-graph index of a corpus.
 
+    Attributes:
+        extractor: ``{name: rule}`` reads the corpus's ``patterns.json``; ``{name: llm, backend: ...}`` extracts with
+            a chat backend (the evaluated model's when it names none); a bare name is accepted.
+        embedder: minilm | hashing (:data:`~lightning_modules.retrieval.embedders.EMBEDDERS`).
+        chunk_tokens: words per chunk (>= 16); overlap: sentences shared by neighbouring chunks.
+    """
 
-def _default_index() -> Dict[str, Any]:
-    return {"extractor": {"name": "rule"}, "embedder": "minilm", "chunk_tokens": 200, "overlap": 1}
+    extractor: Dict[str, Any] = field(default_factory=lambda: {"name": "rule"})
+    embedder: str = "minilm"
+    chunk_tokens: int = 200
+    overlap: int = 1
+
+    def __post_init__(self) -> None:
+        from lightning_modules.retrieval.embedders import EMBEDDERS
+
+        if isinstance(self.extractor, str):
+            self.extractor = {"name": self.extractor}
+        self.extractor = dict(self.extractor)
+        check_field(self.extractor.get("name", "rule") in ("rule", "llm"), "hgmem", "index.extractor.name",
+                    self.extractor.get("name"), "valid extractors are rule, llm")
+        check_field(self.embedder in EMBEDDERS, "hgmem", "index.embedder", self.embedder,
+                    f"valid embedders are {', '.join(EMBEDDERS)}")
+        check_field(is_int(self.chunk_tokens) and self.chunk_tokens >= 16, "hgmem", "index.chunk_tokens",
+                    self.chunk_tokens, "must be an integer >= 16")
+        check_field(is_int(self.overlap) and self.overlap >= 0, "hgmem", "index.overlap", self.overlap,
+                    "must be an integer >= 0")
 
 
 @dataclass
 class HGMemEvalConfig:
     """Attributes:
         backend: the chat backend spec (``{name: local, model: smollm2-135m}``, ``{name: openai, ...}``).
-        loop: :class:`~lightning_modules.hgmem.loop.HGMemConfig` fields (``strategy``, ``max_turns``, budgets ...);
-            unset fields take its defaults (the paper's).
-        index: ``extractor`` (``{name: rule}`` reads the corpus's ``patterns.json``; ``{name: llm, backend: ...}``),
-            ``embedder`` (minilm | hashing), ``chunk_tokens`` (words per chunk), ``overlap`` (sentences).
+        loop: the loop (:class:`~lightning_modules.hgmem.loop.HGMemConfig`: ``strategy``, ``max_turns``, budgets
+            ...; its defaults are the paper's).
+        index: the knowledge-graph index (:class:`IndexConfig`: ``extractor``, ``embedder``, ``chunk_tokens``,
+            ``overlap``).
         results_file, calls_file: resumable JSONL of the answers and of every LLM call (relative: in the run dir).
         memory_dir: where each question's memory and trace go (None: not saved).
         draw: how many questions' memories to draw as pictures.
@@ -51,8 +78,8 @@ class HGMemEvalConfig:
     """
 
     backend: Dict[str, Any] = field(default_factory=lambda: {"name": "local", "model": "smollm2-135m"})
-    loop: Dict[str, Any] = field(default_factory=dict)
-    index: Dict[str, Any] = field(default_factory=_default_index)
+    loop: HGMemConfig = field(default_factory=HGMemConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
     results_file: Optional[str] = "hgmem_records.jsonl"
     calls_file: Optional[str] = "calls.jsonl"
     memory_dir: Optional[str] = "memories"
@@ -60,40 +87,24 @@ class HGMemEvalConfig:
     provenance_mismatch: str = "refuse"
 
     def __post_init__(self) -> None:
-        from lightning_modules.hgmem.loop import HGMemConfig
         from lightning_modules.llm.chat import backend_options_check
-        from lightning_modules.retrieval.embedders import EMBEDDERS
-        from litctx_common.options import accepted_keywords, check_options
 
         backend_options_check(self.backend, "hgmem.backend")
-        check_options(dict(self.loop), accepted_keywords(HGMemConfig), "hgmem.loop")
         try:
-            HGMemConfig(**dict(self.loop))
+            self.loop = nested_config(self.loop, HGMemConfig, "hgmem.loop")
         except ValueError as err:
-            raise ValueError(str(err).replace("hgmem.", "hgmem.loop.", 1)) from None
-        index = {**_default_index(), **dict(self.index)}
-        check_options(dict(self.index), INDEX_KEYS, "hgmem.index")
-        ext = index["extractor"]
-        ext = {"name": ext} if isinstance(ext, str) else dict(ext)
-        check_field(ext.get("name", "rule") in ("rule", "llm"), "hgmem", "index.extractor.name", ext.get("name"),
-                    "valid extractors are rule, llm")
-        check_field(index["embedder"] in EMBEDDERS, "hgmem", "index.embedder", index["embedder"],
-                    f"valid embedders are {', '.join(EMBEDDERS)}")
-        check_field(is_int(index["chunk_tokens"]) and index["chunk_tokens"] >= 16, "hgmem", "index.chunk_tokens",
-                    index["chunk_tokens"], "must be an integer >= 16")
+            raise ValueError(str(err).replace("hgmem.", "hgmem.loop.", 1) if "hgmem.loop" not in str(err)
+                             else str(err)) from None
+        self.index = nested_config(self.index, IndexConfig, "hgmem.index")
         check_field(is_int(self.draw) and self.draw >= 0, "hgmem", "draw", self.draw, "must be an integer >= 0")
         check_field(self.provenance_mismatch in ("refuse", "skip"), "hgmem", "provenance_mismatch",
                     self.provenance_mismatch, "valid values are refuse, skip")
 
-    def loop_config(self) -> Any:
-        from lightning_modules.hgmem.loop import HGMemConfig
-
-        return HGMemConfig(**dict(self.loop))
+    def loop_config(self) -> HGMemConfig:
+        return self.loop
 
     def index_settings(self) -> Dict[str, Any]:
-        out = {**_default_index(), **dict(self.index)}
-        out["extractor"] = {"name": out["extractor"]} if isinstance(out["extractor"], str) else dict(out["extractor"])
-        return out
+        return asdict(self.index)
 
 
 def _corpus_signature(folder: Path) -> str:
@@ -141,11 +152,15 @@ class HGMemEvalModule(RecordEvalModule):
 
     config_class = HGMemEvalConfig
     record_keys = ("id",)
+    not_provenance = ("results_file", "calls_file", "provenance_mismatch", "memory_dir", "draw", "backend")
+    """The backend enters the provenance as its identity (``model``), not its spec."""
 
-    def __init__(self, cfg: Any = None, optim: Any = None) -> None:
+    def __init__(self, cfg: Any = None, optim: Any = None, chat_backend: Any = None) -> None:
+        """``chat_backend``: an already built backend to use instead of building ``cfg.backend`` (one loaded
+        model shared by several modules, as the memory bench does); it is what :attr:`backend` records."""
         super().__init__(cfg, optim)
         self._backend: Any = None
-        self._raw: Any = None
+        self.chat_backend: Any = chat_backend
         self._indexes: Dict[str, Any] = {}
         self._drawn = 0
 
@@ -155,9 +170,9 @@ class HGMemEvalModule(RecordEvalModule):
             from lightning_modules.llm.chat import build_backend
             from lightning_modules.llm.chat_records import RecordedBackend
 
-            if self._raw is None:  # may be given (a bench shares one loaded model between modules)
-                self._raw = build_backend(self.cfg.backend, "hgmem.backend")
-            self._backend = RecordedBackend(self._raw, run_path(self, self.cfg.calls_file))
+            if self.chat_backend is None:
+                self.chat_backend = build_backend(self.cfg.backend, "hgmem.backend")
+            self._backend = RecordedBackend(self.chat_backend, run_path(self, self.cfg.calls_file))
         return self._backend
 
     def index_for(self, corpus: str) -> Any:
@@ -166,13 +181,11 @@ class HGMemEvalModule(RecordEvalModule):
         return self._indexes[corpus]
 
     def provenance(self) -> Dict[str, Any]:
+        """The config's fields (``args.loop.*``, ``args.index.*`` ...), the backend's identity, the loop's strategy
+        and the prompts' version."""
         from lightning_modules.hgmem.prompts import PROMPT_VERSION
 
-        loop = asdict(self.cfg.loop_config())
-        digest = hashlib.sha1(json.dumps(loop, sort_keys=True).encode()).hexdigest()[:10]
-        idx = self.cfg.index_settings()
-        return {"model": self.backend.identity, "strategy": loop["strategy"], "loop": digest,
-                "index": f"{idx['extractor'].get('name', 'rule')}/{idx['embedder']}/{idx['chunk_tokens']}",
+        return {**super().provenance(), "model": self.backend.identity, "strategy": self.cfg.loop.strategy,
                 "prompts": PROMPT_VERSION}
 
     def run_sample(self, sample: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -182,7 +195,7 @@ class HGMemEvalModule(RecordEvalModule):
         if rec is not None:
             return [rec]
         index = self.index_for(sample["corpus"])
-        counter = getattr(self._raw, "count_tokens", None)
+        counter = getattr(self.chat_backend, "count_tokens", None)
         pipe = self.cfg.loop_config().build(index, self.backend, counter)
         before = dict(self.backend.stats)
         self.backend.reset_occurrences()

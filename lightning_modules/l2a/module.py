@@ -31,11 +31,12 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from lightning_modules.base import check_field, coerce_config, estimate_total_steps, is_int, is_number
+from lightning_modules.base import check_field, estimate_total_steps, is_int, is_number
 from lightning_modules.l2a.config import L2AConfig
 from lightning_modules.l2a.layer import apply_l2a, l2a_layers, reset_routing_stats, routing_stats, set_dense_step
 from lightning_modules.llm.module import LanguageModel, LanguageModelConfig
 from litctx_common.io import atomic_write_text
+from litctx_common.options import nested_config
 
 __all__ = ["L2ACPTConfig", "L2ACPTModule"]
 
@@ -52,14 +53,14 @@ class L2ACPTConfig(LanguageModelConfig):
         prune_tokens: the cache length at which the pruning report counts KV bytes.
     """
 
-    l2a: Dict[str, Any] = field(default_factory=dict)
+    l2a: L2AConfig = field(default_factory=L2AConfig)
     prune_threshold: Optional[float] = 0.01
     prune_batches: int = 8
     prune_tokens: int = 8192
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.l2a_config  # validates the nested settings (l2a.<field> errors)
+        self.l2a = nested_config(self.l2a, L2AConfig, "l2a_cpt.l2a")
         check_field(self.prune_threshold is None or (is_number(self.prune_threshold) and 0 <= self.prune_threshold < 1),
                     "l2a_cpt", "prune_threshold", self.prune_threshold, "expected null or a number in [0, 1)")
         check_field(is_int(self.prune_batches) and self.prune_batches >= 1, "l2a_cpt", "prune_batches",
@@ -69,7 +70,7 @@ class L2ACPTConfig(LanguageModelConfig):
 
     @property
     def l2a_config(self) -> L2AConfig:
-        return coerce_config(self.l2a, L2AConfig)
+        return self.l2a
 
 
 class L2ACPTModule(LanguageModel):

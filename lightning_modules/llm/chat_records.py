@@ -20,9 +20,9 @@ import hashlib
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence
 
-from litctx_common.io import append_jsonl, read_jsonl
+from litctx_common.records import RecordStore
 from litctx_common.timing import Stopwatch
 from lightning_modules.llm.chat import Completion, GenerationParams, Message, check_messages
 
@@ -44,11 +44,9 @@ class RecordedBackend:
         self.identity = str(getattr(backend, "identity", type(backend).__name__))
         self.path = Path(path) if path is not None else None
         self.keep_messages = bool(keep_messages)
-        self._recorded: Dict[Tuple[str, int], Dict[str, Any]] = {}
-        if self.path is not None:
-            for rec in read_jsonl(self.path):
-                if "key" in rec and "text" in rec:
-                    self._recorded[(rec["key"], int(rec.get("occurrence", 0)))] = rec
+        # one file may log several backends (the model and its judge): the key hashes the identity, so no
+        # provenance is needed to keep them apart
+        self.store = RecordStore(self.path, keys=("key", "occurrence")).load()
         self._seen: Counter = Counter()
         self.stats = {"calls": 0, "replayed": 0, "prompt_tokens": 0, "completion_tokens": 0}
 
@@ -61,8 +59,8 @@ class RecordedBackend:
         key = call_key(self.identity, msgs, params.as_dict())
         occurrence = self._seen[key]
         self._seen[key] += 1
-        rec = self._recorded.get((key, occurrence))
-        if rec is not None:
+        rec = self.store.get(key=key, occurrence=occurrence)
+        if rec is not None and "text" in rec:
             self.stats["replayed"] += 1
             out = Completion(rec["text"], int(rec.get("prompt_tokens", 0)), int(rec.get("completion_tokens", 0)),
                              str(rec.get("finish_reason", "stop")))
@@ -79,9 +77,7 @@ class RecordedBackend:
                    "finish_reason": out.finish_reason, "seconds": round(watch.seconds, 4)}
             if self.keep_messages:
                 rec["messages"] = msgs
-            if self.path is not None:
-                append_jsonl(self.path, [rec])
-            self._recorded[(key, occurrence)] = rec
+            self.store.add([rec])
         self.stats["prompt_tokens"] += out.prompt_tokens
         self.stats["completion_tokens"] += out.completion_tokens
         return out

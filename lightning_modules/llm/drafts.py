@@ -316,10 +316,10 @@ def _load_draft_folder(path: Path, target: nn.Module) -> Tuple[nn.Module, Dict[s
 class PromptLookupSpec:
     """A model-free draft (what ``DraftConfig(kind="prompt_lookup").build`` returns, and what
     :func:`~lightning_modules.llm.speculative.speculative_generate` takes as ``draft``): the n-gram lengths
-    :class:`~lightning_modules.llm.speculative.PromptLookupDraft` tries, longest first."""
+    :class:`~lightning_modules.llm.speculative.PromptLookupDraft` tries, longest first (defaults: DraftConfig's)."""
 
-    ngram_max: int = 3
-    ngram_min: int = 1
+    ngram_max: int
+    ngram_min: int
 
 
 @dataclass

@@ -11,9 +11,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -21,11 +19,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from lightning_modules.base import LongContextModule, SharedEvalStages, gather_records, run_path
+from lightning_modules.base import LongContextModule, SharedEvalStages, check_field, run_path
 from lightning_modules.llm.generation import greedy_generate, stop_token_ids
 from lightning_modules.llm.loading import load_causal_lm
+from lightning_modules.llm.record_eval import RecordEvalModule
 from lightning_modules.llm.suite_metrics import score_prediction, summarise
-from litctx_common.io import append_jsonl, atomic_open, atomic_path, read_jsonl
+from litctx_common.io import atomic_path
+from litctx_common.records import MISMATCH_POLICIES
 
 __all__ = ["LanguageModelConfig", "LanguageModel", "LongContextEvalConfig", "LongContextEvalModule",
            "PROTOCOLS", "evaluate_suite_batch"]
@@ -224,8 +224,10 @@ class LongContextEvalConfig:
         max_new_tokens: cap on generated tokens (None = each task's own limit).
         tiny: config overrides of tiny models; seed: their initialisation seed.
         results_file: append one JSON record per sample here and skip samples already in it with the same id,
-            suite seed, model and protocol (resumable long evaluations); relative paths are inside the run
-            directory.
+            suite seed, KV policy and decoding under the same settings (resumable long evaluations); relative
+            paths are inside the run directory.
+        provenance_mismatch: ``refuse`` to resume over records made under other settings (the differing fields
+            named), or ``skip`` them.
         keep_predictions: keep the generated text in the records.
     """
 
@@ -236,20 +238,27 @@ class LongContextEvalConfig:
     tiny: Dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     results_file: Optional[str] = None
+    provenance_mismatch: str = "refuse"
     keep_predictions: bool = True
 
     def __post_init__(self) -> None:
+        check_field(self.provenance_mismatch in MISMATCH_POLICIES, "longctx_eval", "provenance_mismatch",
+                    self.provenance_mismatch, f"valid values are {', '.join(MISMATCH_POLICIES)}")
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol={self.protocol!r}: valid protocols are {', '.join(PROTOCOLS)}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1 or null, got {self.max_new_tokens}")
 
 
-class LongContextEvalModule(SharedEvalStages, LongContextModule):
+class LongContextEvalModule(RecordEvalModule):
     """Greedy evaluation of the long-context suite (see the module docstring). ``self.records`` holds one
-    dict per sample of the last stage; ``self.summary`` its :func:`summarise`."""
+    dict per sample of the last stage; ``self.suite_summary`` its :func:`summarise`. Records go to a
+    :class:`~litctx_common.records.RecordStore`: keyed by sample id, suite seed, KV policy and decoding (arms
+    share a file), stamped with every setting of the method's config."""
 
     config_class = LongContextEvalConfig
+    record_keys = ("id", "seed", "policy", "decoding")
+    running_metric = "score"
 
     def __init__(self, cfg: Any = None, optim: Any = None) -> None:
         super().__init__(cfg, optim)
@@ -257,10 +266,8 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
                                                     tiny=self.cfg.tiny or None)
         self.model.requires_grad_(False)
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
-        self.records: List[Dict[str, Any]] = []
-        self.summary: Optional[Dict[str, Any]] = None
+        self.suite_summary: Optional[Dict[str, Any]] = None
         self.generation: Any = None  # a decoding strategy installed by a callback (speculative); None = greedy
-        self._done: Dict[Tuple[str, Any], Dict[str, Any]] = {}  # (id, suite seed) -> record
 
     # ------------------------------------------------------------------ the evaluation of one batch
     def evaluate_batch(self, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -283,93 +290,38 @@ class LongContextEvalModule(SharedEvalStages, LongContextModule):
         session = active_session(self.model)
         return "full" if session is None or session.policy.is_noop else session.policy.name
 
-    # ------------------------------------------------------------------ resumable results
-    def _results_path(self) -> Optional[Path]:
-        if not self.cfg.results_file:
-            return None
-        path = Path(os.path.expanduser(self.cfg.results_file))
-        if not path.is_absolute() and self._trainer is not None:
-            path = Path(self.trainer.default_root_dir) / path
-        return path
-
-    def _load_done(self) -> None:
-        self._done = {}
-        path = self._results_path()
-        if path is None:
-            return
-        for rec in read_jsonl(path):  # a line cut by a kill is skipped: that sample runs again
-            if (rec.get("protocol") == self.cfg.protocol and rec.get("model") == self.cfg.model
-                    and rec.get("policy", "full") == self.policy_name()
-                    and rec.get("decoding", "greedy") == self.decoding_name()):
-                self._done[(rec["id"], rec.get("seed"))] = rec
-
-    def _append(self, records: List[Dict[str, Any]]) -> None:
-        path = self._results_path()
-        if path is not None:
-            append_jsonl(path, records)
-
-    # ------------------------------------------------------------------ Lightning hooks
-    def _start(self) -> None:
-        self.records = []
-        self.summary = None
-        self._load_done()
+    # ------------------------------------------------------------------ records
+    def start_records(self) -> None:
+        super().start_records()
+        self.suite_summary = None
 
     def eval_step(self, stage: str, batch: Dict[str, Any]) -> List[Dict[str, Any]]:
-        keys = list(zip(batch["id"], batch["seed"]))
-        if all(k in self._done for k in keys):  # the same sample, model and protocol already ran
-            records = [self._done[k] for k in keys]
+        arm = {"policy": self.policy_name(), "decoding": self.decoding_name()}
+        found = [self.recorded(id=i, seed=s, **arm) for i, s in zip(batch["id"], batch["seed"])]
+        if all(rec is not None for rec in found):  # the same samples already ran under this setup and arm
+            records = found
         else:
-            records = self.evaluate_batch(batch)
-            self._append(records)
+            records = self.store.add(self.evaluate_batch(batch))
         self.records.extend(records)
-        if stage != "predict":  # predict hooks cannot log
-            self.log(f"{stage}/acc_running", sum(r["score"] for r in self.records) / len(self.records),
-                     prog_bar=True, on_step=True, on_epoch=False, batch_size=len(records))
+        self.log_running(stage, len(records))
         return records
 
-    def _gather_records(self) -> None:
-        """Under DDP each rank evaluated its share of the suite: collect every record on every rank."""
-        self.records = gather_records(self, self.records)
-
-    def eval_epoch_end(self, stage: str) -> None:
-        self._gather_records()
+    def summary(self) -> Dict[str, float]:
+        """``acc`` overall, ``acc_<task>`` and ``acc_len<length>`` (logged as ``{stage}/...``)."""
         if not self.records:
-            return
-        self.summary = summarise(self.records)
-        self.log(f"{stage}/acc", self.summary["overall"]["mean"], rank_zero_only=True)
-        for task, stats in self.summary["tasks"].items():
-            self.log(f"{stage}/acc_{task}", stats["mean"], rank_zero_only=True)
-        for length, stats in self.summary["lengths"].items():
-            self.log(f"{stage}/acc_len{length}", stats["mean"], rank_zero_only=True)
+            return {}
+        s = summarise(self.records)
+        out = {"acc": s["overall"]["mean"]}
+        out.update({f"acc_{task}": stats["mean"] for task, stats in s["tasks"].items()})
+        out.update({f"acc_len{length}": stats["mean"] for length, stats in s["lengths"].items()})
+        return out
 
-    def on_validation_epoch_start(self) -> None:
-        self._start()
-
-    def on_test_epoch_start(self) -> None:
-        self._start()
-
-    def on_predict_epoch_start(self) -> None:
-        self._start()
-
-    def predict_step(self, batch, batch_idx, dataloader_idx: int = 0):
-        return self.eval_step("predict", batch)
-
-    def on_predict_epoch_end(self) -> None:  # predict cannot log: gather and summarise only
-        self._gather_records()
-        self.summary = summarise(self.records) if self.records else None
+    def on_records_done(self, stage: str) -> None:
+        self.suite_summary = summarise(self.records) if self.records else None
 
     def training_step(self, batch, batch_idx):
         raise RuntimeError("LongContextEvalModule evaluates a pretrained model; use validate/test/predict "
                            "(python -m recipes.evaluate --recipe longctx_smollm2)")
-
-    def configure_optimizers(self):
-        return None
-
-    def write_records(self, path: Path) -> None:
-        """All records of the last stage as JSON lines (atomic)."""
-        with atomic_open(path, "w", encoding="utf-8") as f:
-            for rec in self.records:
-                f.write(json.dumps(rec) + "\n")
 
 
 def evaluate_suite_batch(model: Any, tokenizer: Any, batch: Dict[str, Any], *, protocol: str,

@@ -1,31 +1,34 @@
-"""The base of evaluation pipelines whose unit of work is a sample turned into JSON records (PersistBench's judged
-generations, HGMem's answers): ``validate`` / ``test`` / ``predict`` run them, every record is appended to a
-resumable JSONL file as soon as it exists, and a rerun skips what the file holds.
+"""The one base of evaluations whose unit of work turns into JSON records (the long-context suite, RAG, PersistBench's
+judged generations, HGMem's answers, C-DIC's evaluation): ``validate`` / ``test`` / ``predict`` run them, every
+record goes to a :class:`~litctx_common.records.RecordStore` (appended and synced as soon as it exists), and a
+rerun (``resume=auto`` or into the same run folder) skips what the file holds.
 
-Each record carries the run's *provenance* (:meth:`RecordEvalModule.provenance`: which model, judge, prompt ...).
-Resuming over a file whose records were made under a different provenance is refused with the differing fields
-named (``provenance_mismatch: refuse``, the default): mixing them would report a number no single setup produced.
-``provenance_mismatch: skip`` ignores such records instead (one file holding several setups side by side).
+Each record carries the run's *provenance* (:meth:`RecordEvalModule.provenance`: by default every field of the
+method's config as ``args.<field>``, except where records go; subclasses add what the config does not say, such as
+the chat backend's identity or a prompt version). Resuming over a file whose records were made under a different
+provenance is refused in one line naming the differing fields (``provenance_mismatch: refuse``, the default):
+mixing them would report a number no single setup produced. ``provenance_mismatch: skip`` ignores such records
+instead (one file holding several setups side by side). :attr:`record_keys` tell the units of one setup apart
+(the sample id, and the arm: KV policy, decoding, reuse method), so arms of a comparison share one file.
 
 Subclasses implement ``run_sample(sample) -> list of records`` (calling :meth:`emit` for each record as it is made,
-so a kill mid-sample keeps the finished ones; :meth:`recorded` returns a record already in the file) and
-``summary() -> {name: value}`` over ``self.records``; metrics are logged as ``{stage}/{name}``.
+so a kill mid-sample keeps the finished ones; :meth:`recorded` returns a record already in the file), or override
+:meth:`eval_step` for batched work, and ``summary() -> {name: value}`` over ``self.records``; metrics are logged as
+``{stage}/{name}``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Dict, Hashable, List, Optional, Tuple
 
 from lightning_modules.base import LongContextModule, SharedEvalStages, gather_records, run_path
-from litctx_common.io import append_jsonl, read_jsonl
+from litctx_common.io import atomic_open
+from litctx_common.records import ProvenanceError, RecordStore, flat_provenance
 
 __all__ = ["RecordEvalModule", "ProvenanceError"]
-
-
-class ProvenanceError(ValueError):
-    """A results file holds records made under another setup."""
 
 
 class RecordEvalModule(SharedEvalStages, LongContextModule):
@@ -33,18 +36,25 @@ class RecordEvalModule(SharedEvalStages, LongContextModule):
 
     record_keys: Tuple[str, ...] = ("id",)
     """The record fields that identify one unit of work (with the provenance)."""
+    not_provenance: Tuple[str, ...] = ("results_file", "provenance_mismatch")
+    """Config fields that change no record (where records go, how a mismatch is handled)."""
     score_range: Tuple[float, float] = (0.0, 1.0)
     """The range of a record's ``score``."""
+    running_metric: Optional[str] = None
+    """A record field whose running mean is logged as ``{stage}/acc_running`` after each step (None: none)."""
 
     def __init__(self, cfg: Any = None, optim: Any = None) -> None:
         super().__init__(cfg, optim)
         self.records: List[Dict[str, Any]] = []
-        self._done: Dict[Hashable, Dict[str, Any]] = {}
+        self.store = RecordStore(None, self.record_keys)
 
     # ------------------------------------------------------------------ for subclasses
     def provenance(self) -> Dict[str, Any]:
-        """Fields every record carries and a resumed file must match (JSON values)."""
-        return {}
+        """Fields every record carries and a resumed file must match (JSON values): every config field as
+        ``args.<field>`` (nested fields dotted) but :attr:`not_provenance`. Subclasses extend it."""
+        cfg = self.cfg
+        values = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(vars(cfg))
+        return flat_provenance(values, "args.", skip=self.not_provenance)
 
     def run_sample(self, sample: Dict[str, Any]) -> List[Dict[str, Any]]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -56,51 +66,50 @@ class RecordEvalModule(SharedEvalStages, LongContextModule):
         return run_path(self, getattr(self.cfg, "results_file", None))
 
     def key(self, rec: Dict[str, Any]) -> Hashable:
-        return tuple(json.dumps(rec.get(k), sort_keys=True) for k in self.record_keys)
+        return self.store.key(rec)
 
     def recorded(self, **fields: Any) -> Optional[Dict[str, Any]]:
         """The record already in the results file for these ``record_keys`` values, if any."""
-        return self._done.get(self.key(fields))
+        return self.store.get(**fields)
 
     def emit(self, rec: Dict[str, Any]) -> Dict[str, Any]:
         """Stamp ``rec`` with the provenance, append it to the results file (synced) and remember it."""
-        rec = {**self.provenance(), **rec}
-        path = self.results_path()
-        if path is not None:
-            append_jsonl(path, [rec])
-        self._done[self.key(rec)] = rec
-        return rec
+        return self.store.add([rec])[0]
 
     # ------------------------------------------------------------------ stages
     def start_records(self) -> None:
-        """Load the results file for a new pass (Lightning calls this at each evaluation epoch start; call it
-        yourself when running samples without a Trainer)."""
+        """Open the results file for a new pass (Lightning calls this at each evaluation epoch start, after the
+        stage's callbacks are installed; call it yourself when running samples without a Trainer)."""
         self.records = []
-        self._done = {}
-        path = self.results_path()
-        if path is None:
-            return
-        mine = self.provenance()
-        policy = getattr(self.cfg, "provenance_mismatch", "refuse")
-        for rec in read_jsonl(path):
-            differ = {k: (rec.get(k), v) for k, v in mine.items() if rec.get(k) != v}
-            if differ:
-                if policy == "skip":
-                    continue
-                lines = "; ".join(f"{k}: file {a!r}, this run {b!r}" for k, (a, b) in list(differ.items())[:6])
-                raise ProvenanceError(f"{path} holds records made under another setup ({lines}). Resuming would mix "
-                                      f"them: write to another results_file, delete this one, or set "
-                                      f"method.args.provenance_mismatch=skip to keep both setups in one file")
-            self._done[self.key(rec)] = rec
+        self.store = RecordStore(self.results_path(), self.record_keys, self.provenance(),
+                                 getattr(self.cfg, "provenance_mismatch", "refuse")).load()
+
+    @staticmethod
+    def samples_of(batch: Any) -> List[Dict[str, Any]]:
+        """A batch as sample dicts: a list of dicts, one dict, or a dict of per-sample lists (a collated batch)."""
+        if isinstance(batch, list):
+            return batch
+        if isinstance(batch, dict) and isinstance(batch.get("id"), (list, tuple)):
+            return [{k: v[i] for k, v in batch.items()} for i in range(len(batch["id"]))]
+        return [batch]
 
     def eval_step(self, stage: str, batch: Any) -> List[Dict[str, Any]]:
-        """``batch``: a list of sample dicts."""
-        samples = batch if isinstance(batch, list) else [batch]
+        """Run every sample of ``batch`` (see :meth:`samples_of`)."""
         out: List[Dict[str, Any]] = []
-        for sample in samples:
+        for sample in self.samples_of(batch):
             out.extend(self.run_sample(sample))
         self.records.extend(out)
+        self.log_running(stage, len(out))
         return out
+
+    def log_running(self, stage: str, batch_size: int) -> None:
+        """The running mean of :attr:`running_metric` over this pass (predict cannot log)."""
+        if self.running_metric is None or stage == "predict" or not batch_size:
+            return
+        vals = [r[self.running_metric] for r in self.records if r.get(self.running_metric) is not None]
+        if vals:
+            self.log(f"{stage}/acc_running", sum(vals) / len(vals), prog_bar=True, on_step=True, on_epoch=False,
+                     batch_size=batch_size)
 
     def eval_epoch_end(self, stage: str) -> None:
         self.records = gather_records(self, self.records)
@@ -134,3 +143,9 @@ class RecordEvalModule(SharedEvalStages, LongContextModule):
 
     def configure_optimizers(self) -> Any:
         return None
+
+    def write_records(self, path: Path) -> None:
+        """All records of the last stage as JSON lines (atomic)."""
+        with atomic_open(path, "w", encoding="utf-8") as f:
+            for rec in self.records:
+                f.write(json.dumps(rec) + "\n")

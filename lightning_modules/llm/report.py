@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping
 
 import lightning.pytorch as pl
 
-from lightning_modules.llm.suite_metrics import depth_grid, markdown_table
+from lightning_modules.llm.suite_metrics import depth_grid, markdown_table, summarise
 from litctx_common.io import atomic_open, atomic_path
 
 __all__ = ["LongContextReport", "plot_depth_grid"]
@@ -76,9 +76,9 @@ class LongContextReport(pl.Callback):
         if not trainer.is_global_zero or trainer.sanity_checking:
             return
         records = getattr(pl_module, "records", None)
-        summary = getattr(pl_module, "summary", None)
-        if not records or summary is None:
+        if not records:
             return
+        summary = summarise(records)
         out = Path(trainer.default_root_dir) / self.folder
         table = markdown_table(summary)
         grid = depth_grid(records)

@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from lightning_modules.llm.decoding import DecodeHook, DecodeResult, DecodeState, StepDecoder
-from lightning_modules.llm.drafts import PromptLookupSpec, check_draft_compatible
+from lightning_modules.llm.drafts import DraftConfig, PromptLookupSpec, check_draft_compatible
 from lightning_modules.llm.sampling import SamplingConfig, next_token_probs, pick_tokens
 from lightning_modules.llm.session import call_phase
 from litctx_common.timing import clock
@@ -172,7 +172,7 @@ class PromptLookupDraft:
     :meth:`lookahead_signal` reports: the source span of each row's last proposal (Dustin's lookahead signal for
     a model-free draft)."""
 
-    def __init__(self, prompts: Sequence[Sequence[int]], vocab_size: int, ngram_max: int = 3, ngram_min: int = 1) -> None:
+    def __init__(self, prompts: Sequence[Sequence[int]], vocab_size: int, ngram_max: int, ngram_min: int) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"prompt lookup: need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         self.prompts = [torch.tensor(list(p), dtype=torch.long) for p in prompts]
@@ -348,7 +348,7 @@ def speculative_generate(model: torch.nn.Module, draft: torch.nn.Module, context
     if isinstance(draft, str):
         if draft != PROMPT_LOOKUP:
             raise ValueError(f"draft={draft!r}: a draft model, a PromptLookupSpec, or {PROMPT_LOOKUP!r}")
-        draft = PromptLookupSpec()
+        draft = PromptLookupSpec(DraftConfig.ngram_max, DraftConfig.ngram_min)  # the defaults, stated in DraftConfig
     lookup = isinstance(draft, PromptLookupSpec)
     if not lookup:
         check_draft_compatible(model, draft)  # one vocabulary: the target verifies the draft's token ids

@@ -6,21 +6,22 @@ own ``model`` and ``tokenizer``, so ``recipes.evaluate --run <run dir>`` scores 
 (and the ``test`` stage after ``fit`` does it for the best checkpoint). The samples come from the run's DataModule
 (``trainer.datamodule.suite(...)``, which the text DataModule provides: this package does not import
 ``datamodules``); they are built when the stage starts, so a bad task name fails before any training. It logs ``<stage>/suite_acc`` and
-``<stage>/suite_acc_<task>`` and appends one record per sample to ``results_file`` in the run directory (resumable:
-samples already recorded for the same checkpoint and suite are not generated again). Under DDP each rank takes
+``<stage>/suite_acc_<task>`` and appends one record per sample to ``results_file`` in the run directory through the
+records base (resumable: samples already recorded for the same checkpoint are not generated again; records of
+another suite setting are refused, naming it). Under DDP each rank takes
 its share of the samples and rank zero logs the totals.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_modules.base import check_field, is_int
-from litctx_common.io import append_jsonl, read_jsonl
+from lightning_modules.base import check_field, gather_records, is_int
+from litctx_common.records import RecordStore, flat_provenance
 
 __all__ = ["SuiteEvalConfig", "SuiteEvaluation"]
 
@@ -93,10 +94,18 @@ class SuiteEvaluation(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._built = self._suite(trainer, pl_module.tokenizer)  # checks the task names before anything runs
 
+    def store(self, trainer: Any) -> RecordStore:
+        """This rank's records file (one per rank under DDP), keyed by sample and checkpoint, stamped with the
+        suite's settings (a rerun under other settings is refused, naming them)."""
+        path = Path(trainer.default_root_dir) / self.cfg.results_file if self.cfg.results_file else None
+        if path is not None and trainer.world_size > 1:
+            path = path.with_suffix(f".rank{trainer.global_rank}.jsonl")
+        settings = flat_provenance(asdict(self.cfg), "suite.", skip=("results_file", "stages", "batch_size"))
+        return RecordStore(path, ("id", "checkpoint"), settings)
+
     def run(self, trainer: Any, pl_module: Any, stage: str) -> Dict[str, float]:
         """Generate and score this rank's share of the suite; returns (and logs) the accuracies."""
         import torch
-        import torch.distributed as dist
 
         from lightning_modules.llm.generation import stop_token_ids
         from lightning_modules.llm.module import evaluate_suite_batch
@@ -108,10 +117,8 @@ class SuiteEvaluation(Callback):
         suite, collate = getattr(self, "_built", None) or self._suite(trainer, tok)
         rank, world = trainer.global_rank, trainer.world_size
         indices = list(range(rank, len(suite), world))
-        path = Path(trainer.default_root_dir) / self.cfg.results_file if self.cfg.results_file else None
         ckpt = str(getattr(trainer, "ckpt_path", None) or "current")
-        done = {(r["id"], r.get("suite_seed")): r for r in (read_jsonl(path) if path and path.exists() else [])
-                if r.get("checkpoint") == ckpt and r.get("protocol") == self.cfg.protocol}
+        store = self.store(trainer).load()
         stop_ids = stop_token_ids(tok, pl_module.model)
         was_training = pl_module.model.training
         pl_module.model.eval()
@@ -120,24 +127,19 @@ class SuiteEvaluation(Callback):
         with torch.no_grad():
             for start in range(0, len(indices), bs):
                 samples = [suite[i] for i in indices[start:start + bs]]
-                keys = [(s["id"], self.cfg.seed) for s in samples]
-                if all(k in done for k in keys):
-                    records.extend(done[k] for k in keys)
+                found = [store.get(id=s["id"], checkpoint=ckpt) for s in samples]
+                if all(r is not None for r in found):
+                    records.extend(found)
                     continue
                 batch = collate(samples)
                 batch = {k: (v.to(pl_module.device) if torch.is_tensor(v) else v) for k, v in batch.items()}
                 new = evaluate_suite_batch(pl_module.model, tok, batch, protocol=self.cfg.protocol,
                                            max_new_tokens=None, stop_ids=stop_ids, model_name=str(pl_module.cfg.model))
                 for r in new:
-                    r.update(checkpoint=ckpt, suite_seed=self.cfg.seed, method=type(pl_module).__name__)
-                if path is not None:
-                    append_jsonl(path if world == 1 else path.with_suffix(f".rank{rank}.jsonl"), new)
-                records.extend(new)
+                    r.update(checkpoint=ckpt, method=type(pl_module).__name__)
+                records.extend(store.add(new))
         pl_module.model.train(was_training)
-        if world > 1 and dist.is_available() and dist.is_initialized():
-            shares: List[Any] = [None] * world
-            dist.all_gather_object(shares, records)
-            records = [r for share in shares for r in (share or [])]
+        records = gather_records(pl_module, records)
         self.records = records
         summary = summarise(records)
         acc: Dict[str, float] = {f"{stage}/suite_acc": float(sum(r["score"] for r in records) / max(1, len(records)))}

@@ -112,12 +112,17 @@ class PersistBenchModule(RecordEvalModule):
 
     config_class = PersistBenchConfig
     record_keys = ("id", "generation")
+    not_provenance = ("results_file", "calls_file", "provenance_mismatch", "generations", "k", "backend", "judge")
+    """The backend and the judge enter the provenance as their identities (``model``, ``judge``), not their specs
+    (a timeout or a retry count changes no record)."""
     score_range = (1, 5)
 
-    def __init__(self, cfg: Any = None, optim: Any = None) -> None:
+    def __init__(self, cfg: Any = None, optim: Any = None, chat_backend: Any = None) -> None:
+        """``chat_backend``: an already built backend to use instead of building ``cfg.backend`` (one loaded
+        model shared by several modules, as the memory bench does); it is what :attr:`backend` records."""
         super().__init__(cfg, optim)
         self._backend: Any = None
-        self._raw_backend: Any = None
+        self.chat_backend: Any = chat_backend
         self._judge: Any = None
 
     # ------------------------------------------------------------------ parts
@@ -130,9 +135,9 @@ class PersistBenchModule(RecordEvalModule):
             from lightning_modules.llm.chat import build_backend
             from lightning_modules.llm.chat_records import RecordedBackend
 
-            if self._raw_backend is None:  # may be given (a bench shares one loaded model between modules)
-                self._raw_backend = build_backend(self.cfg.backend, "persistbench.backend")
-            self._backend = RecordedBackend(self._raw_backend, self._calls_path())
+            if self.chat_backend is None:
+                self.chat_backend = build_backend(self.cfg.backend, "persistbench.backend")
+            self._backend = RecordedBackend(self.chat_backend, self._calls_path())
         return self._backend
 
     @property
@@ -146,7 +151,7 @@ class PersistBenchModule(RecordEvalModule):
                 target = spec.get("backend") or {"name": "local", "model": "smollm2-135m"}
                 if target == dict(self.cfg.backend):  # the same model judges: load it once
                     _ = self.backend
-                    target = self._raw_backend
+                    target = self.chat_backend
                 spec["backend"] = target
             self._judge = build_memory_judge(spec)
             if hasattr(self._judge, "backend"):
@@ -156,8 +161,8 @@ class PersistBenchModule(RecordEvalModule):
     def provenance(self) -> Dict[str, Any]:
         from lightning_modules.persistbench.prompts import prompt_id
 
-        return {"model": self.backend.identity, "judge": self.judge.name, "prompt": prompt_id(self.cfg.system_prompt),
-                "decoding": self.cfg.decoding()}
+        return {**super().provenance(), "model": self.backend.identity, "judge": self.judge.name,
+                "prompt": prompt_id(self.cfg.system_prompt), "decoding": self.cfg.decoding()}
 
     # ------------------------------------------------------------------ one sample
     def run_sample(self, sample: Dict[str, Any]) -> List[Dict[str, Any]]:

@@ -8,28 +8,63 @@ for citation tasks and whenever Guidance is installed), the prefill by the insta
 callback), then the record: answer accuracy (``any`` / ``all`` of the references in the answer, as the sample
 says), for ``cite`` prompts LongBench-Cite's citation recall / precision / F1 by the configured judge (and the
 share of gold sentences cited when they are known), the time to first token, tokens recomputed, store hits.
-Records append to ``results_file`` (resumable: a rerun skips samples already recorded under the same model,
-reuse method and decoding) and metrics are logged per stage: ``{stage}/acc``, ``{stage}/citation_f1``,
+Records append to ``results_file`` through the records base (resumable: a rerun skips samples already recorded
+with the same reuse method and decoding; records made under other settings are refused, naming them) and metrics are logged per stage: ``{stage}/acc``, ``{stage}/citation_f1``,
 ``{stage}/citation_recall``, ``{stage}/citation_precision``, ``{stage}/ttft_s``.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from lightning_modules.base import LongContextModule, SharedEvalStages, check_field, gather_records, is_int, run_path
+from lightning_modules.base import check_field, is_int
 from lightning_modules.llm.generation import stop_token_ids
 from lightning_modules.llm.loading import load_causal_lm
+from lightning_modules.llm.record_eval import RecordEvalModule
 from lightning_modules.llm.suite_metrics import score_prediction
-from litctx_common.io import append_jsonl, atomic_open, read_jsonl
+from litctx_common.options import nested_config
+from litctx_common.records import MISMATCH_POLICIES
 
 __all__ = ["RAGEvalConfig", "RAGEvalModule", "retrieved_documents"]
 
 PROMPTS = ("auto", "qa", "cite")
 CITE_TASKS = ("cite",)
+
+
+@dataclass
+class RetrievalConfig:
+    """Retrieval for samples that name a corpus folder.
+
+    Attributes:
+        method: dense | bm25 | hybrid (:data:`~lightning_modules.retrieval.store.METHODS`).
+        embedder: minilm | hashing (the dense side's sentence embedder).
+        k: chunks retrieved per question (None: the data's ``retrieve_k``, else 4).
+        max_tokens: tokens per chunk.
+        backend: the vector index (numpy | faiss).
+    """
+
+    method: str = "hybrid"
+    embedder: str = "minilm"
+    k: Optional[int] = None
+    max_tokens: int = 128
+    backend: str = "numpy"
+
+    def __post_init__(self) -> None:
+        from lightning_modules.retrieval.embedders import EMBEDDERS
+        from lightning_modules.retrieval.index import BACKENDS
+        from lightning_modules.retrieval.store import METHODS
+
+        check_field(self.method in METHODS, "rag_eval", "retrieval.method", self.method,
+                    f"valid methods are {', '.join(METHODS)}")
+        check_field(self.embedder in EMBEDDERS, "rag_eval", "retrieval.embedder", self.embedder,
+                    f"valid embedders are {', '.join(EMBEDDERS)}")
+        check_field(self.k is None or (is_int(self.k) and self.k >= 1), "rag_eval", "retrieval.k", self.k,
+                    "must be null or an integer >= 1")
+        check_field(is_int(self.max_tokens) and self.max_tokens >= 8, "rag_eval", "retrieval.max_tokens",
+                    self.max_tokens, "must be an integer >= 8")
+        check_field(self.backend in BACKENDS, "rag_eval", "retrieval.backend", self.backend,
+                    f"valid backends are {', '.join(BACKENDS)}")
 
 
 @dataclass
@@ -40,10 +75,12 @@ class RAGEvalConfig:
         prompt: ``qa``, ``cite`` or ``auto`` (``cite`` for citation samples and under Guidance).
         chat: render the chat template.
         max_new_tokens: answer length cap (None: 16 for ``qa``, 192 for ``cite``).
-        retrieval: for samples that name a corpus folder: ``method`` (dense | bm25 | hybrid), ``embedder``
-            (minilm | hashing), ``k`` chunks (None: the data's ``retrieve_k``), ``max_tokens`` per chunk.
+        retrieval: for samples that name a corpus folder (:class:`RetrievalConfig`: ``method``, ``embedder``,
+            ``k``, ``max_tokens``, ``backend``).
         judge: ``lexical`` (offline, deterministic) or ``model`` (an LLM judge; ``judge_args: {model: ...}``).
         results_file: resumable JSONL of the records (relative: inside the run directory).
+        provenance_mismatch: ``refuse`` to resume over records made under other settings (the differing fields
+            named), or ``skip`` them.
         keep_predictions: keep the generated text in the records.
     """
 
@@ -54,11 +91,11 @@ class RAGEvalConfig:
     prompt: str = "auto"
     chat: bool = True
     max_new_tokens: Optional[int] = None
-    retrieval: Dict[str, Any] = field(default_factory=lambda: {"method": "hybrid", "embedder": "minilm", "k": None,
-                                                               "max_tokens": 128})
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     judge: str = "lexical"
     judge_args: Dict[str, Any] = field(default_factory=dict)
     results_file: Optional[str] = None
+    provenance_mismatch: str = "refuse"
     keep_predictions: bool = True
 
     def __post_init__(self) -> None:
@@ -66,14 +103,11 @@ class RAGEvalConfig:
         check_field(self.max_new_tokens is None or (is_int(self.max_new_tokens) and self.max_new_tokens >= 1),
                     "rag_eval", "max_new_tokens", self.max_new_tokens, "must be null or an integer >= 1")
         from lightning_modules.llm.judge import JUDGES
-        from lightning_modules.retrieval.store import METHODS
 
         check_field(self.judge in JUDGES, "rag_eval", "judge", self.judge, f"valid judges are {', '.join(JUDGES)}")
-        unknown = sorted(set(self.retrieval) - {"method", "embedder", "k", "max_tokens", "backend"})
-        check_field(not unknown, "rag_eval", "retrieval", self.retrieval,
-                    f"unknown key(s) {unknown}; valid keys are method, embedder, k, max_tokens, backend")
-        check_field(self.retrieval.get("method", "hybrid") in METHODS, "rag_eval", "retrieval.method",
-                    self.retrieval.get("method"), f"valid methods are {', '.join(METHODS)}")
+        check_field(self.provenance_mismatch in MISMATCH_POLICIES, "rag_eval", "provenance_mismatch",
+                    self.provenance_mismatch, f"valid values are {', '.join(MISMATCH_POLICIES)}")
+        self.retrieval = nested_config(self.retrieval, RetrievalConfig, "rag_eval.retrieval")
 
 
 def retrieved_documents(store: Any, hits: List[Any]) -> List[Dict[str, Any]]:
@@ -87,11 +121,15 @@ def retrieved_documents(store: Any, hits: List[Any]) -> List[Dict[str, Any]]:
     return out
 
 
-class RAGEvalModule(SharedEvalStages, LongContextModule):
+class RAGEvalModule(RecordEvalModule):
     """See the module docstring. ``self.reuse`` (a KV-reuse prefill) and ``self.decoder`` (Guidance) are set by
-    callbacks; ``self.records`` holds the last stage's records."""
+    callbacks; ``self.records`` holds the last stage's records. Records are keyed by sample id, reuse method and
+    decoding (arms share a file) and stamped with every setting of the method's config (model, prompt, decoding
+    length, retrieval, judge ...): a rerun under other settings is refused, naming them."""
 
     config_class = RAGEvalConfig
+    record_keys = ("id", "reuse", "decoding")
+    running_metric = "score"
 
     def __init__(self, cfg: Any = None, optim: Any = None) -> None:
         super().__init__(cfg, optim)
@@ -103,11 +141,9 @@ class RAGEvalModule(SharedEvalStages, LongContextModule):
         self.answer_stop_ids = sorted(set(self.stop_ids) | set(newline[-1:]))
         self.reuse: Any = None
         self.decoder: Any = None
-        self.records: List[Dict[str, Any]] = []
         self._full: Any = None
         self._retrievers: Dict[str, Any] = {}
         self._judge: Any = None
-        self._done: Dict[Tuple[str, str, str], Dict[str, Any]] = {}
 
     # ------------------------------------------------------------------ parts
     @property
@@ -133,9 +169,8 @@ class RAGEvalModule(SharedEvalStages, LongContextModule):
             from lightning_modules.retrieval.store import DocumentStore, Retriever
 
             r = self.cfg.retrieval
-            store = DocumentStore.from_folder(corpus, max_tokens=int(r.get("max_tokens", 128)), tokenizer=self.tokenizer)
-            self._retrievers[corpus] = Retriever(store, method=r.get("method", "hybrid"),
-                                                 embedder=r.get("embedder", "minilm"), backend=r.get("backend", "numpy"))
+            store = DocumentStore.from_folder(corpus, max_tokens=r.max_tokens, tokenizer=self.tokenizer)
+            self._retrievers[corpus] = Retriever(store, method=r.method, embedder=r.embedder, backend=r.backend)
         return self._retrievers[corpus]
 
     def prompt_format(self, sample: Dict[str, Any]) -> str:
@@ -160,7 +195,7 @@ class RAGEvalModule(SharedEvalStages, LongContextModule):
             if not corpus:
                 raise ValueError(f"sample {sample.get('id')!r} has neither documents nor a corpus folder to retrieve from")
             retriever = self.retriever(corpus)
-            k = self.cfg.retrieval.get("k") or int(sample.get("retrieve_k", 4))
+            k = self.cfg.retrieval.k or int(sample.get("retrieve_k", 4))
             docs = retrieved_documents(retriever.store, retriever.search(sample["question"], k))
         fmt = self.prompt_format(sample)
         prompt = build_prompt(self.tokenizer, docs, sample["question"], fmt, chat=self.cfg.chat)
@@ -189,45 +224,12 @@ class RAGEvalModule(SharedEvalStages, LongContextModule):
             rec["prediction"] = out.text
         return rec
 
-    # ------------------------------------------------------------------ resumable records
-    def _results_path(self) -> Optional[Path]:
-        return run_path(self, self.cfg.results_file)
-
-    def _start(self) -> None:
-        self.records = []
-        self._done = {}
-        path = self._results_path()
-        if path is not None:
-            reuse, decoding = self.method_names()
-            for rec in read_jsonl(path):
-                if rec.get("model") == self.cfg.model and rec.get("reuse") == reuse:
-                    self._done[(rec["id"], rec.get("decoding", "greedy"))] = rec
-
-    def eval_step(self, stage: str, batch: Any) -> List[Dict[str, Any]]:
-        """``batch``: every field as a list over its samples (``datamodules.rag_tasks.collate_rag``), or a list of
-        sample dicts."""
-        if isinstance(batch, dict):
-            n = len(batch["id"])
-            batch = [{k: v[i] for k, v in batch.items()} for i in range(n)]
-        out = []
-        for sample in batch:
-            decoding = self.method_names()[1] if self.prompt_format(sample) == "cite" else "greedy"
-            rec = self._done.get((sample["id"], decoding))
-            if rec is None:
-                rec = self.evaluate_sample(sample)
-                path = self._results_path()
-                if path is not None:
-                    append_jsonl(path, [rec])
-            out.append(rec)
-        self.records.extend(out)
-        scored = [r["score"] for r in self.records if r.get("score") is not None]
-        if stage != "predict" and scored:
-            self.log(f"{stage}/acc_running", sum(scored) / len(scored), prog_bar=True, on_step=True, on_epoch=False,
-                     batch_size=len(out))
-        return out
-
-    def _gather(self) -> None:
-        self.records = gather_records(self, self.records)
+    # ------------------------------------------------------------------ records
+    def run_sample(self, sample: Dict[str, Any]) -> List[Dict[str, Any]]:
+        reuse, decoding = self.method_names()
+        decoding = decoding if self.prompt_format(sample) == "cite" else "greedy"
+        rec = self.recorded(id=sample["id"], reuse=reuse, decoding=decoding)
+        return [rec if rec is not None else self.emit(self.evaluate_sample(sample))]
 
     def summary(self) -> Dict[str, float]:
         out: Dict[str, float] = {}
@@ -239,34 +241,6 @@ class RAGEvalModule(SharedEvalStages, LongContextModule):
                 out[name] = sum(vals) / len(vals)
         return out
 
-    def eval_epoch_end(self, stage: str) -> None:
-        self._gather()
-        for name, value in self.summary().items():
-            self.log(f"{stage}/{name}", value, rank_zero_only=True)
-
-    def on_validation_epoch_start(self) -> None:
-        self._start()
-
-    def on_test_epoch_start(self) -> None:
-        self._start()
-
-    def on_predict_epoch_start(self) -> None:
-        self._start()
-
-    def predict_step(self, batch, batch_idx, dataloader_idx: int = 0):
-        return self.eval_step("predict", batch)
-
-    def on_predict_epoch_end(self) -> None:
-        self._gather()
-
     def training_step(self, batch, batch_idx):
         raise RuntimeError("RAGEvalModule evaluates a pretrained model; use validate/test/predict "
                            "(python -m recipes.evaluate --recipe rag_smollm2)")
-
-    def configure_optimizers(self):
-        return None
-
-    def write_records(self, path: Path) -> None:
-        with atomic_open(path, "w", encoding="utf-8") as f:
-            for rec in self.records:
-                f.write(json.dumps(rec) + "\n")

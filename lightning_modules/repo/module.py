@@ -16,10 +16,11 @@ from typing import Any, Dict
 
 import torch
 
-from lightning_modules.base import check_field, coerce_config, is_int
+from lightning_modules.base import check_field, is_int
 from lightning_modules.llm.module import LanguageModel, LanguageModelConfig
 from lightning_modules.repo.attention import apply_repo, repo_modules
 from lightning_modules.repo.config import RePoConfig
+from litctx_common.options import nested_config
 
 __all__ = ["RePoCPTConfig", "RePoCPTModule"]
 
@@ -36,13 +37,13 @@ class RePoCPTConfig(LanguageModelConfig):
             run setting: the exported model (and every later evaluation) uses ``repo.anneal``.
     """
 
-    repo: Dict[str, Any] = field(default_factory=dict)
+    repo: RePoConfig = field(default_factory=RePoConfig)
     log_every: int = 10
     warm_start_steps: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.repo_config  # validates the nested settings (repo.<field> errors)
+        self.repo = nested_config(self.repo, RePoConfig, "repo_cpt.repo")
         check_field(is_int(self.log_every) and self.log_every >= 0, "repo_cpt", "log_every", self.log_every,
                     "must be an integer >= 0")
         check_field(is_int(self.warm_start_steps) and self.warm_start_steps >= 0, "repo_cpt", "warm_start_steps",
@@ -50,7 +51,7 @@ class RePoCPTConfig(LanguageModelConfig):
 
     @property
     def repo_config(self) -> RePoConfig:
-        return coerce_config(self.repo, RePoConfig)
+        return self.repo
 
 
 class RePoCPTModule(LanguageModel):

@@ -13,13 +13,13 @@ one is an error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict
+from dataclasses import dataclass
+from typing import Optional
 
-from lightning_modules.base import coerce_config
 from lightning_modules.llm.module import LanguageModel, LanguageModelConfig
 from lightning_modules.softplus.attention import apply_score_mode, score_config_of
 from lightning_modules.softplus.config import AttentionScoreConfig
+from litctx_common.options import nested_config
 
 __all__ = ["SoftplusLMConfig", "SoftplusLM"]
 
@@ -30,19 +30,20 @@ class SoftplusLMConfig(LanguageModelConfig):
 
     Attributes:
         attention: the attention score setting (:class:`AttentionScoreConfig`: ``score_mode`` softmax / lssa /
-            lssar, LSSAR's ``power`` and ``offset_rows``; empty = LSSAR with the paper's p = 15, or the setting
-            a trained model folder carries).
+            lssar, LSSAR's ``power`` and ``offset_rows``; null = the setting a trained model folder carries, else
+            LSSAR with the paper's p = 15 (:class:`AttentionScoreConfig`'s defaults)).
     """
 
-    attention: Dict[str, Any] = field(default_factory=dict)
+    attention: Optional[AttentionScoreConfig] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.attention_config  # validates the nested settings (attention.<field> errors)
+        if self.attention is not None:
+            self.attention = nested_config(self.attention, AttentionScoreConfig, "lssa_lm.attention")
 
     @property
     def attention_config(self) -> AttentionScoreConfig:
-        return coerce_config(self.attention, AttentionScoreConfig)
+        return self.attention if self.attention is not None else AttentionScoreConfig()
 
 
 class SoftplusLM(LanguageModel):
@@ -54,7 +55,7 @@ class SoftplusLM(LanguageModel):
         want = self.cfg.attention_config
         have = score_config_of(self.model)
         if have is not None:
-            if self.cfg.attention and have != want:
+            if self.cfg.attention is not None and have != want:
                 raise ValueError(f"{self.cfg.model} was trained with attention={have.to_hf()}, but "
                                  f"method.args.attention asks for {want.to_hf()}; drop method.args.attention or "
                                  f"start from a plain model")

@@ -29,7 +29,7 @@ from lightning_modules.llm.drafts import DraftConfig
 from lightning_modules.llm.sampling import SamplingConfig
 from lightning_modules.llm.speculative import check_gamma, speculative_generate
 from lightning_modules.speculative.verifiers import VERIFIERS, build_verifier, verifier_keywords
-from litctx_common.options import accepted_keywords, check_options
+from litctx_common.options import check_options, nested_config
 
 __all__ = ["SpeculativeSettings", "SpeculativeConfig", "SpeculativeGeneration", "SpeculativeCallback"]
 
@@ -40,14 +40,14 @@ class SpeculativeSettings:
 
     Attributes:
         gamma: tokens the draft proposes per verification (>= 1).
-        draft: the draft (:class:`~lightning_modules.llm.drafts.DraftConfig` fields: ``kind`` early_exit |
-            checkpoint | prompt_lookup, ``num_layers``, ``path``).
+        draft: the draft (:class:`~lightning_modules.llm.drafts.DraftConfig`: ``kind`` early_exit | checkpoint |
+            prompt_lookup, ``num_layers``, ``path``, ``ngram_max``, ``ngram_min``).
         temperature, top_k, top_p, seed: sampling of both models (temperature 0 = greedy; acceptance is then
             greedy matching, else rejection sampling).
     """
 
     gamma: int = 4
-    draft: Dict[str, Any] = field(default_factory=lambda: {"kind": "early_exit", "num_layers": 8})
+    draft: DraftConfig = field(default_factory=DraftConfig)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -55,16 +55,14 @@ class SpeculativeSettings:
 
     def check_settings(self) -> None:
         check_gamma(self.gamma)
-        check_options(dict(self.draft), accepted_keywords(DraftConfig), "speculative.draft")
-        DraftConfig(**dict(self.draft))
+        self.draft = nested_config(self.draft, DraftConfig, "speculative.draft")
         self.sampling()
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed)
 
     def draft_tag(self) -> str:
-        d = self.draft.get("kind", "early_exit")
-        return {"early_exit": f"ee{self.draft.get('num_layers', 8)}", "prompt_lookup": "lookup"}.get(d, "distilled")
+        return {"early_exit": f"ee{self.draft.num_layers}", "prompt_lookup": "lookup"}.get(self.draft.kind, "distilled")
 
 
 @dataclass
@@ -96,7 +94,7 @@ class SpeculativeConfig(SpeculativeSettings):
     def build(self, target: Any, tokenizer: Any = None) -> "SpeculativeGeneration":
         import torch
 
-        draft, info = DraftConfig(**dict(self.draft)).build(target, tokenizer)
+        draft, info = self.draft.build(target, tokenizer)
         if isinstance(draft, torch.nn.Module):
             draft.requires_grad_(False)
             draft.eval()
