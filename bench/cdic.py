@@ -176,7 +176,7 @@ def recall_items(records: List[Dict[str, Any]], arm: str, revised: Optional[bool
 
 
 def report(args, records: List[Dict[str, Any]]) -> str:
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     arms = [a for a in ARMS if any(r["arm"] == a for r in records)]
     long = [r for r in records if r["part"] == "long"]

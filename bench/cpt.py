@@ -116,7 +116,7 @@ def timing(args) -> Dict[str, Any]:
     import torch.nn.functional as F
 
     from lightning_modules.l2a.layer import l2a_layers, reset_routing_stats, routing_stats
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
     from litctx_common.timing import Stopwatch
 
     torch.manual_seed(0)
@@ -190,7 +190,7 @@ def l2a_init_probe(args, batches: int = 4) -> Dict[str, Any]:
     import torch
 
     from lightning_modules.l2a.layer import apply_l2a
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
     from recipes.api import build
 
     run = build(RECIPES["plain"], _overrides(args), stage="test")
@@ -229,7 +229,7 @@ def _family_scores(rec: Dict[str, Any], family: str) -> Dict[str, float]:
 
 
 def report(cache: Dict[str, Any], args) -> str:
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     runs = cache["runs"]
     arms = [a for a in ARM_ORDER if a in runs]

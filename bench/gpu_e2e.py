@@ -41,7 +41,7 @@ def make_prompts(path: Path, lengths: List[int]) -> None:
     """Token ids of the suite's ``niah_single`` sample 0 at each length (context + question) -> ``path``."""
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
-    from lightning_modules.llm.loading import load_tokenizer
+    from lightning_modules.llm.model.loading import load_tokenizer
     from litctx_common.io import atomic_path
 
     tok = load_tokenizer("smollm2-135m")
@@ -58,8 +58,8 @@ def make_prompts(path: Path, lengths: List[int]) -> None:
 
 def load_model(args):
     """SmolLM2 in bf16 with the ``litctx`` attention: from a GGUF file or the registered package."""
-    from lightning_modules.llm.attention import ensure_registered
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.attention import ensure_registered
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     if args.gguf:
         from transformers import AutoModelForCausalLM

@@ -42,8 +42,9 @@ def run(args, model, tok) -> None:
     from datamodules.text import pydoc_documents
     from litctx_kernels.cpu_sparse import NATIVE_ENV
     from lightning_modules.kv_eviction.methods import method_config
-    from lightning_modules.llm.generation import CachedLM, record_prefill
-    from lightning_modules.llm.session import install_policy
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
+    from lightning_modules.llm.decoding.generate import record_prefill
+    from lightning_modules.llm.kv_policy.runner import install_policy
 
     done = {(r["id"], r["arm"]) for r in read_jsonl(args.results)}
     haystack = Haystack(pydoc_documents(), tok)
@@ -132,7 +133,7 @@ def main() -> int:
     if not args.report_only:
         import torch
 
-        from lightning_modules.llm.loading import load_causal_lm
+        from lightning_modules.llm.model.loading import load_causal_lm
 
         model, tok = load_causal_lm("smollm2-135m")
         model.requires_grad_(False)

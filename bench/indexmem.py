@@ -17,7 +17,7 @@ cache keeps 33 entries fewer; every heuristic keeps the full budget in cache ent
 
 The bank is trained by ``python -m recipes.fit --recipe indexmem_smollm2`` into ``runs/bench_indexmem/train``
 (``--weights`` takes another). Each sample's context is prefilled once and every arm compresses that prefill
-(:func:`lightning_modules.llm.generation.record_prefill`), asks the question and decodes greedily (kvpress's
+(:func:`lightning_modules.llm.decoding.generate.record_prefill`), asks the question and decodes greedily (kvpress's
 compress-then-ask protocol). One record per (sample, arm, ratio) goes to
 ``results/indexmem_smollm2.jsonl``, so a rerun continues. A learned arm's record names its bank (``bank``, a
 hash of the weights; records without one are the session-17 bank, ``s17``); the report pools banks and shows each
@@ -101,9 +101,10 @@ def run_suite(args, bank_dir: Path) -> None:
     from datamodules.text import pydoc_documents
     from lightning_modules.indexmem.bank import IndexMemBank
     from lightning_modules.kv_eviction.methods import policy_grid
-    from lightning_modules.llm.generation import record_prefill, stop_token_ids
-    from lightning_modules.llm.loading import load_causal_lm
-    from lightning_modules.llm.suite_metrics import score_prediction
+    from lightning_modules.llm.decoding.generate import record_prefill
+    from lightning_modules.llm.decoding.stopping import stop_token_ids
+    from lightning_modules.llm.model.loading import load_causal_lm
+    from lightning_modules.llm.eval.suite_metrics import score_prediction
 
     torch.manual_seed(0)
     model, tok = load_causal_lm("smollm2-135m")
@@ -151,7 +152,7 @@ def run_suite(args, bank_dir: Path) -> None:
 
 
 def report(args, bank_dir: Path, records: List[Dict[str, Any]]) -> str:
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     every = [r for r in records if r["length"] in args.lengths]
     recs = [r for r in every if r["ratio"] in args.ratios and r["arm"] != "full"]

@@ -72,7 +72,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"--length must be >= 3 and --sequences >= 1 (got {args.length}, {args.sequences})")
     import torch
 
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     torch.set_num_threads(args.threads)
     model, _ = load_causal_lm(args.model, attn_implementation="eager", with_tokenizer=False)

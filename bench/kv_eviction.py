@@ -6,7 +6,7 @@ variant side by side with the full cache, at several compression ratios, lengths
     python -m bench.kv_eviction --samples 2 --lengths 2048 --ratios 0.75 --protocols compress_then_ask
 
 Each sample's context is prefilled once; every (method, ratio) then compresses that same prefill
-(:func:`~lightning_modules.llm.generation.generate_under_policies`, identical to running the method alone),
+(:func:`~lightning_modules.llm.decoding.generate.generate_under_policies`, identical to running the method alone),
 asks the question and decodes greedily, all (method, ratio) pairs as rows of one batch (``--unbatched``: one by
 one). Records go to ``results/kv_eviction_smollm2.jsonl`` one per
 (sample, protocol, method, ratio), so a rerun resumes. Reported:
@@ -16,7 +16,7 @@ one). Records go to ``results/kv_eviction_smollm2.jsonl`` one per
 * KV bytes after compression relative to the full cache; decode tokens/s against the full cache on a fixed
   32-token decode at the longest length (``--throughput-samples`` samples; ``--throughput-only`` runs just this
   part), H2O, TOVA and StreamingLLM with both compactions of their per-step eviction (in place, the default, and
-  gathering the cache: :class:`~lightning_modules.llm.policy.Schedule`);
+  gathering the cache: :class:`~lightning_modules.llm.kv_policy.protocol.Schedule`);
 * Spearman correlation of each score with the measured output change of removing a token, on attention
   captured from SmolLM2 (all layers, the last 32 prompt queries).
 """
@@ -78,8 +78,9 @@ def run_suite(args, model, tok) -> None:
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
     from lightning_modules.kv_eviction.methods import policy_grid
-    from lightning_modules.llm.generation import record_prefill, stop_token_ids
-    from lightning_modules.llm.suite_metrics import score_prediction
+    from lightning_modules.llm.decoding.generate import record_prefill
+    from lightning_modules.llm.decoding.stopping import stop_token_ids
+    from lightning_modules.llm.eval.suite_metrics import score_prediction
 
     policies = policy_grid(METHODS, args.ratios)
     done = {(r["id"], r["protocol"], r["method"], r["ratio"]) for r in read_records(args.results) if r.get("kind", "suite") == "suite"}
@@ -131,7 +132,7 @@ def run_throughput(args, model, tok) -> None:
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
     from lightning_modules.kv_eviction.methods import policy_grid
-    from lightning_modules.llm.generation import generate_under_policies
+    from lightning_modules.llm.decoding.generate import generate_under_policies
 
     length = max(args.lengths)
     done = {(r["id"], r["method"], r["ratio"]) for r in read_records(args.results) if r.get("kind") == "throughput"}
@@ -160,9 +161,9 @@ def run_rank_quality(model, tok) -> Dict[str, Any]:
     from datamodules.text import pydoc_documents
     from litctx_kernels.reference import attention_colstats_reference
     from lightning_modules.kv_eviction.scores import SCORE_KINDS, token_scores
-    from lightning_modules.llm.generation import CachedLM
-    from lightning_modules.llm.policy import KVPolicy
-    from lightning_modules.llm.session import install_policy
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
+    from lightning_modules.llm.kv_policy.protocol import KVPolicy
+    from lightning_modules.llm.kv_policy.runner import install_policy
 
     ids = tok(" ".join(pydoc_documents()[-40:]), return_tensors="pt").input_ids[:, :512]
     lm = CachedLM(model)
@@ -212,7 +213,7 @@ def _verdict(bs: Dict[str, float]) -> str:
 def pooled_obcache_rows(by: Dict[Tuple, Dict[str, Dict[str, Any]]], args) -> List[str]:
     """Markdown rows: each OBCache variant minus its base (and all four together), one difference per
     (protocol, length, sample) averaged over the compression ratios (and pairs), bootstrapped over those units."""
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     def unit_diffs(pairs):
         units = {}
@@ -237,7 +238,7 @@ def pooled_obcache_rows(by: Dict[Tuple, Dict[str, Dict[str, Any]]], args) -> Lis
 
 
 def report(args, rank_quality) -> str:
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     records = read_records(args.results)
     recs = [r for r in records if r.get("kind", "suite") == "suite" and r["task"] in args.tasks
@@ -382,7 +383,7 @@ def main() -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     model, tok = load_causal_lm("smollm2-135m")
     model.requires_grad_(False)

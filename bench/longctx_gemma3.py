@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Sequence
 
 from bench._report import REPO
-from lightning_modules.llm.suite_metrics import markdown_table, mean_prefill_seconds, paired_bootstrap, summarise
+from lightning_modules.llm.eval.suite_metrics import markdown_table, mean_prefill_seconds, paired_bootstrap, summarise
 from litctx_common.io import read_jsonl
 
 RESULTS = REPO / "results"

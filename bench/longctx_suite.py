@@ -18,8 +18,8 @@ from pathlib import Path
 
 from bench._report import REPO, write_section
 
-from lightning_modules.llm.report import plot_depth_grid
-from lightning_modules.llm.suite_metrics import depth_grid, markdown_table, mean_prefill_seconds, summarise
+from lightning_modules.llm.eval.report import plot_depth_grid
+from lightning_modules.llm.eval.suite_metrics import depth_grid, markdown_table, mean_prefill_seconds, summarise
 from litctx_common.io import read_jsonl
 
 

@@ -42,8 +42,8 @@ def results_path(model: str) -> Path:
 
 def load(model_dir: str):
     """The block-diffusion model, its tokenizer (None for a synthetic-vocabulary model) and its setting."""
-    from lightning_modules.llm.block_attention import block_setting
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.bdlm.block_attention import block_setting
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     has_tokenizer = (Path(model_dir) / "tokenizer_config.json").is_file()
     model, tok = load_causal_lm(model_dir, with_tokenizer=has_tokenizer, expect_surgery="block_diffusion")
@@ -65,9 +65,9 @@ def run_sample(model: Any, batch: Dict[str, Any], arms: List[Any], steps: int, d
     import torch
 
     from lightning_modules.bdlm.module import score_answers
-    from lightning_modules.llm.block_sampler import BlockDiffusionSampler, BlockSamplerConfig, left_pad_to_blocks
-    from lightning_modules.llm.block_attention import block_setting
-    from lightning_modules.llm.generation import CachedLM
+    from lightning_modules.bdlm.block_sampler import BlockDiffusionSampler, BlockSamplerConfig, left_pad_to_blocks
+    from lightning_modules.bdlm.block_attention import block_setting
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
     from lightning_modules.losa.method import install_block_sparse
 
     setting = block_setting(model)
@@ -107,7 +107,7 @@ def mean(xs):
 
 
 def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) -> str:
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     by: Dict[tuple, Dict[str, Dict[str, Any]]] = {}
     for r in records:

@@ -148,8 +148,8 @@ def adakv_policy(ratio: float):
 
 
 def generate_once(model, batch, steps: int, policy_factory: Callable[[], Any]) -> Dict[str, Any]:
-    from lightning_modules.llm.generation import CachedLM
-    from lightning_modules.llm.session import install_policy
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
+    from lightning_modules.llm.kv_policy.runner import install_policy
 
     policy = policy_factory()
     ctx = install_policy(model, policy) if policy is not None else contextlib.nullcontext()
@@ -165,7 +165,7 @@ def generate_once(model, batch, steps: int, policy_factory: Callable[[], Any]) -
 
 
 def run_model(n: int, steps: int, repeats: int, ratio: float) -> Dict[str, Any]:
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     model, tok = load_causal_lm("smollm2-135m")
     batch = padded_batch(tok, n)

@@ -77,9 +77,9 @@ def run_gold_context(args) -> None:
     model chain the facts when retrieval is perfect?)."""
     from datamodules.multihop import MultiHopDataModule
     from lightning_modules.hgmem import prompts as P
-    from lightning_modules.llm.chat import build_backend
-    from lightning_modules.llm.chat_records import RecordedBackend
-    from lightning_modules.llm.suite_metrics import score_prediction
+    from lightning_modules.llm.serving.chat import build_backend
+    from lightning_modules.llm.serving.chat_records import RecordedBackend
+    from lightning_modules.llm.eval.suite_metrics import score_prediction
     from litctx_common.io import append_jsonl
 
     path = multihop_path("gold_context")
@@ -135,7 +135,7 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def multihop_report() -> List[str]:
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     recs = {s: {r["id"]: r for r in read_jsonl(multihop_path(s), key=lambda r: r["id"])} for s in STRATEGIES}
     common = sorted(set.intersection(*(set(v) for v in recs.values()))) if all(recs.values()) else []

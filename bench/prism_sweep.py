@@ -157,7 +157,7 @@ def paired_cells(recs: Sequence[Dict[str, Any]], length: int,
     """Per method at ``length``, against dense on the same sample ids (only ``ids`` when given): accuracy, dense
     accuracy, paired difference with its 95% bootstrap interval, mean density, mean estimate / attention
     seconds, the speed-up ``sum(dense attention s) / sum(estimate + attention s)`` and n."""
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     keep = set(ids) if ids is not None else None
     by: Dict[str, Dict[str, Dict[str, Any]]] = {}
@@ -232,8 +232,9 @@ def run_samples(part: str, samples: Sequence[Tuple[str, str, int]], length: int,
     import torch
 
     from datamodules.longctx_tasks import build_sample
-    from lightning_modules.llm.generation import greedy_generate, stop_token_ids
-    from lightning_modules.llm.suite_metrics import score_prediction
+    from lightning_modules.llm.decoding.generate import greedy_generate
+    from lightning_modules.llm.decoding.stopping import stop_token_ids
+    from lightning_modules.llm.eval.suite_metrics import score_prediction
     from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
     done = {(r["id"], r["method"]) for r in records(part)}
@@ -272,7 +273,7 @@ def run_screen(args, model, tok) -> None:
     import torch.nn.functional as F
 
     from datamodules.longctx_tasks import build_sample
-    from lightning_modules.llm.generation import record_prefill
+    from lightning_modules.llm.decoding.generate import record_prefill
     from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
     from litctx_common.timing import time_call
 
@@ -525,7 +526,7 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-        from lightning_modules.llm.loading import load_causal_lm
+        from lightning_modules.llm.model.loading import load_causal_lm
 
         model, tok = load_causal_lm("smollm2-135m")
         model.requires_grad_(False)

@@ -54,8 +54,8 @@ GAP_MIN = 0.15
 
 class Bench:
     def __init__(self, args) -> None:
-        from lightning_modules.llm.generation import stop_token_ids
-        from lightning_modules.llm.loading import load_causal_lm
+        from lightning_modules.llm.decoding.stopping import stop_token_ids
+        from lightning_modules.llm.model.loading import load_causal_lm
 
         self.args = args
         self.model, self.tok = load_causal_lm("smollm2-135m", dtype="float32")
@@ -72,7 +72,7 @@ class Bench:
         return (r["stage"], r["setting"], r["method"], r["id"])
 
     def reuser(self, selector: str, ratio: float = 0.0):
-        from lightning_modules.llm.kv_store import KVSegmentStore
+        from lightning_modules.llm.runtime.kv_store import KVSegmentStore
         from lightning_modules.prophetkv.reuse import ReuseConfig
 
         name = f"{selector}@{ratio}"
@@ -92,7 +92,7 @@ class Bench:
 
     def run_methods(self, stage: str, setting: str, samples, methods: Sequence[tuple]) -> None:
         """Each ``(method name, selector, ratio)`` on each sample (full prefill first: the KL reference)."""
-        from lightning_modules.llm.suite_metrics import score_prediction
+        from lightning_modules.llm.eval.suite_metrics import score_prediction
         from lightning_modules.rag.pipeline import answer, answer_distribution_kl
         from lightning_modules.rag.prompts import build_prompt
 
@@ -216,10 +216,10 @@ class Bench:
             print("[bench.rag] guidance is not available; stage skipped", flush=True)
             return
         from lightning_modules.guidance.longbench_cite import score_response
-        from lightning_modules.llm.judge import LexicalJudge
+        from lightning_modules.llm.eval.judges import LexicalJudge
         from lightning_modules.rag.pipeline import answer
         from lightning_modules.rag.prompts import build_prompt
-        from lightning_modules.llm.suite_metrics import score_prediction
+        from lightning_modules.llm.eval.suite_metrics import score_prediction
 
         judge = LexicalJudge()
         samples = self.samples({"distractors": self.args.cite_distractors}, self.args.questions, source="cite",
@@ -249,7 +249,7 @@ class Bench:
 
 # ---------------------------------------------------------------------------------------------- report
 def _paired(a: Dict[str, float], b: Dict[str, float]):
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     ids = sorted(set(a) & set(b))
     if not ids:

@@ -296,8 +296,9 @@ def run_suite(args, model, tok) -> None:
 
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
-    from lightning_modules.llm.generation import greedy_generate, stop_token_ids
-    from lightning_modules.llm.suite_metrics import score_prediction
+    from lightning_modules.llm.decoding.generate import greedy_generate
+    from lightning_modules.llm.decoding.stopping import stop_token_ids
+    from lightning_modules.llm.eval.suite_metrics import score_prediction
     from lightning_modules.sparse_prefill.methods import prefill_config
     from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
@@ -332,7 +333,7 @@ def run_suite(args, model, tok) -> None:
 
 def suite_report(args) -> Tuple[str, int]:
     """The suite table and the samples per task it covers (``--samples``, or all on record)."""
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     recs = [r for r in suite_records() if r["length"] in args.lengths and r["task"] in TASKS
             and (args.samples is None or _index(r) < args.samples)]
@@ -367,9 +368,9 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
 
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
-    from lightning_modules.llm.generation import CachedLM
-    from lightning_modules.llm.policy import KVPolicy
-    from lightning_modules.llm.session import install_policy
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
+    from lightning_modules.llm.kv_policy.protocol import KVPolicy
+    from lightning_modules.llm.kv_policy.runner import install_policy
     from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
     from lightning_modules.sparse_prefill.methods import prefill_config
 
@@ -545,7 +546,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     model = tok = None
     if not args.report_only and {"timing", "suite"} & set(args.parts):
-        from lightning_modules.llm.loading import load_causal_lm
+        from lightning_modules.llm.model.loading import load_causal_lm
 
         model, tok = load_causal_lm("smollm2-135m")
         model.requires_grad_(False)

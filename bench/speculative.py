@@ -47,7 +47,7 @@ def _key(r: Dict[str, Any]):
 def draft_config(name: str, path: Optional[str]):
     """``eeK`` (early exit, K layers), ``lookup`` (prompt lookup; ``lookupN``: matches of at least N tokens) or
     ``distilled`` (``--draft-path``)."""
-    from lightning_modules.llm.drafts import DraftConfig
+    from lightning_modules.llm.decoding.drafts import DraftConfig
 
     if name == "lookup":
         return DraftConfig(kind="prompt_lookup")
@@ -83,10 +83,11 @@ def run(args, model, tok, drafts: Dict[str, Any]) -> None:
     from datamodules.longctx_tasks import Haystack, build_sample, collate_suite
     from datamodules.text import pydoc_documents
     from lightning_modules.kv_eviction.methods import SnapKVConfig
-    from lightning_modules.llm.generation import greedy_generate, hold_prompt, stop_token_ids
-    from lightning_modules.llm.session import install_policy
-    from lightning_modules.llm.speculative import speculative_generate
-    from lightning_modules.llm.suite_metrics import score_prediction
+    from lightning_modules.llm.decoding.generate import greedy_generate, hold_prompt
+    from lightning_modules.llm.decoding.stopping import stop_token_ids
+    from lightning_modules.llm.kv_policy.runner import install_policy
+    from lightning_modules.llm.decoding.speculative import speculative_generate
+    from lightning_modules.llm.eval.suite_metrics import score_prediction
 
     done = {_key(r) for r in read_jsonl(args.results)}
     haystack = Haystack(pydoc_documents(), tok)
@@ -179,7 +180,7 @@ def saliency_shift(args, model, tok, draft) -> Dict[str, Any]:
     from datamodules.text import pydoc_documents
     from lightning_modules.dustin.calibration import DustinCalibrationCallback, DustinCalibrationConfig
     from lightning_modules.dustin.selection import dustin_select
-    from lightning_modules.llm.generation import stop_token_ids
+    from lightning_modules.llm.decoding.stopping import stop_token_ids
 
     budget, length = args.budgets[0], args.lengths[0]
     layer = model.config.num_hidden_layers // 2
@@ -252,7 +253,7 @@ def make_distill_corpus(path: Path, n: int = 400, length: int = 768, seed: int =
 
     from datamodules.longctx_tasks import DEFAULT_TASKS, Haystack, build_sample
     from datamodules.text import pydoc_documents
-    from lightning_modules.llm.loading import load_tokenizer
+    from lightning_modules.llm.model.loading import load_tokenizer
     from litctx_common.io import atomic_open
 
     tok = load_tokenizer("smollm2-135m")
@@ -282,7 +283,7 @@ def _mean(xs):
 
 
 def report(args) -> str:
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     recs = read_jsonl(args.results)
     if not recs:
@@ -338,7 +339,7 @@ def _paired(rows, ref, value) -> List[tuple]:
 
 
 def _ci(pairs, scale=1.0, fmt="+.1f") -> str:
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     if len(pairs) < 2:
         return "-"
@@ -352,7 +353,7 @@ def speed_table(cells) -> str:
     interval of the mean, sd, range and the share of samples that decode faster."""
     import statistics
 
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     lines = ["Decode speed against plain decoding, per sample (ratio of decode tokens/s, same run and samples; "
              "95% bootstrap interval of the mean ratio):", "",
@@ -484,7 +485,7 @@ def main() -> int:
     if not args.report_only:
         import torch
 
-        from lightning_modules.llm.loading import load_causal_lm
+        from lightning_modules.llm.model.loading import load_causal_lm
 
         torch.set_num_threads(2)
         model, tok = load_causal_lm("smollm2-135m")

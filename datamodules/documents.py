@@ -39,7 +39,7 @@ def load_tokenizer_folder(name: str) -> Any:
     folder = Path(os.path.expanduser(name))
     if not folder.is_dir():
         raise ValueError(f"data.args.tokenizer={name!r} is not a local tokenizer folder; pass tokenizer= to "
-                         f"TextDataModule (e.g. lightning_modules.llm.loading.load_tokenizer({name!r})) or build "
+                         f"TextDataModule (e.g. lightning_modules.llm.model.loading.load_tokenizer({name!r})) or build "
                          f"it through recipes.registry.create_datamodule, which resolves registered names")
     from transformers import AutoTokenizer
 

@@ -45,7 +45,7 @@ of ``length`` (the original tasks keep their first run, and so their samples, as
 A sample holds the prompt split for kvpress's protocol: ``context_ids`` (chat template + instruction +
 context) and ``question_ids`` (question + the assistant's answer prefix), tokenised with the model's chat
 template. The query-aware protocol feeds both at once. ``metric`` names the string match (RULER's ``any`` or
-``all``, or ``ordered`` for recitations; :func:`lightning_modules.llm.suite_metrics.score_prediction`).
+``all``, or ``ordered`` for recitations; :func:`lightning_modules.llm.eval.suite_metrics.score_prediction`).
 
 ``pointer_chasing`` is built for the "saliency shift" of sparse verification in speculative decoding: each
 hop of the recitation needs a different, distant region of the context, so a set of KV entries chosen once

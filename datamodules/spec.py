@@ -82,7 +82,7 @@ DATAMODULES = [
         tiny={"lengths": [256, 384], "samples_per_cell": 1, "tasks": ["niah_single", "qa_facts"], "train_samples": 1},
         requires=("transformers",),
         extra="llm",
-        paper="lightning_modules.llm.spec:RULER_PAPER",
+        paper="lightning_modules.llm.eval.spec:RULER_PAPER",
         tokenizer_arg="tokenizer",
     ),
     DataSpec(

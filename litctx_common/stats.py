@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
-__all__ = ["MeanSD", "mean_sd"]
+__all__ = ["MeanSD", "mean_sd", "mean_of"]
 
 
 class MeanSD(NamedTuple):
@@ -34,3 +34,11 @@ def mean_sd(values: Iterable[float]) -> MeanSD:
     if not vals:
         raise ValueError("mean_sd needs at least one value, got none")
     return MeanSD(statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0, len(vals))
+
+
+def mean_of(values: Iterable[Any], empty: Any = float("nan")) -> Any:
+    """The mean of ``values`` without the missing ones (None and NaN), or ``empty`` when none is left: the
+    report tables' mean of a column where some runs did not measure the quantity."""
+    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.fmean(vals) if vals else empty
+

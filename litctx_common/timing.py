@@ -34,7 +34,7 @@ def resolve_device(device: Any = "auto") -> Any:
     """The ``torch.device`` (or the string ``"cpu"`` when torch is not imported) whose queue a timer must
     drain. ``device`` is ``"auto"``/``None`` (the current CUDA device when CUDA is initialised, else the CPU), a
     device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``), a ``torch.device``, or an object with a ``.device``
-    attribute (a tensor, a LightningModule, :class:`~lightning_modules.llm.generation.CachedLM`)."""
+    attribute (a tensor, a LightningModule, :class:`~lightning_modules.llm.runtime.cached_lm.CachedLM`)."""
     torch = sys.modules.get("torch")
     if device in _AUTO:
         if torch is None:

@@ -59,9 +59,9 @@ torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 # %%
 from datamodules.longctx_tasks import Haystack, build_sample
 from datamodules.text import read_documents
-from lightning_modules.llm.generation import stop_token_ids
-from lightning_modules.llm.loading import load_causal_lm
-from lightning_modules.llm.suite_metrics import score_prediction
+from lightning_modules.llm.decoding.stopping import stop_token_ids
+from lightning_modules.llm.model.loading import load_causal_lm
+from lightning_modules.llm.eval.suite_metrics import score_prediction
 
 model, tok = load_causal_lm("smollm2-135m")
 n_layers, n_kv = model.config.num_hidden_layers, model.config.num_key_value_heads
@@ -113,8 +113,8 @@ def answer_of(tokens) -> str:
 
 # %%
 from lightning_modules.kv_eviction.methods import OBCacheConfig, SnapKVConfig
-from lightning_modules.llm.generation import CachedLM
-from lightning_modules.llm.session import install_policy
+from lightning_modules.llm.runtime.cached_lm import CachedLM
+from lightning_modules.llm.kv_policy.runner import install_policy
 
 methods = {"SnapKV": SnapKVConfig(keep=KEEP, window=32),
            "OBCache (SnapKV, kv)": OBCacheConfig(base="snapkv", kind="kv", base_args={"keep": KEEP, "window": 32})}
@@ -171,7 +171,7 @@ plt.show()
 # blocks computed. `min_length` is lowered so that the smoke prompt goes sparse too.
 
 # %%
-from lightning_modules.llm.generation import greedy_generate
+from lightning_modules.llm.decoding.generate import greedy_generate
 from lightning_modules.sparse_prefill.methods import PREFILL_METHODS
 from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
@@ -204,8 +204,8 @@ plt.show()
 # step's accepted count.
 
 # %%
-from lightning_modules.llm.drafts import early_exit_draft
-from lightning_modules.llm.speculative import SpeculativeHook, speculative_generate
+from lightning_modules.llm.decoding.drafts import early_exit_draft
+from lightning_modules.llm.decoding.speculative import SpeculativeHook, speculative_generate
 
 
 class AcceptedPerStep(SpeculativeHook):

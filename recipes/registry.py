@@ -75,7 +75,9 @@ SPEC_MODULES: Tuple[str, ...] = (
     "lightning_modules.meg.spec",
     "lightning_modules.emformer.spec",
     "lightning_modules.spiking.spec",
-    "lightning_modules.llm.spec",
+    "lightning_modules.llm.model.spec",
+    "lightning_modules.llm.kv_policy.spec",
+    "lightning_modules.llm.eval.spec",
     "lightning_modules.repo.spec",
     "lightning_modules.l2a.spec",
     "lightning_modules.softplus.spec",
@@ -375,7 +377,7 @@ def create_datamodule(name: str, args: Mapping[str, Any] | Any = None, **kwargs:
         spec.config, spec.target, args or {}, "data.args"
     )
     if spec.tokenizer_arg and "tokenizer" not in kwargs and getattr(cfg, spec.tokenizer_arg) is not None:
-        from lightning_modules.llm.loading import load_tokenizer
+        from lightning_modules.llm.model.loading import load_tokenizer
 
         kwargs["tokenizer"] = load_tokenizer(getattr(cfg, spec.tokenizer_arg))
     return import_target(spec.target)(cfg, **kwargs)

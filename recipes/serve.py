@@ -61,8 +61,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import uvicorn
 
-    from lightning_modules.llm.chat import LocalChatBackend
-    from lightning_modules.llm.chat_server import build_app
+    from lightning_modules.llm.serving.chat import LocalChatBackend
+    from lightning_modules.llm.serving.chat_server import build_app
 
     try:
         backend = LocalChatBackend(args.model, dtype=args.dtype, max_context=args.max_context)

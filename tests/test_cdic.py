@@ -74,7 +74,7 @@ def _stated(thread, text):
 @needs_tokenizer
 def test_tokenized_answer_span_decodes_to_the_answer():
     from datamodules.dialogue import DialogueDataModule
-    from lightning_modules.llm.loading import load_tokenizer
+    from lightning_modules.llm.model.loading import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m")
     dm = DialogueDataModule(DialogueDataConfig(train_dialogues=1, val_dialogues=3, test_dialogues=1, turns=40),
@@ -222,14 +222,14 @@ def test_merge_arm_keeps_the_running_mean_and_concat_grows():
 
 # ---------------------------------------------------------------- the model pieces (tiny Llama)
 def _lm(dtype="float32", layers=2):
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     model, _ = load_causal_lm("tiny-llama", dtype=dtype, tiny={"num_hidden_layers": layers}, with_tokenizer=False)
     return model
 
 
 def test_forward_over_placed_states_equals_one_full_forward():
-    from lightning_modules.llm.cache_surgery import forward_over_past, place_states, rerotate_keys
+    from lightning_modules.llm.runtime.cache_surgery import forward_over_past, place_states, rerotate_keys
 
     model = _lm("float64")
     ids = torch.randint(0, 200, (1, 11))
@@ -248,7 +248,7 @@ def test_forward_over_placed_states_equals_one_full_forward():
 
 
 def test_masked_lora_acts_only_where_the_mask_is_on(tmp_path):
-    from lightning_modules.llm.adapters import MaskedLoRA
+    from lightning_modules.cdic.adapters import MaskedLoRA
 
     model = _lm("float64")
     lora = MaskedLoRA(model, ["self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"], rank=2, alpha=4,

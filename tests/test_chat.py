@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from lightning_modules.llm.chat import (BackendError, GenerationParams, ScriptedBackend, apply_stop, build_backend,
+from lightning_modules.llm.serving.chat import (BackendError, GenerationParams, ScriptedBackend, apply_stop, build_backend,
                                         check_messages)
-from lightning_modules.llm.chat_records import RecordedBackend
-from lightning_modules.llm.structured import (StructuredOutputError, ask_structured, parse_json, parse_records,
+from lightning_modules.llm.serving.chat_records import RecordedBackend
+from lightning_modules.llm.serving.structured import (StructuredOutputError, ask_structured, parse_json, parse_records,
                                               split_sections, strip_reasoning)
 
 pytestmark = pytest.mark.usefixtures("torch_seed")
@@ -66,7 +66,7 @@ def test_apply_stop_cuts_at_the_earliest():
 
 
 def test_local_backend_greedy_repeats_and_seeded_sampling_repeats():
-    from lightning_modules.llm.chat import LocalChatBackend
+    from lightning_modules.llm.serving.chat import LocalChatBackend
 
     b = LocalChatBackend("tiny-llama")
     g1 = b.chat(USER, max_tokens=6)
@@ -203,8 +203,8 @@ class Faults:
 @pytest.fixture(scope="module")
 def served():
     """The app ``recipes.serve`` builds, on a tiny model, behind the fault injector, on 127.0.0.1."""
-    from lightning_modules.llm.chat import LocalChatBackend
-    from lightning_modules.llm.chat_server import build_app, start_server
+    from lightning_modules.llm.serving.chat import LocalChatBackend
+    from lightning_modules.llm.serving.chat_server import build_app, start_server
 
     backend = LocalChatBackend("tiny-llama")
     faults = Faults(build_app(backend, "tiny", api_key_env="LITCTX_TEST_SERVE_KEY"))
@@ -216,7 +216,7 @@ def served():
 
 
 def client(url, **kw):
-    from lightning_modules.llm.chat_http import OpenAIChatBackend
+    from lightning_modules.llm.serving.chat_http import OpenAIChatBackend
 
     waits = []
     kw.setdefault("api_key_env", "LITCTX_TEST_SERVE_KEY")
@@ -314,7 +314,7 @@ def test_recipes_serve_command_line(tmp_path):
     import subprocess
 
 
-    from lightning_modules.llm.chat_http import OpenAIChatBackend
+    from lightning_modules.llm.serving.chat_http import OpenAIChatBackend
     from tests.conftest import REPO
 
     port = free_port()
@@ -338,7 +338,7 @@ def test_recipes_serve_command_line(tmp_path):
 
 
 def test_model_judge_runs_on_any_backend():
-    from lightning_modules.llm.judge import ModelJudge
+    from lightning_modules.llm.eval.judges import ModelJudge
 
     backend = ScriptedBackend(["<think>hmm</think>[[Fully supported]]", "[[Irrelevant]]"], model="judge")
     judge = ModelJudge(backend=backend)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_modules.guidance.longbench_cite import format_statement, merge_spans, parse_response, score_response
-from lightning_modules.llm.judge import LexicalJudge, ModelJudge, build_judge, content_words
+from lightning_modules.llm.eval.judges import LexicalJudge, ModelJudge, build_judge, content_words
 
 SENTENCES = ["Oslo is in Norway.", "Unrelated sentence about cats.", "Norway borders Sweden.", "Cats purr."]
 

@@ -28,7 +28,7 @@ def _ids(n=24):
 
 
 def test_repo_recipe_fits_evaluates_lengths_and_exports_a_reloadable_folder():
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
     from lightning_modules.repo.attention import repo_modules
 
     run = build("repo_cpt", SMALL + ["data.args.mix={table_lookup: 0.3}"], ["tiny"])
@@ -49,7 +49,7 @@ def test_repo_recipe_fits_evaluates_lengths_and_exports_a_reloadable_folder():
 def test_repo_warm_start_decays_the_anneal_weight_and_exports_the_released_setting():
     import lightning.pytorch as pl
 
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
     from lightning_modules.repo.attention import repo_modules
 
     seen = []
@@ -72,7 +72,7 @@ def test_repo_warm_start_decays_the_anneal_weight_and_exports_the_released_setti
 
 def test_l2a_recipe_prunes_idle_global_paths_and_the_suite_runs_through_evaluate(capsys):
     from lightning_modules.l2a.layer import l2a_layers
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
     from recipes.evaluate import main as evaluate_main
 
     # a threshold above sigma(0) = 0.5: the zero-initialised routers route nothing, every layer is pruned
@@ -122,7 +122,7 @@ def test_unsupported_models_settings_and_checkpoints_are_one_line_errors(tmp_pat
         "litctx: error: l2a.window=100000 is larger than the model's maximum context (max_position_embeddings=8192); "
         "valid windows: 2..8192"]
     from lightning_modules.l2a.layer import apply_l2a
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     model, tok = load_causal_lm("tiny-llama", tiny={"num_hidden_layers": 2})
     apply_l2a(model, {"window": 8})

@@ -10,7 +10,7 @@ pytest.importorskip("transformers", reason="the LLM substrate needs transformers
 
 from lightning_modules.speculative import distill  # noqa: E402
 from lightning_modules.speculative.distill import DraftDistillConfig, DraftDistillModule, token_kl  # noqa: E402
-from lightning_modules.llm.drafts import (  # noqa: E402
+from lightning_modules.llm.decoding.drafts import (  # noqa: E402
     DraftConfig,
     check_draft_compatible,
     check_same_tokenizer,
@@ -18,7 +18,7 @@ from lightning_modules.llm.drafts import (  # noqa: E402
     evenly_spaced_layers,
     truncated_draft,
 )
-from lightning_modules.llm.loading import load_causal_lm  # noqa: E402
+from lightning_modules.llm.model.loading import load_causal_lm  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("torch_seed", "two_torch_threads"),
               pytest.mark.filterwarnings(r"ignore:You are trying to `self.log\(\)`"),

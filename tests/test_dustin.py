@@ -14,10 +14,10 @@ pytest.importorskip("transformers", reason="the LLM substrate needs transformers
 from lightning_modules.dustin.method import DustinConfig  # noqa: E402
 from lightning_modules.dustin.selection import dustin_select  # noqa: E402
 from lightning_modules.kv_eviction.methods import SnapKVConfig  # noqa: E402
-from lightning_modules.llm.generation import greedy_generate  # noqa: E402
-from lightning_modules.llm.loading import load_causal_lm  # noqa: E402
-from lightning_modules.llm.session import install_policy  # noqa: E402
-from lightning_modules.llm.speculative import SpeculativeHook, left_pad_rows, speculative_generate  # noqa: E402
+from lightning_modules.llm.decoding.generate import greedy_generate  # noqa: E402
+from lightning_modules.llm.model.loading import load_causal_lm  # noqa: E402
+from lightning_modules.llm.kv_policy.runner import install_policy  # noqa: E402
+from lightning_modules.llm.decoding.speculative import SpeculativeHook, left_pad_rows, speculative_generate  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- brute force
@@ -347,7 +347,7 @@ def test_dustin_config_missing_calibration_file_and_bad_heads(tmp_path):
 def test_dustin_from_a_held_prompt_reads_the_sets_of_its_own_prefill(models):
     """The history signal needs the query of the prompt's last token: a held prompt feeds that column under
     Dustin's recorders, so the read sets and tokens equal a run that prefilled on its own."""
-    from lightning_modules.llm.generation import hold_prompt
+    from lightning_modules.llm.decoding.generate import hold_prompt
 
     target, draft = models
     cfg = DustinConfig(budget=20, sink=2, window=4, m=6)

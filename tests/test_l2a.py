@@ -12,8 +12,8 @@ import torch
 from lightning_modules.l2a.config import L2AConfig
 from lightning_modules.l2a.layer import apply_l2a, l2a_layers, routing_stats, set_dense_step
 from lightning_modules.l2a.prune import kv_bytes, prune_global_paths
-from lightning_modules.llm.loading import load_causal_lm
-from lightning_modules.llm.surgery import SurgeryError
+from lightning_modules.llm.model.loading import load_causal_lm
+from lightning_modules.llm.model.surgery import SurgeryError
 
 pytestmark = pytest.mark.usefixtures("torch_seed")
 

@@ -45,6 +45,42 @@ def test_imports_point_one_way(package):
     assert not offenders, "imports against the allowed direction:\n" + "\n".join(offenders)
 
 
+SHARED = {"llm", "callbacks", "layers", "retrieval"}
+"""Folders of lightning_modules that are shared bases, not methods."""
+
+
+def _method_packages():
+    return sorted(p.name for p in (REPO / "lightning_modules").iterdir()
+                  if p.is_dir() and (p / "__init__.py").is_file() and p.name not in SHARED)
+
+
+def test_the_llm_base_imports_no_method_package():
+    """``lightning_modules/llm`` is the shared base: no module under it imports a method package, not even lazily
+    (a method package names a shared piece; never the other way)."""
+    methods = set(_method_packages())
+    offenders = []
+    for path in sorted((REPO / "lightning_modules" / "llm").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "lightning_modules" and len(parts) > 1 and parts[1] in methods:
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno} imports {name}")
+    assert len(methods) >= 20  # the scan sees the method folders
+    assert not offenders, "the shared LLM base imports method packages:\n" + "\n".join(offenders)
+
+
+def test_the_llm_base_is_subpackages_only():
+    root = REPO / "lightning_modules" / "llm"
+    assert sorted(p.name for p in root.glob("*.py")) == ["__init__.py"]
+    subpackages = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    assert subpackages == ["decoding", "eval", "kv_policy", "model", "runtime", "serving", "sparse_read"]
+
+
 @pytest.mark.parametrize("name", PACKAGES)
 def test_our_packages_are_not_shadowed(name):
     spec = importlib.util.find_spec(name)

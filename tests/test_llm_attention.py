@@ -11,11 +11,12 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM substrate needs transformers (pip install -e '.[llm]')")
 
-from lightning_modules.llm.attention import RUNNER_ATTR  # noqa: E402
-from lightning_modules.llm.generation import CachedLM  # noqa: E402
-from lightning_modules.llm.loading import TINY_ARCHS, load_causal_lm  # noqa: E402
-from lightning_modules.llm.policy import Budget, KVPolicy, RecentScorer  # noqa: E402
-from lightning_modules.llm.session import SESSION_ATTR, active_session, attention_modules, install_policy  # noqa: E402
+from lightning_modules.llm.model.attention import RUNNER_ATTR  # noqa: E402
+from lightning_modules.llm.runtime.cached_lm import CachedLM  # noqa: E402
+from lightning_modules.llm.model.loading import TINY_ARCHS, load_causal_lm  # noqa: E402
+from lightning_modules.llm.kv_policy.protocol import Budget, KVPolicy, RecentScorer  # noqa: E402
+from lightning_modules.llm.kv_policy.runner import SESSION_ATTR, active_session, install_policy  # noqa: E402
+from lightning_modules.llm.runtime.stack import attention_modules  # noqa: E402
 
 
 def _pair(arch: str, seed: int = 3):
@@ -100,7 +101,7 @@ def test_a_second_policy_and_a_model_without_attention_fail_clearly():
 
 
 # ------------------------------------------------------------------------------------------ policy actions
-from lightning_modules.llm.policy import (  # noqa: E402
+from lightning_modules.llm.kv_policy.protocol import (  # noqa: E402
     Action,
     OffloadCompensator,
     RandomScorer,
@@ -229,7 +230,7 @@ def test_hf_generate_and_our_driver_agree_with_and_without_a_policy(policy):
     tokens at batch 2 with left padding, also while a policy evicts at prefill or at every decode step."""
     import contextlib
 
-    from lightning_modules.llm.generation import greedy_generate
+    from lightning_modules.llm.decoding.generate import greedy_generate
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=1)
     ids, mask = _batch(seed=5, n=30, pad=6)
@@ -241,7 +242,7 @@ def test_hf_generate_and_our_driver_agree_with_and_without_a_policy(policy):
 
 
 def test_the_padding_mask_is_factored_once_per_forward():
-    from lightning_modules.llm.attention import mask_to_key_mask
+    from lightning_modules.llm.model.attention import mask_to_key_mask
 
     n = 6
     causal = torch.ones(n, n, dtype=torch.bool).tril()
@@ -258,7 +259,7 @@ def test_a_sparse_read_policy_decodes_through_the_compact_gather(monkeypatch):
     """A sparse_read policy's decode step reads its few entries through the sparse-read kit's compact gather
     (one fused call on the gathered keys), not a masked pass over the whole cache; the result is the masked
     reference's (the brute-force test above)."""
-    import lightning_modules.llm.sparse_read as sparse_read
+    import lightning_modules.llm.sparse_read.kit as sparse_read
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=11)
     ids, mask = _batch(seed=1, n=15, pad=0)
@@ -281,7 +282,7 @@ def test_a_sparse_read_policy_decodes_through_the_compact_gather(monkeypatch):
 
 
 def test_dense_masked_attention_equals_a_float64_softmax_over_many_rows_and_empty_ones():
-    from lightning_modules.llm import attention as la
+    from lightning_modules.llm.model import attention as la
 
     g = torch.Generator().manual_seed(0)
     b, hq, hk, nq, nk, d = 2, 4, 2, la.MASKED_ROWS_PER_CALL + 37, 90, 8

@@ -23,7 +23,7 @@ from datamodules.longctx_tasks import (  # noqa: E402
     collate_suite,
 )
 from datamodules.text import TextDataConfig, TextDataModule, read_documents, split_documents  # noqa: E402
-from lightning_modules.llm.suite_metrics import depth_grid, markdown_table, score_prediction, summarise  # noqa: E402
+from lightning_modules.llm.eval.suite_metrics import depth_grid, markdown_table, score_prediction, summarise  # noqa: E402
 
 
 @pytest.fixture(scope="module")

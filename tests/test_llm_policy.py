@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from lightning_modules.llm.policy import (
+from lightning_modules.llm.kv_policy.protocol import (
     Budget,
     KVObservation,
     KVPolicy,
@@ -194,7 +194,7 @@ def test_observation_colstats_come_from_the_kernels_and_match_the_window_probabi
 
 # ------------------------------------------------------------------------------------------ one runner path
 def test_a_single_policy_is_a_batch_of_one_and_only_batches_of_several_are_restricted():
-    from lightning_modules.llm.policy import Action, OffloadCompensator, PolicyBatch
+    from lightning_modules.llm.kv_policy.protocol import Action, OffloadCompensator, PolicyBatch
 
     single = KVPolicy(scorer=RecentScorer(), budget=Budget(keep=4), action=Action.SPARSE_READ, name="sr")
     batch = PolicyBatch.of(single)
@@ -214,10 +214,10 @@ def test_one_policy_over_a_batch_equals_a_batch_of_per_row_copies(decode_every):
     pytest.importorskip("transformers")
     import copy
 
-    from lightning_modules.llm.generation import CachedLM
-    from lightning_modules.llm.loading import load_causal_lm
-    from lightning_modules.llm.policy import PolicyBatch, Schedule
-    from lightning_modules.llm.session import install_policy
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
+    from lightning_modules.llm.model.loading import load_causal_lm
+    from lightning_modules.llm.kv_policy.protocol import PolicyBatch, Schedule
+    from lightning_modules.llm.kv_policy.runner import install_policy
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=4)
     gen = torch.Generator().manual_seed(2)

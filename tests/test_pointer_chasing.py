@@ -21,7 +21,7 @@ from datamodules.longctx_tasks import (  # noqa: E402
     build_sample,
     parse_records,
 )
-from lightning_modules.llm.suite_metrics import ordered_prefix, score_prediction  # noqa: E402
+from lightning_modules.llm.eval.suite_metrics import ordered_prefix, score_prediction  # noqa: E402
 
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 INSTRUCTION_END = "afterwards."  # the last word of the task's instruction, before the haystack

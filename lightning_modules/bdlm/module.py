@@ -1,6 +1,6 @@
 """A block-diffusion language model over any causal LM the loader gives (the ``bdlm`` method).
 
-The model is made block-causal (:mod:`lightning_modules.llm.block_attention`: bidirectional inside a block of
+The model is made block-causal (:mod:`lightning_modules.bdlm.block_attention`: bidirectional inside a block of
 ``block_size`` columns, causal across blocks) and gets a mask token: the tokenizer's ``mask_token`` (added, and
 the embeddings resized, when the vocabulary has none), or ``mask_token_id`` (a reserved id: the synthetic data's).
 Initialised from SmolLM2-135M it adapts an autoregressive model (Fast-dLLM v2 / SDAR) and keeps its head
@@ -9,7 +9,7 @@ through ``token_shift``; with a ``tiny-*`` model it trains from scratch with the
 **Loss** (masked diffusion, MDLM / BD3-LM, vectorised over all blocks in one pass). Per batch, the blocks that
 hold scored tokens (``loss_mask``; every block for plain text) are noised: per row and block a mask ratio
 ``t ~ U(t_min, 1)``, each scored token replaced by ``[MASK]`` with probability ``t``. The model reads the clean
-sequence ``x_0`` followed by the noised copies ``x_t`` under :func:`~lightning_modules.llm.block_attention.
+sequence ``x_0`` followed by the noised copies ``x_t`` under :func:`~lightning_modules.bdlm.block_attention.
 training_layout` (the copy of block ``c`` reads clean blocks ``< c`` and itself), and the loss is the
 cross-entropy on the masked tokens weighted ``1 / t``, summed and divided by the number of scored tokens (the
 negative ELBO per token). The output head runs only on the masked positions.
@@ -29,10 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from lightning_modules.base import check_field, coerce_config
-from lightning_modules.llm.block_attention import (BlockDiffusionSetting, apply_block_diffusion, block_setting,
+from lightning_modules.bdlm.block_attention import (BlockDiffusionSetting, apply_block_diffusion, block_setting,
                                                    training_forward, training_layout)
-from lightning_modules.llm.block_sampler import BlockSamplerConfig, block_generate
-from lightning_modules.llm.module import LanguageModel, LanguageModelConfig
+from lightning_modules.bdlm.block_sampler import BlockSamplerConfig, block_generate
+from lightning_modules.llm.model.lm import LanguageModel, LanguageModelConfig
 from litctx_common.options import nested_config
 
 __all__ = ["BlockDiffusionLMConfig", "BlockDiffusionLM", "noise_blocks", "diffusion_loss"]
@@ -194,8 +194,8 @@ class BlockDiffusionLM(LanguageModel):
     # ------------------------------------------------------------------ the model
     def modify_model(self) -> None:
         if self.cfg.num_layers is not None:
-            from lightning_modules.llm.drafts import truncated_draft
-            from lightning_modules.llm.surgery import decoder_layers
+            from lightning_modules.llm.decoding.drafts import truncated_draft
+            from lightning_modules.llm.model.surgery import decoder_layers
 
             total = len(decoder_layers(self.model)[1])
             if self.cfg.num_layers > total:
@@ -299,7 +299,7 @@ def score_answers(tokens: List[List[int]], batch: Dict[str, Any]) -> Tuple[torch
 
 
 def _saved_setting(model: torch.nn.Module) -> Optional[BlockDiffusionSetting]:
-    from lightning_modules.llm.block_attention import CONFIG_KEY
+    from lightning_modules.bdlm.block_attention import CONFIG_KEY
 
     saved = getattr(model.config, CONFIG_KEY, None)
     return BlockDiffusionSetting.from_hf(saved) if saved else None

@@ -8,11 +8,11 @@ One turn ``t`` (user message ``x_t``, reply ``y_t``) of the ``cdic`` arm is one 
    revised when its similarity reaches ``tau``, otherwise a thread opens (a free slot, or room made by the
    eviction rule).
 2. **Respond + revise** - the read slots' states are laid out as past KV at positions ``0 .. r m - 1``
-   (:func:`~lightning_modules.llm.cache_surgery.place_states`), followed by the last ``recent_turns`` turns as
+   (:func:`~lightning_modules.llm.runtime.cache_surgery.place_states`), followed by the last ``recent_turns`` turns as
    text, then ``x_t``, ``y_t`` and ``m`` learned compression embeddings. The loss is the next-token loss on
    ``y_t`` (which sees the states, the recent text and ``x_t``: the adapters are off there). The compression
    tokens see everything before them through LoRA adapters active only at their positions
-   (:class:`~lightning_modules.llm.adapters.MaskedLoRA`); their per-layer KV, re-rotated to positions
+   (:class:`~lightning_modules.cdic.adapters.MaskedLoRA`); their per-layer KV, re-rotated to positions
    ``0 .. m - 1``, is the revised state S'.
 3. **Write back** - S' overwrites the written slot (or is gated into it), whose key is updated.
 
@@ -53,7 +53,7 @@ from torchmetrics import MeanMetric
 from lightning_modules.base import LongContextModule, SharedEvalStages, run_path
 from lightning_modules.cdic.config import CDICConfig
 from lightning_modules.cdic.memory import SlotMemory
-from lightning_modules.llm.loading import load_causal_lm
+from lightning_modules.llm.model.loading import load_causal_lm
 
 __all__ = ["CDICModule", "DialogueState", "TurnRecord", "EVAL_METRICS"]
 
@@ -117,7 +117,7 @@ class CDICModule(SharedEvalStages, LongContextModule):
 
     def __init__(self, cfg: Any = None, optim: Any = None) -> None:
         super().__init__(cfg, optim)
-        from lightning_modules.llm.cache_surgery import check_cache_surgery
+        from lightning_modules.llm.runtime.cache_surgery import check_cache_surgery
         from lightning_modules.retrieval.embedders import build_embedder
 
         c = self.cfg
@@ -128,7 +128,7 @@ class CDICModule(SharedEvalStages, LongContextModule):
         self.embedder = build_embedder(c.embedder)
         torch.manual_seed(c.seed)
         if c.compresses:
-            from lightning_modules.llm.adapters import MaskedLoRA
+            from lightning_modules.cdic.adapters import MaskedLoRA
 
             self.adapters = MaskedLoRA(self.model, c.lora_targets, c.lora_rank, c.lora_alpha, seed=c.seed)
             self.adapters.attach(self.model)
@@ -172,7 +172,7 @@ class CDICModule(SharedEvalStages, LongContextModule):
     def _compress_alone(self, ids: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
         """``concat``: the compression tokens after ``ids`` with no past; the state's ``(keys, values)``
         ``[L, Hk, m, d]`` (keys at canonical positions)."""
-        from lightning_modules.llm.cache_surgery import forward_over_past, rerotate_keys
+        from lightning_modules.llm.runtime.cache_surgery import forward_over_past, rerotate_keys
 
         m = self.cfg.comp_tokens
         x = torch.cat([self._embed(ids), self.comp.unsqueeze(0)], dim=1)
@@ -185,7 +185,7 @@ class CDICModule(SharedEvalStages, LongContextModule):
 
     def step_turn(self, state: DialogueState, turn: Dict[str, Any]) -> TurnRecord:
         """Run one turn (gradients follow ``torch.is_grad_enabled()``) and update ``state``."""
-        from lightning_modules.llm.cache_surgery import forward_over_past, place_states, rerotate_keys
+        from lightning_modules.llm.runtime.cache_surgery import forward_over_past, place_states, rerotate_keys
 
         c = self.cfg
         t = state.turn

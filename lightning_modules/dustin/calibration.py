@@ -34,10 +34,10 @@ from lightning_modules.dustin.method import DustinConfig
 from lightning_modules.dustin.selection import check_budget, dustin_select
 from lightning_modules.dustin.signals import (HistoryRecorder, LookaheadRecorder, StepCursor, live_positions,
                                              position_width, record_signals, to_positions)
-from lightning_modules.llm.callbacks import target_model
-from lightning_modules.llm.drafts import DraftConfig
-from lightning_modules.llm.session import PHASE_ATTR, attach_runners
-from lightning_modules.llm.speculative import SpeculativeHook, speculative_generate
+from lightning_modules.llm.kv_policy.callback import target_model
+from lightning_modules.llm.decoding.drafts import DraftConfig
+from lightning_modules.llm.runtime.stack import PHASE_ATTR, attach_runners
+from lightning_modules.llm.decoding.speculative import SpeculativeHook, speculative_generate
 from lightning_modules.speculative.callback import SpeculativeSettings
 from litctx_common.io import atomic_open
 from litctx_common.options import nested_config
@@ -256,7 +256,7 @@ class _CalibrationGeneration:
 
     def generate(self, model, context_ids, context_mask, max_new_tokens, stop_ids=(), question_ids=None,
                  question_mask=None, pad_id: int = 0):
-        from lightning_modules.llm.session import active_session
+        from lightning_modules.llm.kv_policy.runner import active_session
 
         if active_session(model) is not None:
             raise RuntimeError("dustin calibration runs on the full cache; remove the KV policy callback")

@@ -26,8 +26,8 @@ import torch
 from lightning_modules.dustin.selection import check_budget, dustin_select
 from lightning_modules.dustin.signals import (HistoryRecorder, LookaheadRecorder, StepCursor, live_positions,
                                              position_width, record_signals)
-from lightning_modules.llm.speculative import SpeculativeHook
-from lightning_modules.llm.verify import ReadCall, ReadMethod, Verifier
+from lightning_modules.llm.decoding.speculative import SpeculativeHook
+from lightning_modules.llm.sparse_read.read_method import ReadCall, ReadMethod, Verifier
 
 __all__ = ["DustinConfig", "DustinRead", "DustinHook", "DustinVerifier", "SIGNALS"]
 
@@ -216,13 +216,13 @@ class DustinHook(SpeculativeHook):
 
 
 def _has_policy(lm: Any) -> bool:
-    from lightning_modules.llm.session import active_session
+    from lightning_modules.llm.kv_policy.runner import active_session
 
     return active_session(lm.model) is not None
 
 
 class DustinVerifier(Verifier):
-    """Dustin's :class:`~lightning_modules.llm.verify.Verifier`: the read method for the stage, and per run the
+    """Dustin's :class:`~lightning_modules.llm.sparse_read.read_method.Verifier`: the read method for the stage, and per run the
     two recorders and the hook."""
 
     def __init__(self, cfg: DustinConfig) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_modules.llm.policy import protected_mask, top_capacity
+from lightning_modules.llm.kv_policy.protocol import protected_mask, top_capacity
 
 __all__ = ["dustin_select", "check_budget"]
 

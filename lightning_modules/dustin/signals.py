@@ -1,7 +1,7 @@
 """Dustin's two signals, recorded while speculative decoding runs, in *position space* ``[B, P]``.
 
 Target and draft hold the same token sequence but in different physical layouts (each rolls back its own
-rejections), so both signals are indexed by RoPE position (:meth:`~lightning_modules.llm.generation.CachedLM.entry_positions`).
+rejections), so both signals are indexed by RoPE position (:meth:`~lightning_modules.llm.runtime.cached_lm.CachedLM.entry_positions`).
 
 * :class:`HistoryRecorder` (an ``observe`` runner on the target's chosen layer(s)) keeps the queries of the
   target's latest call at the chosen query heads. The history signal of the next step is the attention of the
@@ -21,8 +21,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from lightning_modules.llm.attention import mask_to_key_mask
-from lightning_modules.llm.session import attach_runners
+from lightning_modules.llm.model.attention import mask_to_key_mask
+from lightning_modules.llm.runtime.stack import attach_runners
 
 __all__ = ["HistoryRecorder", "LookaheadRecorder", "StepCursor", "entry_valid", "live_positions", "position_width",
            "to_positions", "record_signals"]
@@ -30,7 +30,7 @@ __all__ = ["HistoryRecorder", "LookaheadRecorder", "StepCursor", "entry_valid", 
 
 def entry_valid(lm: Any, layer: int) -> torch.Tensor:
     """``[B, Hk, N]`` entries of ``lm``'s cache layer that may be read (a policy's bookkeeping when installed)."""
-    from lightning_modules.llm.session import active_session
+    from lightning_modules.llm.kv_policy.runner import active_session
 
     session = active_session(lm.model)
     keys = lm.cache.layers[layer].keys
@@ -47,7 +47,7 @@ def position_width(lm: Any) -> int:
 def live_positions(lm: Any, width: int) -> torch.Tensor:
     """``[B, width]``: positions held by an entry that may be read in some layer (through a policy's slots when
     one is installed; without one every layer holds the same entries, so layer 0 answers)."""
-    from lightning_modules.llm.session import active_session
+    from lightning_modules.llm.kv_policy.runner import active_session
 
     live = torch.zeros(lm.positions.shape[0], width, dtype=torch.bool, device=lm.positions.device)
     layers = range(len(lm.cache.layers)) if active_session(lm.model) is not None else range(1)

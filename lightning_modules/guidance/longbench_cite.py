@@ -1,4 +1,4 @@
-"""LongBench-Cite's citation metrics for one response, with any :class:`~lightning_modules.llm.judge.Judge`.
+"""LongBench-Cite's citation metrics for one response, with any :class:`~lightning_modules.llm.eval.judges.Judge`.
 
 A response is a sequence of ``<statement>TEXT<cite>[s-e][s-e]</cite></statement>``; text outside the tags is
 split into sentences that count as statements without citations. Citation spans are clipped to the context's

@@ -31,7 +31,7 @@ import torch
 
 from lightning_modules.base import check_field, is_int, is_number
 from lightning_modules.guidance.longbench_cite import format_statement
-from lightning_modules.llm.decoding import DecodeHook, StepDecoder
+from lightning_modules.llm.decoding.step import DecodeHook, StepDecoder
 
 __all__ = ["GuidanceConfig", "FactPool", "GuidedCitationDecoder", "normalise"]
 

@@ -9,7 +9,7 @@ them into a knowledge graph (networkx), and three vector stores (entities, relat
     every fact, exactly); an entity's description is the sentences that mention it.
   - :class:`LLMExtractor` - a chat backend asked, in our own words, for ``(entity<|>name<|>type<|>description)`` and
     ``(relationship<|>source<|>target<|>description<|>keywords<|>strength)`` records separated by ``##`` and ended by
-    ``<|COMPLETE|>`` (parsed by :func:`~lightning_modules.llm.structured.parse_records`, malformed records dropped
+    ``<|COMPLETE|>`` (parsed by :func:`~lightning_modules.llm.serving.structured.parse_records`, malformed records dropped
     and counted).
 
 * The graph: nodes are entities (``type``, ``description``, source chunk ids), edges relations (``description``,
@@ -131,14 +131,14 @@ class LLMExtractor:
     name = "llm"
 
     def __init__(self, backend: Any = "local", max_tokens: int = 400) -> None:
-        from lightning_modules.llm.chat import build_backend
+        from lightning_modules.llm.serving.chat import build_backend
 
         self.backend = build_backend(backend, "index.extractor.backend")
         self.max_tokens = int(max_tokens)
         self.malformed = 0
 
     def extract(self, text: str) -> Tuple[List[Entity], List[Relation]]:
-        from lightning_modules.llm.structured import parse_records
+        from lightning_modules.llm.serving.structured import parse_records
 
         reply = self.backend.complete([{"role": "user", "content": EXTRACTION_PROMPT.format(text=text)}],
                                       max_tokens=self.max_tokens)

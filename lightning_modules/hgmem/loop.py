@@ -178,7 +178,7 @@ class MultiStepRAG:
     def _ask(self, prompt: str, reader: Callable[[str], Any], step: str, turn: int, memory: Any,
              trace: List[Dict[str, Any]]) -> Any:
         """``reader(reply)`` with up to ``retries`` corrective retries; None (a rejected step) when unreadable."""
-        from lightning_modules.llm.structured import StructuredOutputError
+        from lightning_modules.llm.serving.structured import StructuredOutputError
 
         convo = [{"role": "user", "content": prompt}]
         for attempt in range(self.cfg.retries + 1):

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 from lightning_modules.base import check_field, is_int, run_path
 from lightning_modules.hgmem.loop import HGMemConfig
-from lightning_modules.llm.record_eval import RecordEvalModule
+from lightning_modules.llm.eval.records import RecordEvalModule
 from litctx_common.io import atomic_write_text
 from litctx_common.options import nested_config
 from litctx_common.paths import default_cache_dir
@@ -87,7 +87,7 @@ class HGMemEvalConfig:
     provenance_mismatch: str = "refuse"
 
     def __post_init__(self) -> None:
-        from lightning_modules.llm.chat import backend_options_check
+        from lightning_modules.llm.serving.chat import backend_options_check
 
         backend_options_check(self.backend, "hgmem.backend")
         try:
@@ -167,8 +167,8 @@ class HGMemEvalModule(RecordEvalModule):
     @property
     def backend(self) -> Any:
         if self._backend is None:
-            from lightning_modules.llm.chat import build_backend
-            from lightning_modules.llm.chat_records import RecordedBackend
+            from lightning_modules.llm.serving.chat import build_backend
+            from lightning_modules.llm.serving.chat_records import RecordedBackend
 
             if self.chat_backend is None:
                 self.chat_backend = build_backend(self.cfg.backend, "hgmem.backend")
@@ -189,7 +189,7 @@ class HGMemEvalModule(RecordEvalModule):
                 "prompts": PROMPT_VERSION}
 
     def run_sample(self, sample: Dict[str, Any]) -> List[Dict[str, Any]]:
-        from lightning_modules.llm.suite_metrics import score_prediction
+        from lightning_modules.llm.eval.suite_metrics import score_prediction
 
         rec = self.recorded(id=sample["id"])
         if rec is not None:

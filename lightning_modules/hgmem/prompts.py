@@ -1,8 +1,8 @@
 """HGMem's prompts (written for this project) and the readers of their replies.
 
 Every reply is a list of records in the shared delimiter format (``(tag<|>field<|>...)``,
-:func:`~lightning_modules.llm.structured.parse_records`); entities inside a field are separated by ``<&>``. A reader
-returns what it understood and raises :class:`~lightning_modules.llm.structured.StructuredOutputError` when a reply
+:func:`~lightning_modules.llm.serving.structured.parse_records`); entities inside a field are separated by ``<&>``. A reader
+returns what it understood and raises :class:`~lightning_modules.llm.serving.structured.StructuredOutputError` when a reply
 holds nothing usable (so the caller retries once with a correction, then logs a rejected step). ``<None>`` is a
 valid empty answer.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from lightning_modules.llm.structured import StructuredOutputError, parse_records, strip_reasoning
+from lightning_modules.llm.serving.structured import StructuredOutputError, parse_records, strip_reasoning
 
 __all__ = ["EVOLVE", "EVOLVE_FLAT", "MERGE", "PLAN", "SUBQUERIES", "DESCRIBE", "ANSWER_SYSTEM", "ANSWER_USER",
            "read_evolve", "lenient_points", "read_flat", "read_merge", "read_plan", "read_subqueries", "read_describe", "read_answer",

@@ -10,7 +10,7 @@ latent memory of ``weights``) installed on the model for validate/test/predict a
 from __future__ import annotations
 
 from lightning_modules.indexmem.config import IndexMemConfig
-from lightning_modules.llm.callbacks import KVPolicyCallback, target_model
+from lightning_modules.llm.kv_policy.callback import KVPolicyCallback, target_model
 
 __all__ = ["IndexMemCallback"]
 

@@ -83,11 +83,11 @@ class IndexMemConfig:
         return "+".join(parts) + f"@{core}"
 
     def build(self, bank: Any = None) -> Any:
-        """The :class:`~lightning_modules.llm.policy.KVPolicy` (``bank``: an
+        """The :class:`~lightning_modules.llm.kv_policy.protocol.KVPolicy` (``bank``: an
         :class:`~lightning_modules.indexmem.bank.IndexMemBank`; default: loaded from ``weights``)."""
         from lightning_modules.indexmem.bank import IndexMemBank
         from lightning_modules.indexmem.policy import IndexerScorer, LatentMemory
-        from lightning_modules.llm.policy import Budget, KVPolicy, Schedule, TopKSelector
+        from lightning_modules.llm.kv_policy.protocol import Budget, KVPolicy, Schedule, TopKSelector
 
         if bank is None:
             if self.weights is None:
@@ -165,7 +165,7 @@ class IndexMemTrainConfig:
         """The streaming evaluation config of this run's budget for a context of ``n_ctx`` tokens (the policy the
         training streams through). A ratio becomes that context's absolute keep: streaming decides at every chunk,
         so a ratio would resolve against the first chunk only."""
-        from lightning_modules.llm.policy import Budget
+        from lightning_modules.llm.kv_policy.protocol import Budget
 
         keep = self.keep if self.keep is not None else Budget(compression_ratio=self.compression_ratio).keep_for(n_ctx)
         return IndexMemConfig(compression_ratio=self.compression_ratio, keep=keep, sink=self.sink,

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from lightning_modules.base import LongContextModule, SharedEvalStages, run_path
 from lightning_modules.indexmem.bank import IndexMemBank
 from lightning_modules.indexmem.config import IndexMemTrainConfig
-from lightning_modules.llm.loading import load_causal_lm
+from lightning_modules.llm.model.loading import load_causal_lm
 
 __all__ = ["IndexMemModule", "teacher_pass", "importance_targets", "stream_answer_logits"]
 
@@ -41,8 +41,8 @@ def teacher_pass(model: torch.nn.Module, ids: torch.Tensor) -> Dict[int, Any]:
     """Each layer's recorded prefill observation (q, k, v, out, lse, hidden) of ``ids [1, N]``, full cache."""
     from transformers import DynamicCache
 
-    from lightning_modules.llm.policy import KVPolicy
-    from lightning_modules.llm.session import install_policy
+    from lightning_modules.llm.kv_policy.protocol import KVPolicy
+    from lightning_modules.llm.kv_policy.runner import install_policy
 
     with torch.no_grad(), install_policy(model, KVPolicy(name="teacher"), record_prefill=True) as session:
         model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True)
@@ -73,8 +73,8 @@ def stream_answer_logits(model: torch.nn.Module, policy: Any, ctx: torch.Tensor,
                          chunk: int, grad: bool) -> Tuple[torch.Tensor, Any]:
     """Stream ``ctx [1, n]`` ``chunk`` tokens at a time, then ``tail [1, m]`` (question + answer minus its last
     token), under ``policy``; returns the logits predicting the answer ``[1, n_answer, V]`` and the session."""
-    from lightning_modules.llm.generation import CachedLM
-    from lightning_modules.llm.session import install_policy
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
+    from lightning_modules.llm.kv_policy.runner import install_policy
 
     with install_policy(model, policy, keep_log=True) as session:
         lm = CachedLM(model)

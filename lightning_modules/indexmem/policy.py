@@ -20,7 +20,7 @@ from typing import Any, Dict, FrozenSet, Optional, Tuple
 import torch
 
 from lightning_modules.indexmem.bank import IndexMemBank, feature_map, memory_token_equivalent
-from lightning_modules.llm.policy import KVObservation
+from lightning_modules.llm.kv_policy.protocol import KVObservation
 
 __all__ = ["IndexerScorer", "LatentMemory"]
 

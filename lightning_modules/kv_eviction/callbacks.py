@@ -1,6 +1,6 @@
 """Each eviction method as a Lightning callback: the method's config builds a KV policy, installed on the
 model for validate/test/predict and always removed (see
-:class:`~lightning_modules.llm.callbacks.KVPolicyCallback`). From config::
+:class:`~lightning_modules.llm.kv_policy.callback.KVPolicyCallback`). From config::
 
     callbacks:
       kv:
@@ -11,7 +11,7 @@ model for validate/test/predict and always removed (see
 from __future__ import annotations
 
 from lightning_modules.kv_eviction.methods import EvictionConfig
-from lightning_modules.llm.callbacks import KVPolicyCallback
+from lightning_modules.llm.kv_policy.callback import KVPolicyCallback
 
 __all__ = ["EvictionCallback"]
 

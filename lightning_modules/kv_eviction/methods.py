@@ -1,6 +1,6 @@
 """The eviction methods as typed configs: each config is the method. It is the single source of the method's
 defaults, validates itself in ``__post_init__`` (errors name ``<method>.<field>`` and the valid values) and
-``build()`` returns the :class:`~lightning_modules.llm.policy.KVPolicy` that runs, wired from exactly its
+``build()`` returns the :class:`~lightning_modules.llm.kv_policy.protocol.KVPolicy` that runs, wired from exactly its
 fields (``tests/test_kv_eviction.py`` checks every field of every registered method).
 
 Each config names what its paper varies; every scored method takes ``score`` (``attention`` or an OBCache
@@ -33,7 +33,7 @@ from lightning_modules.base import check_field as _check, coerce_config, is_int 
 from lightning_modules.kv_eviction.scores import GQA_REDUCTIONS, SCORE_KINDS
 from lightning_modules.kv_eviction.scorers import POOLS, AccumulatedScorer, WindowScorer
 from lightning_modules.kv_eviction.selectors import AdaKVSelector
-from lightning_modules.llm.policy import (
+from lightning_modules.llm.kv_policy.protocol import (
     COMPACTIONS,
     Budget,
     KVPolicy,
@@ -139,7 +139,7 @@ class StreamingLLMConfig(_Budgeted):
     Attributes:
         sink: attention-sink tokens kept (4 in the paper).
         decode: keep the budget during decoding too (a rolling window), not only after the prefill.
-        compaction: how a decode step's eviction is applied (:class:`~lightning_modules.llm.policy.Schedule`):
+        compaction: how a decode step's eviction is applied (:class:`~lightning_modules.llm.kv_policy.protocol.Schedule`):
             ``inplace`` (the new entry takes the dropped one's place) or ``gather`` (the cache is rebuilt).
     """
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_modules.kv_eviction.scores import check_gqa, check_kind, group_heads, moments_for, token_scores
-from lightning_modules.llm.policy import KVObservation
+from lightning_modules.llm.kv_policy.protocol import KVObservation
 
 __all__ = ["AccumulatedScorer", "WindowScorer", "POOLS"]
 

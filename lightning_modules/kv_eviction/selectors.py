@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from lightning_modules.llm.policy import top_capacity
+from lightning_modules.llm.kv_policy.protocol import top_capacity
 
 __all__ = ["AdaKVSelector"]
 

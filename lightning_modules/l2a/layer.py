@@ -33,8 +33,8 @@ from torch import nn
 
 import litctx_kernels
 from litctx_kernels.layouts import QueryIndex
-from lightning_modules.llm.attention import mask_to_key_mask
-from lightning_modules.llm.surgery import (
+from lightning_modules.llm.model.attention import mask_to_key_mask
+from lightning_modules.llm.model.surgery import (
     Anatomy,
     SurgeryError,
     anatomy,

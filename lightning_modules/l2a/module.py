@@ -1,4 +1,4 @@
-"""Continued pretraining with L2A (the ``l2a_cpt`` method): a :class:`~lightning_modules.llm.module.LanguageModel`
+"""Continued pretraining with L2A (the ``l2a_cpt`` method): a :class:`~lightning_modules.llm.model.lm.LanguageModel`
 whose decoder layers become L2A layers (:func:`lightning_modules.l2a.layer.apply_l2a`).
 
 Training (``../shared/research/attention_kernels.md`` 4.2):
@@ -11,7 +11,7 @@ Training (``../shared/research/attention_kernels.md`` 4.2):
 * only parameters whose names contain one of ``trainable`` train (both attention paths, norms, router); the MLPs,
   embeddings and head are frozen;
 * a layer whose branch computes nothing in a step still gives its parameters a zero gradient
-  (:func:`lightning_modules.llm.surgery.keep_in_graph`), so DDP needs no ``find_unused_parameters``.
+  (:func:`lightning_modules.llm.model.surgery.keep_in_graph`), so DDP needs no ``find_unused_parameters``.
 
 Logged: ``train/penalty``, ``train/lambda``, ``train/dense_step``, ``train/route_frac`` (the fraction of tokens
 routed, over layers); at validation ``val/l2a_skip`` (the fraction of tokens that skip global attention, over
@@ -34,7 +34,7 @@ import torch
 from lightning_modules.base import check_field, estimate_total_steps, is_int, is_number
 from lightning_modules.l2a.config import L2AConfig
 from lightning_modules.l2a.layer import apply_l2a, l2a_layers, reset_routing_stats, routing_stats, set_dense_step
-from lightning_modules.llm.module import LanguageModel, LanguageModelConfig
+from lightning_modules.llm.model.lm import LanguageModel, LanguageModelConfig
 from litctx_common.io import atomic_write_text
 from litctx_common.options import nested_config
 

@@ -54,7 +54,7 @@ def kv_bytes(model: nn.Module, tokens: int, pruned: bool = True) -> Dict[str, in
     """Cache bytes for ``tokens`` tokens at batch 1: ``dense`` (every layer a full cache), ``l2a`` (the model as
     it is: a full global stream per layer with a global path, plus a local stream of ``min(tokens, W - 1)``
     per L2A layer). ``pruned=False`` counts every L2A layer as unpruned."""
-    from lightning_modules.llm.surgery import decoder_layers
+    from lightning_modules.llm.model.surgery import decoder_layers
 
     _, layers = decoder_layers(model)
     l2a = l2a_layers(model)

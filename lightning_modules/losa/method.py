@@ -17,7 +17,7 @@ prefix, which is where the arms differ:
   Quest at ``budget`` entries each, and overwrite their cache entries; stable tokens reuse theirs. The K/V
   loaded is the union over the active tokens only.
 
-Prefill and commit calls (no :data:`~lightning_modules.llm.block_sampler.DENOISE_PHASE`) are dense in every arm.
+Prefill and commit calls (no :data:`~lightning_modules.bdlm.block_sampler.DENOISE_PHASE`) are dense in every arm.
 Each denoising call records per layer the union-of-pages density, the K/V bytes read (union entries, in-block
 entries, and Quest's page metadata), the active count and the attention time (:class:`BlockSparseSession`).
 One typed config per arm (the method pattern): ``cfg.build()`` gives the prefix strategy.
@@ -33,10 +33,10 @@ import torch
 
 import litctx_kernels
 from lightning_modules.base import check_field
-from lightning_modules.llm.block_attention import BLOCK_ATTR, block_diffusion_attention
-from lightning_modules.llm.block_sampler import DENOISE_PHASE, BlockHook
-from lightning_modules.llm.session import PHASE_ATTR, attach_runners
-from lightning_modules.llm.sparse_read import kv_read_bytes
+from lightning_modules.bdlm.block_attention import BLOCK_ATTR, block_diffusion_attention
+from lightning_modules.bdlm.block_sampler import DENOISE_PHASE, BlockHook
+from lightning_modules.llm.runtime.stack import PHASE_ATTR, attach_runners
+from lightning_modules.llm.sparse_read.kit import kv_read_bytes
 from lightning_modules.losa.sparse import page_density, quest_per_query, top_pages_per_query, union_attention
 from litctx_common.timing import Stopwatch
 
@@ -344,7 +344,7 @@ class BlockSparseRunner:
         block_state = getattr(module, BLOCK_ATTR)
         if getattr(self.model, PHASE_ATTR, None) != DENOISE_PHASE or block_state.layout is not None:
             return block_diffusion_attention(block_state, query, key, value, attention_mask, scale)
-        from lightning_modules.llm.attention import mask_to_key_mask
+        from lightning_modules.llm.model.attention import mask_to_key_mask
 
         b, hq, n, _ = query.shape
         hk, n_k = key.shape[1], key.shape[2]

@@ -14,8 +14,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from lightning_modules.llm.policy import top_capacity
-from lightning_modules.llm.sparse_read import page_bounds, page_scores
+from lightning_modules.llm.kv_policy.protocol import top_capacity
+from lightning_modules.llm.sparse_read.kit import page_bounds, page_scores
 
 __all__ = ["quest_per_query", "top_pages_per_query", "union_attention", "union_pages", "page_density"]
 

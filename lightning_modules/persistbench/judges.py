@@ -5,7 +5,7 @@ at max score >= 3); beneficial memory use 1-3 (3 = best, a sample fails at max s
 
 * :class:`RubricJudge` - an LLM through any chat backend, with rubrics in our own words (:data:`RUBRICS`); the
   reply must be JSON ``{"reasoning": str, "score": int}`` in range, read with repair and one corrective retry
-  (:func:`~lightning_modules.llm.structured.ask_structured`); still unreadable: ``score=None`` (invalid, excluded
+  (:func:`~lightning_modules.llm.serving.structured.ask_structured`); still unreadable: ``score=None`` (invalid, excluded
   from FR@K and counted).
 * :class:`RuleJudge` - deterministic term matching (tests, CI, and a cross-check of the LLM judge):
 
@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from lightning_modules.llm.judge import content_words
+from lightning_modules.llm.eval.judges import content_words
 
 __all__ = ["Verdict", "RuleJudge", "RubricJudge", "RUBRICS", "RUBRIC_VERSION", "SCALES", "MEMORY_JUDGES",
            "build_memory_judge", "find_terms"]
@@ -195,14 +195,14 @@ class RubricJudge:
     """An LLM judge (see the module docstring).
 
     Args:
-        backend: a chat backend spec or object (:func:`~lightning_modules.llm.chat.build_backend`).
+        backend: a chat backend spec or object (:func:`~lightning_modules.llm.serving.chat.build_backend`).
         max_tokens: the judge reply's cap.
         retries: corrective retries after an unreadable reply.
         temperature: 0 (the benchmark's judge runs at temperature 0).
     """
 
     def __init__(self, backend: Any = "local", max_tokens: int = 200, retries: int = 1, temperature: float = 0.0) -> None:
-        from lightning_modules.llm.chat import build_backend
+        from lightning_modules.llm.serving.chat import build_backend
 
         self.backend = build_backend(backend, "judge.backend")
         self.max_tokens = int(max_tokens)
@@ -219,7 +219,7 @@ class RubricJudge:
             _TAIL.format(lo=lo, hi=hi)
 
     def judge(self, sample: Dict[str, Any], response: str) -> Verdict:
-        from lightning_modules.llm.structured import StructuredOutputError, ask_structured, parse_json
+        from lightning_modules.llm.serving.structured import StructuredOutputError, ask_structured, parse_json
 
         lo, hi = SCALES[sample.get("failure_type", "cross_domain")]
 

@@ -7,7 +7,7 @@ each with its own seed; reasoning traces are stripped; the judge (:mod:`~lightni
 scores each answer. One record per generation is appended to ``results_file`` at once; every LLM call (generation
 and judging) goes through the recorded-call file ``calls_file``, so a killed run resumes without repeating a call.
 Records carry the model, judge, prompt and decoding; resuming over records made under another one is refused
-(:class:`~lightning_modules.llm.record_eval.RecordEvalModule`).
+(:class:`~lightning_modules.llm.eval.records.RecordEvalModule`).
 
 Logged per stage: ``fr_<type>`` (FR@K, percent, K = ``k``) and ``fr1_<type>`` (FR@1) for ``cross_domain``,
 ``sycophancy``, ``beneficial`` and ``all``, ``invalid`` (judged generations without a valid score). A
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from lightning_modules.base import check_field, is_int, is_number, run_path
-from lightning_modules.llm.record_eval import RecordEvalModule
+from lightning_modules.llm.eval.records import RecordEvalModule
 from litctx_common.io import atomic_write_text
 from litctx_common.seeding import stable_seed
 
@@ -72,7 +72,7 @@ class PersistBenchConfig:
     keep_responses: bool = True
 
     def __post_init__(self) -> None:
-        from lightning_modules.llm.chat import backend_options_check
+        from lightning_modules.llm.serving.chat import backend_options_check
         from lightning_modules.persistbench.judges import MEMORY_JUDGES, SCALES
         from lightning_modules.persistbench.prompts import prompt_id
 
@@ -132,8 +132,8 @@ class PersistBenchModule(RecordEvalModule):
     @property
     def backend(self) -> Any:
         if self._backend is None:
-            from lightning_modules.llm.chat import build_backend
-            from lightning_modules.llm.chat_records import RecordedBackend
+            from lightning_modules.llm.serving.chat import build_backend
+            from lightning_modules.llm.serving.chat_records import RecordedBackend
 
             if self.chat_backend is None:
                 self.chat_backend = build_backend(self.cfg.backend, "persistbench.backend")
@@ -143,7 +143,7 @@ class PersistBenchModule(RecordEvalModule):
     @property
     def judge(self) -> Any:
         if self._judge is None:
-            from lightning_modules.llm.chat_records import RecordedBackend
+            from lightning_modules.llm.serving.chat_records import RecordedBackend
             from lightning_modules.persistbench.judges import build_memory_judge
 
             spec = {"name": self.cfg.judge} if isinstance(self.cfg.judge, str) else dict(self.cfg.judge)
@@ -166,7 +166,7 @@ class PersistBenchModule(RecordEvalModule):
 
     # ------------------------------------------------------------------ one sample
     def run_sample(self, sample: Dict[str, Any]) -> List[Dict[str, Any]]:
-        from lightning_modules.llm.structured import strip_reasoning
+        from lightning_modules.llm.serving.structured import strip_reasoning
         from lightning_modules.persistbench.prompts import sample_messages
 
         kind = sample.get("failure_type", "cross_domain")

@@ -1,8 +1,8 @@
 """Prefill a retrieval-augmented prompt from stored chunk KV: the store gives (or computes once) each chunk's KV
-behind the shared prefix, :func:`~lightning_modules.llm.cache_surgery.assemble` lays them out at their final
+behind the shared prefix, :func:`~lightning_modules.llm.runtime.cache_surgery.assemble` lays them out at their final
 positions, a selector (:mod:`lightning_modules.prophetkv.selectors`) chooses what to recompute, and
-:func:`~lightning_modules.llm.cache_surgery.selective_forward` recomputes it with the question behind it. The
-result is a :class:`~lightning_modules.llm.generation.CachedLM` ready to decode and the logits of its first token.
+:func:`~lightning_modules.llm.runtime.cache_surgery.selective_forward` recomputes it with the question behind it. The
+result is a :class:`~lightning_modules.llm.runtime.cached_lm.CachedLM` ready to decode and the logits of its first token.
 
 :class:`ReuseConfig` is the one description (selector, its arguments, the ratio, the store) and builds the
 :class:`ReusePrefill` that runs. A prompt is ``prefix_ids`` (shared: the chat template's head and the
@@ -23,9 +23,9 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from lightning_modules.base import check_field, is_number
-from lightning_modules.llm.cache_surgery import assemble, check_cache_surgery, selective_forward
-from lightning_modules.llm.generation import CachedLM
-from lightning_modules.llm.kv_store import KVSegmentStore
+from lightning_modules.llm.runtime.cache_surgery import assemble, check_cache_surgery, selective_forward
+from lightning_modules.llm.runtime.cached_lm import CachedLM
+from lightning_modules.llm.runtime.kv_store import KVSegmentStore
 from lightning_modules.prophetkv.selectors import SELECTORS
 from litctx_common.options import accepted_keywords, check_options
 from litctx_common.timing import clock

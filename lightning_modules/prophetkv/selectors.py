@@ -1,7 +1,7 @@
 """Which context tokens to recompute when reusing stored chunk KV: ProphetKV and its baselines, one typed config
 per method (the method pattern: the config holds the defaults and ``build()`` returns the selector that runs).
 
-A selector turns an :class:`~lightning_modules.llm.cache_surgery.AssembledContext` (stale chunk KV at the final
+A selector turns an :class:`~lightning_modules.llm.runtime.cache_surgery.AssembledContext` (stale chunk KV at the final
 positions) and the question into a :class:`RecomputePlan`: the cache columns to recompute and, for CacheBlend, a
 per-layer hook that narrows them inside the forward. The budget is ``ceil(ratio * s)`` of a row's ``s`` chunk tokens
 (the shared prefix is exact and never recomputed).
@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 import torch
 
 from lightning_modules.base import check_field, is_int, is_number
-from lightning_modules.llm.cache_surgery import AssembledContext, LayerStep
+from lightning_modules.llm.runtime.cache_surgery import AssembledContext, LayerStep
 
 __all__ = ["RecomputePlan", "FullPrefillConfig", "NaiveReuseConfig", "RandomReuseConfig", "EPICConfig",
            "CacheBlendConfig", "ProphetKVConfig", "OracleConfig", "SELECTORS", "budgets", "QueryAttentionRecorder",
@@ -329,7 +329,7 @@ def question_attention(ctx: AssembledContext, question_ids: torch.Tensor,
                        question_mask: torch.Tensor) -> Dict[int, torch.Tensor]:
     """Stage I: the question run alone over the stale cache (then taken back); per layer its attention to every
     cache column ``[B, T]``."""
-    from lightning_modules.llm.session import attach_runners
+    from lightning_modules.llm.runtime.stack import attach_runners
 
     lm = ctx.lm
     width = lm.mask.shape[1]
@@ -376,8 +376,8 @@ class OracleSelector:
     name = "oracle"
 
     def plan(self, ctx, ratio, question_ids, question_mask) -> RecomputePlan:
-        from lightning_modules.llm.generation import CachedLM
-        from lightning_modules.llm.session import attach_runners
+        from lightning_modules.llm.runtime.cached_lm import CachedLM
+        from lightning_modules.llm.runtime.stack import attach_runners
 
         k = budgets(ctx, ratio)
         lm = ctx.lm

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from lightning_modules.base import check_field, is_int
-from lightning_modules.llm.generation import stop_token_ids
-from lightning_modules.llm.loading import load_causal_lm
-from lightning_modules.llm.record_eval import RecordEvalModule
-from lightning_modules.llm.suite_metrics import score_prediction
+from lightning_modules.llm.decoding.stopping import stop_token_ids
+from lightning_modules.llm.model.loading import load_causal_lm
+from lightning_modules.llm.eval.records import RecordEvalModule
+from lightning_modules.llm.eval.suite_metrics import score_prediction
 from litctx_common.options import nested_config
 from litctx_common.records import MISMATCH_POLICIES
 
@@ -102,7 +102,7 @@ class RAGEvalConfig:
         check_field(self.prompt in PROMPTS, "rag_eval", "prompt", self.prompt, f"valid prompts are {', '.join(PROMPTS)}")
         check_field(self.max_new_tokens is None or (is_int(self.max_new_tokens) and self.max_new_tokens >= 1),
                     "rag_eval", "max_new_tokens", self.max_new_tokens, "must be null or an integer >= 1")
-        from lightning_modules.llm.judge import JUDGES
+        from lightning_modules.llm.eval.judges import JUDGES
 
         check_field(self.judge in JUDGES, "rag_eval", "judge", self.judge, f"valid judges are {', '.join(JUDGES)}")
         check_field(self.provenance_mismatch in MISMATCH_POLICIES, "rag_eval", "provenance_mismatch",
@@ -159,7 +159,7 @@ class RAGEvalModule(RecordEvalModule):
     @property
     def judge(self) -> Any:
         if self._judge is None:
-            from lightning_modules.llm.judge import build_judge
+            from lightning_modules.llm.eval.judges import build_judge
 
             self._judge = build_judge(self.cfg.judge, **dict(self.cfg.judge_args))
         return self._judge

@@ -16,7 +16,7 @@ their own ``z_j`` and cached after rotation, as with standard RoPE, so cached de
 :class:`RePoAttention` holding the old projections under their old names plus ``gate_map``, ``content_map``,
 ``final_map``, the released checkpoint's names) and records the settings in ``model.config.pe_config``;
 :func:`apply_from_config` re-applies them when a saved model is loaded
-(:func:`lightning_modules.llm.surgery.restore_surgery`).
+(:func:`lightning_modules.llm.model.surgery.restore_surgery`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from lightning_modules.llm.surgery import (
+from lightning_modules.llm.model.surgery import (
     Anatomy,
     SurgeryError,
     anatomy,

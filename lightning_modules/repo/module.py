@@ -1,4 +1,4 @@
-"""Continued pretraining with RePo (the ``repo_cpt`` method): a :class:`~lightning_modules.llm.module.LanguageModel`
+"""Continued pretraining with RePo (the ``repo_cpt`` method): a :class:`~lightning_modules.llm.model.lm.LanguageModel`
 whose layers from L0 on get learned positions (:func:`lightning_modules.repo.attention.apply_repo`).
 
 Besides the language-model metrics it logs, every ``log_every`` training steps, the spread of the learned
@@ -17,7 +17,7 @@ from typing import Any, Dict
 import torch
 
 from lightning_modules.base import check_field, is_int
-from lightning_modules.llm.module import LanguageModel, LanguageModelConfig
+from lightning_modules.llm.model.lm import LanguageModel, LanguageModelConfig
 from lightning_modules.repo.attention import apply_repo, repo_modules
 from lightning_modules.repo.config import RePoConfig
 from litctx_common.options import nested_config

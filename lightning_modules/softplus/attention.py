@@ -2,11 +2,11 @@
 
 The setting is parameter-free: every attention module gets the attribute :data:`SCORE_ATTR` (an
 :class:`~lightning_modules.softplus.config.AttentionScoreConfig`), which the ``litctx`` attention function
-(:func:`lightning_modules.llm.attention.litctx_attention`) reads on every call, in training and evaluation
+(:func:`lightning_modules.llm.model.attention.litctx_attention`) reads on every call, in training and evaluation
 alike, and passes to :func:`litctx_kernels.attention` (reference on CPU; Triton K1/K2 for LSSA and the two-pass LSSAR
 forward on CUDA). The model is switched to the ``litctx`` attention implementation, and the setting is written to
 ``model.config.attention_score``, so ``save_pretrained`` carries it and ``load_causal_lm`` re-applies it
-(:data:`lightning_modules.llm.surgery.SURGERIES`). LSSA's row scale ``kappa_i = ln(d) ln(N_i)`` counts the keys
+(:data:`lightning_modules.llm.model.surgery.SURGERIES`). LSSA's row scale ``kappa_i = ln(d) ln(N_i)`` counts the keys
 row ``i`` may see by absolute position, so decoding with a cache scores exactly like one full forward.
 
 KV policies (which compute softmax attention themselves) refuse a model with another score mode.
@@ -18,8 +18,8 @@ from typing import Any, Mapping, Optional
 
 from torch import nn
 
-from lightning_modules.llm.attention import SCORE_ATTR, ensure_registered
-from lightning_modules.llm.surgery import anatomy, decoder_layers
+from lightning_modules.llm.model.attention import SCORE_ATTR, ensure_registered
+from lightning_modules.llm.model.surgery import anatomy, decoder_layers
 from lightning_modules.softplus.config import CONFIG_KEY, AttentionScoreConfig
 
 __all__ = ["apply_score_mode", "apply_from_config", "score_config_of", "SCORE_ATTR"]

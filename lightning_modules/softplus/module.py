@@ -1,6 +1,6 @@
 """Training a causal LM with softmax, LSSA or LSSAR attention (the ``lssa_lm`` method).
 
-A :class:`~lightning_modules.llm.module.LanguageModel` whose attention layers carry the score setting
+A :class:`~lightning_modules.llm.model.lm.LanguageModel` whose attention layers carry the score setting
 ``attention`` (:class:`~lightning_modules.softplus.config.AttentionScoreConfig`) for training, evaluation and
 the exported folder alike. With a ``tiny-*`` model it trains from scratch (the paper trains GPT-2-small from
 scratch; here a small Llama with RoPE). Validation and test report the loss at every ``eval_seq_lens`` length
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_modules.llm.module import LanguageModel, LanguageModelConfig
+from lightning_modules.llm.model.lm import LanguageModel, LanguageModelConfig
 from lightning_modules.softplus.attention import apply_score_mode, score_config_of
 from lightning_modules.softplus.config import AttentionScoreConfig
 from litctx_common.options import nested_config

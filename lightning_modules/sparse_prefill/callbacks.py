@@ -25,8 +25,8 @@ import torch
 
 from lightning_modules.base import check_field, is_int, is_number
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
-from lightning_modules.llm.callbacks import target_model
-from lightning_modules.llm.session import attach_runners
+from lightning_modules.llm.kv_policy.callback import target_model
+from lightning_modules.llm.runtime.stack import attach_runners
 from lightning_modules.sparse_prefill.methods import PrefillConfig, SALEEstimateFields
 from lightning_modules.sparse_prefill.sale import calibrate_thresholds
 from lightning_modules.sparse_prefill.session import _unpadded, install_sparse_prefill
@@ -132,7 +132,7 @@ class _CalibrationRunner:
         self.layer, self.owner = layer, owner
 
     def attend(self, module, query, key, value, attention_mask, scale, window=None):
-        from lightning_modules.llm.attention import causal_attention
+        from lightning_modules.llm.model.attention import causal_attention
 
         n_q, n_k = query.shape[2], key.shape[2]
         if n_q == n_k and n_q > self.owner.cfg.min_length and _unpadded(attention_mask, n_q, window):

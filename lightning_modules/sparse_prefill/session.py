@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
-from lightning_modules.llm.attention import causal_attention, mask_to_key_mask
-from lightning_modules.llm.session import attach_runners
+from lightning_modules.llm.model.attention import causal_attention, mask_to_key_mask
+from lightning_modules.llm.runtime.stack import attach_runners
 from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
 
 __all__ = ["SparsePrefillRunner", "SparsePrefillSession", "install_sparse_prefill"]
@@ -60,7 +60,7 @@ class SparsePrefillRunner:
                         window: Optional[int] = None) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """``(o [B, Hq, N, dv], lse [B, Hq, N])`` of a long unpadded first prefill through the estimator, or None
         when the call does not qualify (the caller then runs exact attention). The ``prefill`` role of a
-        :class:`~lightning_modules.llm.session.RunnerStack`: a KV policy installed beside it observes these
+        :class:`~lightning_modules.llm.runtime.stack.RunnerStack`: a KV policy installed beside it observes these
         outputs."""
         n_q, n_k = query.shape[2], key.shape[2]
         sparse = window is None or n_q <= window  # estimators choose causal blocks: sliding layers stay exact

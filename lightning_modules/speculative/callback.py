@@ -1,7 +1,7 @@
 """Speculative decoding as a Lightning callback: the long-context suite decodes draft-and-verify.
 
 :class:`SpeculativeConfig` is the one description (gamma, the draft, sampling, the verifier) and builds the
-:class:`SpeculativeGeneration` strategy that :class:`~lightning_modules.llm.module.LongContextEvalModule` runs
+:class:`SpeculativeGeneration` strategy that :class:`~lightning_modules.llm.eval.suite.LongContextEvalModule` runs
 per batch while the callback is installed (validate/test/predict). It composes with the other inference
 callbacks: a KV policy (e.g. SnapKV: static compressed verification) and a sparse prefill (e.g. Prism) act on
 the same target model; the verifier only chooses what verification calls read. From config::
@@ -24,10 +24,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, Optional
 
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
-from lightning_modules.llm.callbacks import target_model
-from lightning_modules.llm.drafts import DraftConfig
-from lightning_modules.llm.sampling import SamplingConfig
-from lightning_modules.llm.speculative import check_gamma, speculative_generate
+from lightning_modules.llm.kv_policy.callback import target_model
+from lightning_modules.llm.decoding.drafts import DraftConfig
+from lightning_modules.llm.decoding.sampling import SamplingConfig
+from lightning_modules.llm.decoding.speculative import check_gamma, speculative_generate
 from lightning_modules.speculative.verifiers import VERIFIERS, build_verifier, verifier_keywords
 from litctx_common.options import check_options, nested_config
 
@@ -40,7 +40,7 @@ class SpeculativeSettings:
 
     Attributes:
         gamma: tokens the draft proposes per verification (>= 1).
-        draft: the draft (:class:`~lightning_modules.llm.drafts.DraftConfig`: ``kind`` early_exit | checkpoint |
+        draft: the draft (:class:`~lightning_modules.llm.decoding.drafts.DraftConfig`: ``kind`` early_exit | checkpoint |
             prompt_lookup, ``num_layers``, ``path``, ``ngram_max``, ``ngram_min``).
         temperature, top_k, top_p, seed: sampling of both models (temperature 0 = greedy; acceptance is then
             greedy matching, else rejection sampling).
@@ -102,7 +102,7 @@ class SpeculativeConfig(SpeculativeSettings):
 
 
 class SpeculativeGeneration:
-    """The decoding strategy :class:`~lightning_modules.llm.module.LongContextEvalModule` runs while installed:
+    """The decoding strategy :class:`~lightning_modules.llm.eval.suite.LongContextEvalModule` runs while installed:
     ``generate(model, context_ids, context_mask, max_new_tokens, stop_ids, question_ids, question_mask, pad_id)``."""
 
     def __init__(self, cfg: SpeculativeConfig, draft: Any, verifier: Any, info: Dict[str, Any]) -> None:

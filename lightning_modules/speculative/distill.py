@@ -1,6 +1,6 @@
 """Distilling a speculative-decoding draft from its target (the ``draft_distill`` method).
 
-The student starts as :func:`~lightning_modules.llm.drafts.truncated_draft` of the target (its embeddings,
+The student starts as :func:`~lightning_modules.llm.decoding.drafts.truncated_draft` of the target (its embeddings,
 ``num_layers`` decoder layers, final norm and head, copied) and is trained on packed text blocks
 ``{"input_ids": [B, T]}`` to match the frozen target's next-token distributions:
 
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_modules.base import LongContextModule, SharedEvalStages, check_field, is_int, is_number
-from lightning_modules.llm.drafts import DRAFT_INFO_FILE, decoder_layers, truncated_draft
-from lightning_modules.llm.loading import DTYPES, load_causal_lm
+from lightning_modules.llm.decoding.drafts import DRAFT_INFO_FILE, decoder_layers, truncated_draft
+from lightning_modules.llm.model.loading import DTYPES, load_causal_lm
 from litctx_common.io import atomic_path
 
 __all__ = ["DraftDistillConfig", "DraftDistillModule", "token_kl"]

@@ -16,8 +16,8 @@ from litctx_common.options import accepted_keywords
 __all__ = ["VERIFIERS", "build_verifier", "verifier_keywords"]
 
 VERIFIERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
-    "dense": ("lightning_modules.llm.verify:DenseVerifier", {}),
-    "quest": ("lightning_modules.llm.verify:QuestVerifier", {}),
+    "dense": ("lightning_modules.llm.sparse_read.read_method:DenseVerifier", {}),
+    "quest": ("lightning_modules.llm.sparse_read.read_method:QuestVerifier", {}),
     "dustin": ("lightning_modules.dustin.method:DustinConfig", {"signal": "mixed"}),
     "history_only": ("lightning_modules.dustin.method:DustinConfig", {"signal": "history"}),
     "draft_only": ("lightning_modules.dustin.method:DustinConfig", {"signal": "draft"}),

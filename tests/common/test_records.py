@@ -91,3 +91,25 @@ def test_evaluate_arms_refuses_an_arm_whose_settings_changed(tmp_path):
                       RecordStore(path, ("id", "arm"), {}).load())
     with pytest.raises(ValueError, match="lack"):
         evaluate_arms([], [], RecordStore(None, ("id",)))
+
+
+# ---------------------------------------------------------------------------------------------- shared helpers
+def test_left_pad_puts_every_rows_last_token_in_the_last_column():
+    import torch
+
+    from litctx_common.padding import left_pad
+
+    ids, mask = left_pad([[1, 2, 3], [], torch.tensor([7])], pad_id=9)
+    assert ids.tolist() == [[1, 2, 3], [9, 9, 9], [9, 9, 7]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 0], [0, 0, 1]]
+    with pytest.raises(ValueError):
+        left_pad([])
+
+
+def test_mean_of_skips_missing_values():
+    import math
+
+    from litctx_common.stats import mean_of
+
+    assert mean_of([1.0, None, 3.0, float("nan")]) == 2.0
+    assert math.isnan(mean_of([None])) and mean_of([], empty=None) is None

@@ -117,7 +117,7 @@ def test_spec_modules_import_nothing_but_specs():
 def test_every_spec_module_in_a_folder_is_listed():
     listed = set(registry.SPEC_MODULES)
     on_disk = {str(p.relative_to(REPO).with_suffix("")).replace("/", ".")
-               for p in list((REPO / "lightning_modules").glob("*/spec.py")) + [REPO / "datamodules" / "spec.py"]}
+               for p in list((REPO / "lightning_modules").rglob("spec.py")) + [REPO / "datamodules" / "spec.py"]}
     assert on_disk == listed
 
 
@@ -160,7 +160,7 @@ def test_layout_lists_every_method_folder():
     folders = sorted(p.parent.name for p in (REPO / "lightning_modules").glob("*/spec.py"))
     for name in folders:
         assert f"{name}/" in block, name
-    assert len(folders) >= 22
+    assert len(folders) >= 20 and "llm/" in block
 
 
 def test_markdown_tables_are_not_cut():
