@@ -34,6 +34,7 @@ from bench._report import REPO, pyplot, save_figure, save_json, write_section
 
 from litctx_common.io import append_jsonl, read_jsonl
 from litctx_common.timing import clock
+from litctx_common.stats import mean_of
 
 RESULTS = REPO / "results" / "kv_eviction_smollm2.jsonl"
 FIGURE = REPO / "docs" / "figures" / "kv_eviction_smollm2.png"
@@ -201,10 +202,6 @@ def run_rank_quality(model, tok) -> Dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def _mean(xs):
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
 def _verdict(bs: Dict[str, float]) -> str:
     """Whether a bootstrap interval of (OBCache - base) excludes zero, and on which side."""
     return "**holds**" if bs["lo"] > 0 else ("reversed" if bs["hi"] < 0 else "not resolved")
@@ -224,7 +221,7 @@ def pooled_obcache_rows(by: Dict[Tuple, Dict[str, Dict[str, Any]]], args) -> Lis
                         a, b = by.get((protocol, length, obc, r), {}), by.get((protocol, length, base, r), {})
                         for i in sorted(set(a) & set(b)):
                             units.setdefault((protocol, length, i), []).append(a[i]["score"] - b[i]["score"])
-        return [_mean(v) for v in units.values()]
+        return [mean_of(v) for v in units.values()]
 
     rows = []
     for label, pairs in [(f"{obc} - {base}", [(base, obc)]) for base, obc in PAIRS] + [("all four", list(PAIRS))]:
@@ -258,13 +255,13 @@ def report(args, rank_quality) -> str:
             continue
         header = "| method | " + " | ".join(f"{int(100 * r)}% evicted" for r in args.ratios) + " |"
         rows = [header, "|---|" + "---|" * len(args.ratios),
-                "| full cache | " + " | ".join(f"{100 * _mean([x['score'] for x in full.values()]):.1f} (n={len(full)})"
+                "| full cache | " + " | ".join(f"{100 * mean_of([x['score'] for x in full.values()]):.1f} (n={len(full)})"
                                                 for _ in args.ratios) + " |"]
         for m in METHODS:
             cells = []
             for r in args.ratios:
                 cell = by.get((protocol, length, m, r), {})
-                cells.append(f"{100 * _mean([x['score'] for x in cell.values()]):.1f}" if cell else "-")
+                cells.append(f"{100 * mean_of([x['score'] for x in cell.values()]):.1f}" if cell else "-")
             rows.append(f"| {m} | " + " | ".join(cells) + " |")
         pair_rows = ["| OBCache vs base | " + " | ".join(f"{int(100 * r)}% evicted" for r in args.ratios) + " |",
                      "|---|" + "---|" * len(args.ratios)]
@@ -287,7 +284,7 @@ def report(args, rank_quality) -> str:
             for r in args.ratios:
                 cell = by.get((protocol, length, m, r), {})
                 fr = [x["compressed_bytes"] / full_bytes[i] for i, x in cell.items() if i in full_bytes]
-                cells.append(f"{100 * _mean(fr):.1f}%" if fr else "-")
+                cells.append(f"{100 * mean_of(fr):.1f}%" if fr else "-")
             mem_rows.append(f"| {m} | " + " | ".join(cells) + " |")
         sections.append(f"**{protocol}, {length // 1024}K tokens** (accuracy %, mean over {len(args.tasks)} tasks)\n\n"
                         + "\n".join(rows) + "\n\nOBCache (`obcache_kv`) minus its base, accuracy points, paired by "
@@ -295,9 +292,9 @@ def report(args, rank_quality) -> str:
                         + "\n\nKV bytes right after compression, relative to the full cache:\n\n" + "\n".join(mem_rows))
         if fig is not None:
             ax = axes[0][pi]
-            ax.axhline(100 * _mean([x["score"] for x in full.values()]), color="k", lw=1, ls="--", label="full")
+            ax.axhline(100 * mean_of([x["score"] for x in full.values()]), color="k", lw=1, ls="--", label="full")
             for m in METHODS:
-                ys = [100 * _mean([x["score"] for x in by.get((protocol, length, m, r), {}).values()]) for r in args.ratios]
+                ys = [100 * mean_of([x["score"] for x in by.get((protocol, length, m, r), {}).values()]) for r in args.ratios]
                 ax.plot([100 * r for r in args.ratios], ys, marker="o" if "+obc" in m else "x", lw=1.2,
                         ls="-" if "+obc" in m else ":", color=COLORS[m.split("+")[0]], label=m)
             ax.set_title(f"{protocol}, {length // 1024}K")
@@ -317,7 +314,7 @@ def report(args, rank_quality) -> str:
     if thr:
         full_tps = {r["id"]: r["decode_steps"] / r["decode_s"] for r in thr if r["method"] == "full"}
         thr_rows = ["| method | evicted | decode tokens/s | x full cache | KV bytes vs full |", "|---|---|---|---|---|"]
-        thr_rows.append(f"| full cache | 0% | {_mean(list(full_tps.values())):.1f} | 1.00 | 100% |")
+        thr_rows.append(f"| full cache | 0% | {mean_of(list(full_tps.values())):.1f} | 1.00 | 100% |")
         full_b = {r["id"]: r["compressed_bytes"] for r in thr if r["method"] == "full"}
         for m in THROUGHPUT:
             for r in args.ratios:
@@ -326,8 +323,8 @@ def report(args, rank_quality) -> str:
                     continue
                 tps = [x["decode_steps"] / x["decode_s"] for x in cell]
                 ratio = sorted(t / full_tps[x["id"]] for t, x in zip(tps, cell))
-                mem = _mean([x["compressed_bytes"] / full_b[x["id"]] for x in cell])
-                thr_rows.append(f"| {m} | {int(100 * r)}% | {_mean(tps):.1f} | {ratio[len(ratio) // 2]:.2f} "
+                mem = mean_of([x["compressed_bytes"] / full_b[x["id"]] for x in cell])
+                thr_rows.append(f"| {m} | {int(100 * r)}% | {mean_of(tps):.1f} | {ratio[len(ratio) // 2]:.2f} "
                                 f"(min {ratio[0]:.2f}) | {100 * mem:.1f}% |")
     rq = ""
     if rank_quality:

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional
 from bench._report import REPO, pyplot, save_figure, write_section
 
 from litctx_common.io import append_jsonl, read_jsonl
+from litctx_common.stats import mean_of
 
 RESULTS_DIR = REPO / "results"
 FIGURE_DIR = REPO / "docs" / "figures"
@@ -101,11 +102,6 @@ def run_sample(model: Any, batch: Dict[str, Any], arms: List[Any], steps: int, d
     append_jsonl(out, records)
 
 
-def mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
 def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) -> str:
     from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
@@ -120,15 +116,15 @@ def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) ->
         lines += [f"### {length}-token prompts ({len(ids)} samples in every arm)", "",
                   "| arm | exact match | token acc | density (all steps) | density (later steps) | bytes / dense "
                   "| attention time / dense |", "|---|---|---|---|---|---|---|"]
-        d_bytes = mean([dense[i]["bytes_per_step"] for i in ids]) if dense else float("nan")
-        d_sec = mean([dense[i]["seconds"] for i in ids]) if dense else float("nan")
+        d_bytes = mean_of([dense[i]["bytes_per_step"] for i in ids]) if dense else float("nan")
+        d_sec = mean_of([dense[i]["seconds"] for i in ids]) if dense else float("nan")
         for arm in sorted(arms, key=_arm_key):
             rs = [arms[arm][i] for i in ids]
-            lines.append(f"| {arm} | {100 * mean([r['exact'] for r in rs]):.0f}% "
-                         f"| {mean([r['token_acc'] for r in rs]):.3f} "
-                         f"| {mean([r['density'] for r in rs]):.3f} | {mean([r['density_later'] for r in rs]):.3f} "
-                         f"| {mean([r['bytes_per_step'] for r in rs]) / d_bytes:.3f} "
-                         f"| {mean([r['seconds'] for r in rs]) / d_sec:.2f} |")
+            lines.append(f"| {arm} | {100 * mean_of([r['exact'] for r in rs]):.0f}% "
+                         f"| {mean_of([r['token_acc'] for r in rs]):.3f} "
+                         f"| {mean_of([r['density'] for r in rs]):.3f} | {mean_of([r['density_later'] for r in rs]):.3f} "
+                         f"| {mean_of([r['bytes_per_step'] for r in rs]) / d_bytes:.3f} "
+                         f"| {mean_of([r['seconds'] for r in rs]) / d_sec:.2f} |")
         lines += ["", "LoSA minus Quest at the same per-query budget: exact match and token accuracy (percentage "
                   "points, 95% paired bootstrap over prompts) and the ratio of union densities, over the sparse "
                   "(later) steps as the paper counts density, and over all steps (LoSA's dense first step "
@@ -147,7 +143,7 @@ def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) ->
                 continue
             cis = [paired_bootstrap([arms[arm][i][key] for i in ids], [quest[i][key] for i in ids])
                    for key in ("exact", "token_acc")]
-            ratios = [mean([arms[arm][i][key] for i in ids]) / mean([quest[i][key] for i in ids])
+            ratios = [mean_of([arms[arm][i][key] for i in ids]) / mean_of([quest[i][key] for i in ids])
                       for key in ("density_later", "density")]
             lines.append(f"| {budget} | {arm.split('_')[1]} | "
                          + " | ".join(f"{100 * c['diff']:+.1f} [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]"
@@ -159,7 +155,7 @@ def report(records: List[Dict[str, Any]], model: str, figure: Optional[Path]) ->
             if shares:
                 layers = sorted(shares[0], key=int)
                 lines += ["", f"Active share per layer ({family}, later steps; top-k_a arms have k_a / B by "
-                          f"construction): " + ", ".join(f"L{k} {mean([s[k] for s in shares]):.2f}" for k in layers)]
+                          f"construction): " + ", ".join(f"L{k} {mean_of([s[k] for s in shares]):.2f}" for k in layers)]
         lines.append("")
     if figure is not None:
         _figure(by, figure)
@@ -195,8 +191,8 @@ def _figure(by, path: Path) -> None:
             ax = axes[row][col]
             for family in families:
                 members = [rs for arm, rs in arms.items() if arm.rsplit("_b", 1)[0] == family]
-                pts = sorted((mean([r["density_later"] for r in rs.values()]),
-                              mean([r[key] for r in rs.values()])) for rs in members)
+                pts = sorted((mean_of([r["density_later"] for r in rs.values()]),
+                              mean_of([r[key] for r in rs.values()])) for rs in members)
                 style = "*" if family == "dense" else ("o-" if family == "quest" else
                                                        "s--" if family == "fixed" else "^-")
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=family, markersize=7)

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from bench._report import REPO, write_section
 from litctx_common.io import read_jsonl
+from litctx_common.stats import mean_of
 
 RESULTS = REPO / "results"
 WORK = REPO / "runs" / "bench_memory"
@@ -130,10 +131,6 @@ def _fmt_interval(res: Dict[str, float]) -> str:
     return f"{100 * res['diff']:+.1f} [{100 * res['lo']:+.1f}, {100 * res['hi']:+.1f}]"
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
 def multihop_report() -> List[str]:
     from lightning_modules.llm.eval.suite_metrics import paired_bootstrap
 
@@ -151,16 +148,16 @@ def multihop_report() -> List[str]:
         rs = [recs[s][i] for i in common]
         acc = [r["score"] for r in rs]
         diff = "-" if s == "single_step" else _fmt_interval(paired_bootstrap(acc, single))
-        lines.append(f"| {s} | {100 * _mean(acc):.1f}% | {diff} | {_mean([r['calls'] for r in rs]):.1f} | "
-                     f"{_mean([r['prompt_tokens'] + r['completion_tokens'] for r in rs]):.0f} | "
-                     f"{100 * _mean([r['retrieved_recall'] for r in rs]):.0f}% | "
-                     f"{100 * _mean([r['context_recall'] for r in rs]):.0f}% | "
-                     f"{_mean([r['memory_points'] for r in rs]):.1f} | {_mean([r['merges'] for r in rs]):.2f} | "
-                     f"{_mean([r['rejected'] for r in rs]):.1f} |")
+        lines.append(f"| {s} | {100 * mean_of(acc):.1f}% | {diff} | {mean_of([r['calls'] for r in rs]):.1f} | "
+                     f"{mean_of([r['prompt_tokens'] + r['completion_tokens'] for r in rs]):.0f} | "
+                     f"{100 * mean_of([r['retrieved_recall'] for r in rs]):.0f}% | "
+                     f"{100 * mean_of([r['context_recall'] for r in rs]):.0f}% | "
+                     f"{mean_of([r['memory_points'] for r in rs]):.1f} | {mean_of([r['merges'] for r in rs]):.2f} | "
+                     f"{mean_of([r['rejected'] for r in rs]):.1f} |")
     gold = {r["id"]: r for r in read_jsonl(multihop_path("gold_context"), key=lambda r: r["id"])}
     if all(i in gold for i in common):
         acc = [gold[i]["score"] for i in common]
-        lines.append(f"| (diagnostic) gold sentences as the only sources | {100 * _mean(acc):.1f}% | "
+        lines.append(f"| (diagnostic) gold sentences as the only sources | {100 * mean_of(acc):.1f}% | "
                      f"{_fmt_interval(paired_bootstrap(acc, single))} | 1.0 | - | 100% | 100% | - | - | - |")
     hg = [recs["hgmem"][i] for i in common]
     lines += ["", f"HGMem minus flat memory: {_fmt_interval(paired_bootstrap([r['score'] for r in hg], [recs['flat'][i]['score'] for i in common]))} points."]

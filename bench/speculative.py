@@ -25,13 +25,13 @@ bootstrap intervals of accuracy against dense verification.
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from bench._report import REPO, pyplot, save_figure, write_section
 
 from litctx_common.io import append_jsonl, read_jsonl
+from litctx_common.stats import mean_of
 
 RESULTS = REPO / "results" / "speculative_smollm2.jsonl"
 FIGURE = REPO / "docs" / "figures" / "speculative_smollm2.png"
@@ -277,9 +277,8 @@ def _fraction(r: Dict[str, Any], dense: Dict[str, Dict[str, Any]]) -> Optional[f
     return r["bytes_read"] / ref if ref else None
 
 
-def _mean(xs):
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return sum(xs) / len(xs) if xs else None
+def _mean_or_none(xs):
+    return mean_of(xs, empty=None)
 
 
 def report(args) -> str:
@@ -309,20 +308,20 @@ def report(args) -> str:
         if arm != "dense" and len(paired) >= 2:
             b = paired_bootstrap([a for a, _ in paired], [d for _, d in paired])
             ci = f"{100 * b['diff']:+.1f} [{100 * b['lo']:+.1f}, {100 * b['hi']:+.1f}]"
-        frac = _mean([_fraction(r, dense) for r in rows])
-        speed = _mean([(r["decode_tok_s"] / plain[r["id"]]["decode_tok_s"]) if r["id"] in plain and r.get("decode_tok_s")
+        frac = _mean_or_none([_fraction(r, dense) for r in rows])
+        speed = _mean_or_none([(r["decode_tok_s"] / plain[r["id"]]["decode_tok_s"]) if r["id"] in plain and r.get("decode_tok_s")
                        and plain[r["id"]].get("decode_tok_s") else None for r in rows])
 
         def f(x, fmt):
             return "-" if x is None else format(x, fmt)
 
         ref = plain if arm == "dense" else dense  # dense verification itself must reproduce plain decoding
-        same = _mean([float(r["tokens"] == ref[r["id"]]["tokens"]) for r in rows if r["id"] in ref and r["batch"] == bsz])
-        lines.append(f"| {length} | {bsz} | {arm} | {dname} | {budget or '-'} | {len(rows)} | {100 * _mean([r['score'] for r in rows]):.1f} "
-                     f"| {ci} | {f(same, '.2f')} | {f(_mean([r['acceptance'] for r in rows]), '.3f')} "
-                     f"| {f(_mean([r['mean_accepted_length'] for r in rows]), '.2f')} | {f(frac, '.3f')} "
-                     f"| {f(_mean([r['arr'] for r in rows]), '.3f')} | {f(_mean([r['verify_s_per_step'] for r in rows]), '.3f')} "
-                     f"| {f(_mean([r['decode_tok_s'] for r in rows]), '.2f')} | {f(speed, '.2f')}x |")
+        same = _mean_or_none([float(r["tokens"] == ref[r["id"]]["tokens"]) for r in rows if r["id"] in ref and r["batch"] == bsz])
+        lines.append(f"| {length} | {bsz} | {arm} | {dname} | {budget or '-'} | {len(rows)} | {100 * _mean_or_none([r['score'] for r in rows]):.1f} "
+                     f"| {ci} | {f(same, '.2f')} | {f(_mean_or_none([r['acceptance'] for r in rows]), '.3f')} "
+                     f"| {f(_mean_or_none([r['mean_accepted_length'] for r in rows]), '.2f')} | {f(frac, '.3f')} "
+                     f"| {f(_mean_or_none([r['arr'] for r in rows]), '.3f')} | {f(_mean_or_none([r['verify_s_per_step'] for r in rows]), '.3f')} "
+                     f"| {f(_mean_or_none([r['decode_tok_s'] for r in rows]), '.2f')} | {f(speed, '.2f')}x |")
     _figure(cells)
     return ("\n".join(lines) + f"\n\n![accuracy and bytes read against budget](figures/{FIGURE.name})\n\n"
             + speed_table(cells) + "\n\n" + criteria_table(cells) + "\n")
@@ -406,7 +405,7 @@ def criteria_table(cells) -> str:
         snap = ids((length, bsz, "snapkv", budget, dname))
         hist = ids((length, bsz, "history_only", budget, dname))
         drft = ids((length, bsz, "draft_only", budget, dname))
-        frac = _mean([_fraction(r, dense) for r in rows])
+        frac = _mean_or_none([_fraction(r, dense) for r in rows])
         pc = [r for r in rows if r["task"] == "pointer_chasing"]
         same = lambda r: _prefix_agreement(r, dense)  # noqa: E731
         lines.append(
@@ -436,14 +435,14 @@ def _figure(cells) -> None:
                 if n != length or a != arm or bsz != 1:
                     continue
                 dense = {r["id"]: r for r in cells.get((n, bsz, "dense", 0, d), [])}
-                pts.append((b, _mean([r["score"] for r in rows]), _mean([_fraction(r, dense) for r in rows])))
+                pts.append((b, _mean_or_none([r["score"] for r in rows]), _mean_or_none([_fraction(r, dense) for r in rows])))
             if pts:
                 pts.sort()
                 ax_acc.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=arm)
                 ax_bytes.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=arm)
         for (n, bsz, a, b, d), rows in cells.items():
             if n == length and a == "dense" and bsz == 1:
-                ax_acc.axhline(_mean([r["score"] for r in rows]), color="k", ls="--", lw=0.8)
+                ax_acc.axhline(_mean_or_none([r["score"] for r in rows]), color="k", ls="--", lw=0.8)
         ax_acc.set(xlabel="budget (positions)", ylabel="accuracy", xscale="log", title=f"{length} tokens")
         ax_bytes.set(xlabel="budget (positions)", ylabel="bytes read / dense", xscale="log", title=f"{length} tokens")
         ax_acc.legend(fontsize=8)

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from litctx_common.io import atomic_path
+from litctx_common.io import atomic_path, jsonl_lines
 from litctx_common.paths import default_cache_dir
 
 __all__ = ["CorpusSpec", "CORPORA", "build_installed_docs", "installed_docs_path", "module_document",
@@ -277,6 +277,5 @@ def corpus_documents(name: str, cache_dir: Optional[os.PathLike] = None) -> List
         return [topics[k] for k in sorted(topics)]
     if name == "installed_docs":
         folder = build_installed_docs(cache_dir=cache_dir)
-        with open(folder / "docs.jsonl", encoding="utf-8") as f:
-            return [json.loads(line)["text"] for line in f if line.strip()]
+        return [rec["text"] for _, rec in jsonl_lines(folder / "docs.jsonl")]
     raise ValueError(f"corpus={name!r}: valid corpora are {', '.join(CORPORA)}")

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from torch.utils.data import DataLoader
 
+from litctx_common.io import jsonl_lines
 from datamodules.base import StreamDataModule
 from litctx_common.errors import DataError
 
@@ -248,16 +249,10 @@ def read_dialogue_file(path: str) -> List[Dict[str, Any]]:
     for f in files:
         if f.suffix not in (".json", ".jsonl"):
             raise DataError(f"{f}: expected a .json or .jsonl file")
-        text = f.read_text(encoding="utf-8")
         if f.suffix == ".jsonl":
-            for n, line in enumerate(text.splitlines(), 1):
-                if line.strip():
-                    try:
-                        raw = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{f}:{n}: not valid JSON ({e.msg})") from None
-                    out.append(normalise_dialogue(raw, f"{f.name}:{n}"))
+            out.extend(normalise_dialogue(raw, f"{f.name}:{n}") for n, raw in jsonl_lines(f, DataError))
             continue
+        text = f.read_text(encoding="utf-8")
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:

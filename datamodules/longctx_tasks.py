@@ -68,6 +68,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.base import StreamDataModule
+from litctx_common.padding import left_pad
 from litctx_common.seeding import stable_seed
 from datamodules.documents import load_tokenizer_folder, read_documents
 
@@ -633,20 +634,10 @@ class LongContextSuite(Dataset):
         return self._cache[i]
 
 
-def _left_pad(seqs: Sequence[torch.Tensor], pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    n = max(s.numel() for s in seqs)
-    ids = torch.full((len(seqs), n), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), n, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        ids[b, n - s.numel():] = s
-        mask[b, n - s.numel():] = 1
-    return ids, mask
-
-
 def collate_suite(samples: Sequence[Dict[str, Any]], pad_id: int = 0) -> Dict[str, Any]:
     """Left-padded ``context_ids``/``question_ids`` with masks, plus every other field as a list."""
-    ctx, ctx_mask = _left_pad([s["context_ids"] for s in samples], pad_id)
-    q, q_mask = _left_pad([s["question_ids"] for s in samples], pad_id)
+    ctx, ctx_mask = left_pad([s["context_ids"] for s in samples], pad_id)
+    q, q_mask = left_pad([s["question_ids"] for s in samples], pad_id)
     batch: Dict[str, Any] = {"context_ids": ctx, "context_mask": ctx_mask, "question_ids": q, "question_mask": q_mask}
     for key in samples[0]:
         if key not in ("context_ids", "question_ids"):

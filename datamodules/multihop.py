@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 from datamodules.base import EvalDataModule
 from litctx_common.errors import DataError
-from litctx_common.io import atomic_path
+from litctx_common.io import atomic_path, jsonl_lines
 from litctx_common.paths import default_cache_dir
 
 __all__ = ["MultiHopDataConfig", "MultiHopDataModule", "build_corpus", "SOURCES"]
@@ -133,7 +133,7 @@ class MultiHopDataModule(EvalDataModule):
                 raise DataError(str(err)) from None
             return items[:self.cfg.samples] if self.cfg.samples else items
         folder = build_corpus(self.cfg)
-        items = [json.loads(x) for x in (folder / "questions.jsonl").read_text(encoding="utf-8").splitlines()]
+        items = [rec for _, rec in jsonl_lines(folder / "questions.jsonl")]
         if self.cfg.paths:
             from datamodules.synth.multihop import PATHS
 

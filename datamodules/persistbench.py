@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from datamodules.base import EvalDataModule
 from datamodules.synth.memory_safety import FAILURE_TYPES, generate_samples
 from litctx_common.errors import DataError
-from litctx_common.io import atomic_write_text
+from litctx_common.io import atomic_write_text, jsonl_lines
 
 __all__ = ["PersistBenchDataConfig", "PersistBenchDataModule", "load_samples", "check_sample",
            "SOURCES", "HINT_KEYS"]
@@ -68,13 +68,7 @@ def load_samples(path: str) -> List[Dict[str, Any]]:
     if not p.is_file():
         raise FileNotFoundError(f"data.path={str(path)!r}: no such file (a JSONL of PersistBench samples)")
     out, ids = [], set()
-    for line_no, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{p}:{line_no}: not valid JSON ({err.msg})") from None
+    for line_no, rec in jsonl_lines(p):
         sample = check_sample(rec, f"{p.name}:{line_no}")
         if "id" not in rec:
             sample["id"] = f"line{line_no}"

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from litctx_common.io import jsonl_lines
 from datamodules.base import EvalDataModule
 from datamodules.documents import pydoc_documents, read_records
 from litctx_common.sentences import split_sentences
@@ -349,13 +350,7 @@ def load_questions(path: str) -> List[Dict[str, Any]]:
     if not p.is_file():
         raise FileNotFoundError(f"data.questions={path!r}: no such file (JSONL lines with a 'question' field)")
     out = []
-    for line_no, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{p}:{line_no}: not valid JSON ({err.msg})") from None
+    for line_no, rec in jsonl_lines(p):
         if not isinstance(rec, dict) or "question" not in rec:
             raise ValueError(f"{p}:{line_no}: no field 'question'")
         answers = rec.get("answers", rec.get("answer", []))

@@ -60,15 +60,19 @@ def check_field(ok: bool, owner: str, name: str, value: Any, valid: str) -> None
         raise ValueError(f"{owner}.{name}={value!r}: {valid}")
 
 
-def run_path(module: pl.LightningModule, path: Any) -> Optional[Path]:
-    """``path`` (``~`` expanded) with a relative one resolved against the attached trainer's run directory
-    (``default_root_dir``); None for an empty path. Without a trainer a relative path stays relative (to the cwd)."""
+def run_path(owner: Any, path: Any) -> Optional[Path]:
+    """``path`` (``~`` expanded) with a relative one resolved against the run directory (``default_root_dir``) of
+    ``owner``: a Trainer (what a callback holds) or a LightningModule attached to one. None for an empty path;
+    without a run directory a relative path stays relative (to the cwd)."""
     if path is None or str(path) == "":
         return None
     out = Path(os.path.expanduser(str(path)))
-    if not out.is_absolute() and getattr(module, "_trainer", None) is not None:
-        out = Path(module.trainer.default_root_dir) / out
-    return out
+    if out.is_absolute():
+        return out
+    root = getattr(owner, "default_root_dir", None)  # a Trainer
+    if root is None and getattr(owner, "_trainer", None) is not None:  # a module attached to one
+        root = owner.trainer.default_root_dir
+    return Path(root) / out if root else out
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -5,11 +5,11 @@ which may not import each other."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Sequence
+from litctx_common.io import jsonl_lines
 
 __all__ = ["Document", "read_records", "jsonl_records"]
 
@@ -27,19 +27,12 @@ class Document:
 
 def jsonl_records(path: Path, field: str, rel: str) -> List[Document]:
     docs = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or field not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise ValueError(f"{path}:{line_no}: no field {field!r} (has {keys}); set data.args.text_field")
-            doc_id = str(record.get("id", record.get("doc_id", f"{rel}:{line_no}")))
-            docs.append(Document(doc_id, str(record[field]), str(record.get("title", "")), str(path)))
+    for line_no, record in jsonl_lines(path):
+        if not isinstance(record, dict) or field not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise ValueError(f"{path}:{line_no}: no field {field!r} (has {keys}); set data.args.text_field")
+        doc_id = str(record.get("id", record.get("doc_id", f"{rel}:{line_no}")))
+        docs.append(Document(doc_id, str(record[field]), str(record.get("title", "")), str(path)))
     return docs
 
 

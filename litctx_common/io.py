@@ -16,9 +16,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional
+from typing import IO, Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
-__all__ = ["atomic_path", "atomic_open", "atomic_write_text", "atomic_write_bytes", "append_jsonl", "read_jsonl"]
+__all__ = ["atomic_path", "atomic_open", "atomic_write_text", "atomic_write_bytes", "append_jsonl", "read_jsonl",
+           "jsonl_lines"]
 
 
 def _fsync_file(path: Path) -> None:
@@ -148,3 +149,19 @@ def read_jsonl(path: Any, key: Optional[Callable[[Dict[str, Any]], Hashable]] = 
     if key is None:
         return records
     return list({key(r): r for r in records}.values())
+
+
+def jsonl_lines(path: Any, error: Callable[[str], Exception] = ValueError) -> Iterator[Tuple[int, Any]]:
+    """``(line number, value)`` of every non-blank line of a JSONL file someone wrote (data, questions, samples):
+    the strict reader. A line that is not JSON raises ``error("<path>:<line>: not valid JSON (<why>)")`` (a result
+    file this package appends to is read with :func:`read_jsonl`, which skips a line cut by a kill instead)."""
+    target = Path(os.fspath(path))
+    with open(target, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as err:
+                raise error(f"{target}:{line_no}: not valid JSON ({err.msg})") from None
+

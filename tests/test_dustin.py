@@ -11,13 +11,14 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM substrate needs transformers (pip install -e '.[llm]')")
 
+from litctx_common.padding import left_pad  # noqa: E402
 from lightning_modules.dustin.method import DustinConfig  # noqa: E402
 from lightning_modules.dustin.selection import dustin_select  # noqa: E402
 from lightning_modules.kv_eviction.methods import SnapKVConfig  # noqa: E402
 from lightning_modules.llm.decoding.generate import greedy_generate  # noqa: E402
 from lightning_modules.llm.model.loading import load_causal_lm  # noqa: E402
 from lightning_modules.llm.kv_policy.runner import install_policy  # noqa: E402
-from lightning_modules.llm.decoding.speculative import SpeculativeHook, left_pad_rows, speculative_generate  # noqa: E402
+from lightning_modules.llm.decoding.speculative import SpeculativeHook, speculative_generate  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------- brute force
@@ -133,7 +134,7 @@ def _models(layers=4):
 
 def _prompt(lengths=(60, 48, 40), seed=1):
     gen = torch.Generator().manual_seed(seed)
-    return left_pad_rows([torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths])
+    return left_pad([torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths])
 
 
 class SetLog(SpeculativeHook):

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM substrate needs transformers (pip install -e '.[llm]')")
 
+from litctx_common.padding import left_pad  # noqa: E402
 from lightning_modules.kv_eviction.methods import SnapKVConfig  # noqa: E402
 from lightning_modules.llm.model.attention import RUNNER_ATTR  # noqa: E402
 from lightning_modules.llm.decoding.step import StepDecoder  # noqa: E402
@@ -32,7 +33,6 @@ from lightning_modules.llm.decoding.speculative import (  # noqa: E402
     SpeculativeDecoder,
     SpeculativeHook,
     accept_drafts,
-    left_pad_rows,
     speculative_generate,
 )
 from lightning_modules.llm.sparse_read.read_method import DenseRead, QuestRead, install_read_method  # noqa: E402
@@ -62,7 +62,7 @@ def _prompt(lengths=(12, 9, 7), vocab=256, seed=1):
     """Left-padded random prompts of the given real lengths: ``ids [B, n]``, ``mask [B, n]`` and the rows."""
     gen = torch.Generator().manual_seed(seed)
     rows = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
-    ids, mask = left_pad_rows(rows)
+    ids, mask = left_pad(rows)
     return ids, mask, rows
 
 
@@ -161,7 +161,7 @@ def test_greedy_speculative_equals_greedy_on_smollm2_with_an_early_exit_draft(sm
     draft = early_exit_draft(model, 8)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there"]
     rows = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    ids, mask = left_pad_rows(rows)
+    ids, mask = left_pad(rows)
     n = 16
     ref = greedy_generate(model, ids, mask, n).tokens
     log = AcceptanceLog()
@@ -267,8 +267,8 @@ def test_rollback_equals_a_cache_that_never_saw_the_rejected_tokens(compact_afte
     # the same rows fed without the rejected tokens, as one left-padded batch
     ref = CachedLM(model)
     ref.feed(ids, mask)
-    ref.feed(*left_pad_rows([x1[b, :4 - n1[b]].tolist() for b in range(3)]))
-    ref.feed(*left_pad_rows([x2[b, :3 - n2[b]].tolist() for b in range(3)]))
+    ref.feed(*left_pad([x1[b, :4 - n1[b]].tolist() for b in range(3)]))
+    ref.feed(*left_pad([x2[b, :3 - n2[b]].tolist() for b in range(3)]))
     torch.testing.assert_close(got, ref.feed_logits(y, None, 2).double(), atol=1e-9, rtol=0)
     assert torch.equal(lm.next_position, ref.next_position)
 
@@ -291,8 +291,8 @@ def test_rollback_under_a_policy_equals_a_cache_that_never_saw_the_rejected_toke
     with install_policy(model, SnapKVConfig(keep=12, window=4).build()):
         ref = CachedLM(model)
         ref.feed(ids, mask)
-        ref.feed(*left_pad_rows([x1[b, :4 - n1[b]].tolist() for b in range(3)]))
-        ref.feed(*left_pad_rows([x2[b, :3 - n2[b]].tolist() for b in range(3)]))
+        ref.feed(*left_pad([x1[b, :4 - n1[b]].tolist() for b in range(3)]))
+        ref.feed(*left_pad([x2[b, :3 - n2[b]].tolist() for b in range(3)]))
         want = ref.feed_logits(y, None, 2).double()
     with install_policy(model, SnapKVConfig(keep=12, window=4).build()):
         plain = CachedLM(model)  # no rollback at all: what the n = 0 rows must see

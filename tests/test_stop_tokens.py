@@ -58,3 +58,47 @@ def test_a_tiny_model_reads_its_generation_config():
     model.generation_config.eos_token_id = None
     model.config.eos_token_id = 11
     assert 11 in stop_token_ids(tiny_tok, model)
+
+
+# ---------------------------------------------------------------------------------------------- stopping criteria
+class _Scripted:
+    """A fake prefilled LM whose next token is always the next of ``script`` (one row)."""
+
+    def __init__(self, script, vocab=8):
+        import torch
+
+        self.script, self.vocab, self.i, self.device = list(script), vocab, 0, torch.device("cpu")
+
+    def logits(self):
+        import torch
+
+        out = torch.full((1, self.vocab), -1e9)
+        out[0, self.script[min(self.i, len(self.script) - 1)]] = 0.0
+        return out
+
+    def feed(self, ids, mask=None):
+        self.i += 1
+        return self.logits()
+
+
+class _Chars:
+    """Token id -> a character: 1 = 'a', 2 = '.', 3 = ' '."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join({1: "a", 2: ".", 3: " "}.get(int(t), "?") for t in ids)
+
+
+def test_stopping_criteria_end_rows_where_each_says():
+    import re
+
+    from lightning_modules.llm.decoding.step import MaxNewTokens, StepDecoder, StopOnPattern, StopOnTokens
+
+    lm = _Scripted([1, 1, 2, 3, 1, 5, 1])
+    boundary = StopOnPattern(_Chars(), re.compile(r"\.\s"))
+    out = StepDecoder(lm).run(lm.logits(), 20, stopping=[boundary])
+    assert out.tokens == [[1, 1, 2, 3]] and boundary.hit == {0: True}  # the sentence end ends the run, kept
+    lm = _Scripted([1, 1, 2, 3, 1, 5, 1])
+    assert StepDecoder(lm).run(lm.logits(), 20, stop_ids=[5]).tokens == [[1, 1, 2, 3, 1]]  # the stop id excluded
+    lm = _Scripted([1, 1, 2, 3, 1, 5, 1])
+    assert StepDecoder(lm).run(lm.logits(), 3).tokens == [[1, 1, 2]]  # the limit included
+    assert StopOnTokens([5]).at_token(0, 5, 0) == "exclude" and MaxNewTokens(2).at_token(0, 7, 1) == "include"

@@ -33,7 +33,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from lightning_modules.bdlm.block_attention import block_setting
-from lightning_modules.llm.decoding.step import DecodeHook, DecodeResult, DecodeState, StepDecoder
+from lightning_modules.llm.decoding.step import (DecodeHook, DecodeResult, DecodeState, StepDecoder,
+                                                 StoppingCriterion, stopping_criteria)
+from lightning_modules.llm.runtime.cached_lm import prefill
 from lightning_modules.llm.decoding.sampling import SamplingConfig, pick_tokens
 from lightning_modules.llm.runtime.stack import call_phase
 
@@ -168,10 +170,11 @@ class BlockDiffusionSampler(StepDecoder):
         return masked & ~reveal
 
     @torch.no_grad()
-    def run(self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: Iterable[int] = ()) -> DecodeResult:
+    def run(self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: Iterable[int] = (),
+            stopping: Sequence[StoppingCriterion] = ()) -> DecodeResult:
         """Generate ``ceil(max_new_tokens / B)`` blocks after the prompt (``first_logits [B, V]``: the logits of the
         last prompt column); rows stop at a stop token or at ``max_new_tokens``."""
-        stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long)
+        criteria = stopping_criteria(max_new_tokens, stop_ids, stopping)
         rows = first_logits.shape[0]
         state = self.start(rows)
         state.extras.update(blocks=0, denoise_calls=0, commit_calls=0, steps_per_block=[])
@@ -203,7 +206,7 @@ class BlockDiffusionSampler(StepDecoder):
                 state.step += 1
             state.extras["steps_per_block"].append(step)
             self._block_event("on_block_end", state, block_ids)
-            self.commit(state, [row.tolist() for row in block_ids.cpu()], stop, max_new_tokens)
+            self.commit(state, [row.tolist() for row in block_ids.cpu()], criteria)
             state.extras["blocks"] += 1
             if bool(state.done.all()):
                 break
@@ -225,13 +228,9 @@ def block_generate(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask
                    hooks: Sequence[DecodeHook] = (), pad_id: int = 0) -> DecodeResult:
     """Prefill ``prompt_ids [B, n]`` (left padding in ``prompt_mask``; padded on the left to whole blocks) into
     a fresh cache and sample ``max_new_tokens`` tokens block by block."""
-    from lightning_modules.llm.runtime.cached_lm import CachedLM
-
     setting = block_setting(model)
     if setting is None:
         raise ValueError(f"{type(model).__name__} is not a block-diffusion LM (model.config.block_diffusion unset)")
     ids, mask = left_pad_to_blocks(prompt_ids, prompt_mask, setting.block_size, pad_id)
-    lm = CachedLM(model)
-    with torch.no_grad():
-        first = lm.feed(ids, mask)
-    return BlockDiffusionSampler(lm, cfg, hooks).run(first, max_new_tokens, stop_ids)
+    start = prefill(model, ids, mask)
+    return BlockDiffusionSampler(start.lm, cfg, hooks).run(start.first_logits, max_new_tokens, stop_ids)

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from lightning_modules.base import run_path
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
 from lightning_modules.dustin.method import DustinConfig
 from lightning_modules.dustin.selection import check_budget, dustin_select
@@ -298,8 +299,7 @@ class DustinCalibrationCallback(EvalStageSwitch):
         self._stack.callback(setattr, pl_module, "generation", None)
 
     def output_path(self, trainer) -> Path:
-        path = Path(self.cfg.output).expanduser()
-        return path if path.is_absolute() else Path(getattr(trainer, "default_root_dir", ".") or ".") / path
+        return run_path(trainer, self.cfg.output)
 
     def _report(self, trainer, pl_module, stage):
         c = self.cfg

@@ -31,7 +31,7 @@ import torch
 
 from lightning_modules.base import check_field, is_int, is_number
 from lightning_modules.guidance.longbench_cite import format_statement
-from lightning_modules.llm.decoding.step import DecodeHook, StepDecoder
+from lightning_modules.llm.decoding.step import StepDecoder, StopOnPattern
 
 __all__ = ["GuidanceConfig", "FactPool", "GuidedCitationDecoder", "normalise"]
 
@@ -131,20 +131,6 @@ class GuidanceConfig:
         return GuidedCitationDecoder(self, tokenizer)
 
 
-class _StopAtBoundary(DecodeHook):
-    """Ends a free run at the first sentence end (or ``</statement>``) the model writes."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tok = tokenizer
-        self.hit = False
-
-    def on_commit(self, decoder, state, committed) -> None:
-        text = self.tok.decode(state.tokens[0], skip_special_tokens=True)
-        if _BOUNDARY.search(text):
-            self.hit = True
-            state.done[0] = True
-
-
 class GuidedCitationDecoder:
     """Guidance's decoding loop for one row (see the module docstring); ``decode(...) -> (tokens, stats)``."""
 
@@ -189,14 +175,14 @@ class GuidedCitationDecoder:
                 statements += 1
                 continue
             # no fact ahead: the model writes freely to its next sentence end
-            hook = _StopAtBoundary(self.tok)
-            run = StepDecoder(lm, hooks=[hook]).run(logits, min(cfg.max_free_tokens, max_new_tokens - len(tokens)),
-                                                    stop_ids)
+            boundary = StopOnPattern(self.tok, _BOUNDARY)  # the first sentence end (or </statement>) ends the run
+            run = StepDecoder(lm).run(logits, min(cfg.max_free_tokens, max_new_tokens - len(tokens)), stop_ids,
+                                      stopping=[boundary])
             new = run.tokens[0]
             stats["free_runs"] += 1
             tokens += new
             statements += 1
-            if not new or not hook.hit or len(tokens) >= max_new_tokens:
+            if not new or not boundary.hit or len(tokens) >= max_new_tokens:
                 break  # a stop token, or the limit: the answer is over
             logits = lm.feed(torch.tensor([[new[-1]]], device=lm.device))
             if new[-1] in stop:

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
 
-from lightning_modules.base import check_field, estimate_total_steps, is_int, is_number
+from lightning_modules.base import check_field, estimate_total_steps, is_int, is_number, run_path
 from lightning_modules.l2a.config import L2AConfig
 from lightning_modules.l2a.layer import apply_l2a, l2a_layers, reset_routing_stats, routing_stats, set_dense_step
 from lightning_modules.llm.model.lm import LanguageModel, LanguageModelConfig
@@ -165,7 +164,7 @@ class L2ACPTModule(LanguageModel):
         if self.cfg.prune_threshold is not None and self._trainer is not None and self.trainer.is_global_zero \
                 and self.trainer.datamodule is not None:
             self._pruned, self.prune_report = self.prune()
-            path = Path(self.trainer.default_root_dir) / "l2a_prune.json"
+            path = run_path(self, "l2a_prune.json")
             atomic_write_text(path, json.dumps(self.prune_report, indent=2) + "\n")
             r = self.prune_report
             print(f"[litctx] L2A pruning: layers {r['pruned']} lose their global path; KV bytes at {r['tokens']} "

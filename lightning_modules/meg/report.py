@@ -22,6 +22,7 @@ from typing import List, Mapping, Optional, Tuple
 
 import lightning.pytorch as pl
 
+from lightning_modules.base import run_path
 from litctx_common.io import atomic_path
 
 __all__ = ["WordDecodingReport", "masked_code_summary"]
@@ -115,7 +116,7 @@ class WordDecodingReport(pl.Callback):
         ax.set_ylabel(f"validation top-{k} accuracy")
         ax.set_title("validation during fine-tuning")
         fig.tight_layout()
-        target = Path(trainer.default_root_dir) / self.path
+        target = run_path(trainer, self.path)
         with atomic_path(target) as tmp:
             fig.savefig(tmp, dpi=110)
         plt.close(fig)

@@ -24,25 +24,14 @@ import torch
 
 from lightning_modules.base import check_field, is_number
 from lightning_modules.llm.runtime.cache_surgery import assemble, check_cache_surgery, selective_forward
-from lightning_modules.llm.runtime.cached_lm import CachedLM
+from lightning_modules.llm.runtime.cached_lm import CachedLM, Prefilled
 from lightning_modules.llm.runtime.kv_store import KVSegmentStore
 from lightning_modules.prophetkv.selectors import SELECTORS
 from litctx_common.options import accepted_keywords, check_options
+from litctx_common.padding import left_pad
 from litctx_common.timing import clock
 
-__all__ = ["ReuseSettings", "ReuseConfig", "ReusePrefill", "ReuseResult", "pad_left"]
-
-
-def pad_left(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple:
-    """``(ids [B, n], mask [B, n])`` of token lists, left-padded to the longest."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(list(r), dtype=torch.long)
-            mask[i, width - len(r):] = 1
-    return ids, mask
+__all__ = ["ReuseSettings", "ReuseConfig", "ReusePrefill", "ReuseResult"]
 
 
 @dataclass
@@ -102,10 +91,11 @@ class ReuseConfig(ReuseSettings):
 
 
 @dataclass
-class ReuseResult:
-    lm: CachedLM
-    first_logits: torch.Tensor
-    stats: Dict[str, Any]
+class ReuseResult(Prefilled):
+    """A :class:`~lightning_modules.llm.runtime.cached_lm.Prefilled` (``seconds`` = the time to the first token's
+    logits) with the run's statistics."""
+
+    stats: Dict[str, Any] = field(default_factory=dict)
 
 
 class ReusePrefill:
@@ -134,17 +124,17 @@ class ReusePrefill:
         if any(not q for q in question_ids):
             raise ValueError("reuse prefill: every row needs a question (the tokens after the documents)")
         device = next(self.model.parameters()).device
-        q_ids, q_mask = pad_left(question_ids)
+        q_ids, q_mask = left_pad(question_ids)
         q_ids, q_mask = q_ids.to(device), q_mask.to(device)
         chunk_tokens = [sum(len(c) for c in chunks) for chunks in rows]
         t0 = clock(device)
         if self.selector is None:  # full prefill of the same tokens
-            ids, mask = pad_left([list(prefix_ids) + [t for c in chunks for t in c] for chunks in rows])
+            ids, mask = left_pad([list(prefix_ids) + [t for c in chunks for t in c] for chunks in rows])
             lm = CachedLM(self.model)
             lm.feed(ids.to(device), mask.to(device))
             logits = lm.feed(q_ids, q_mask)
             t1 = clock(device)
-            return ReuseResult(lm, logits, {"method": self.name, "ttft_s": t1 - t0, "chunk_tokens": chunk_tokens,
+            return ReuseResult(lm, logits, t1 - t0, {"method": self.name, "ttft_s": t1 - t0, "chunk_tokens": chunk_tokens,
                                             "recomputed": chunk_tokens, "recompute_s": t1 - t0})
         hits0, miss0 = self.store.stats.hits, self.store.stats.misses
         prefix_kv = None
@@ -164,4 +154,4 @@ class ReusePrefill:
                  "select_s": t3 - t2, "recompute_s": t4 - t3, "chunk_tokens": chunk_tokens, "recomputed": recomputed,
                  "store_hits": self.store.stats.hits - hits0, "store_misses": self.store.stats.misses - miss0}
         stats.update(plan.stats)
-        return ReuseResult(ctx.lm, logits, stats)
+        return ReuseResult(ctx.lm, logits, t4 - t0, stats)

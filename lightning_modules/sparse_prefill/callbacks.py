@@ -20,10 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Dict, Optional
 
-import lightning.pytorch as pl
 import torch
 
-from lightning_modules.base import check_field, is_int, is_number
+from lightning_modules.base import check_field, is_int, is_number, run_path
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
 from lightning_modules.llm.kv_policy.callback import target_model
 from lightning_modules.llm.runtime.stack import attach_runners
@@ -33,10 +32,6 @@ from lightning_modules.sparse_prefill.session import _unpadded, install_sparse_p
 from litctx_common.io import atomic_open
 
 __all__ = ["SparsePrefillCallback", "SALECalibrationConfig", "SALECalibrationCallback"]
-
-
-def _run_dir(trainer: pl.Trainer) -> Path:
-    return Path(getattr(trainer, "default_root_dir", ".") or ".")
 
 
 class SparsePrefillCallback(EvalStageSwitch):
@@ -89,7 +84,7 @@ class SparsePrefillCallback(EvalStageSwitch):
         lines += [f"  {layer:5d}  {100 * d:6.1f}%  {est[layer]:11.3f}" for layer, d in summary["density_by_layer"].items()]
         print("\n".join(lines), flush=True)
         if trainer.is_global_zero:
-            path = _run_dir(trainer) / f"sparse_prefill_{stage}.json"
+            path = run_path(trainer, f"sparse_prefill_{stage}.json")
             path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_open(path, "w") as f:
                 json.dump({"method": type(self.cfg).__name__, "config": asdict(self.cfg), "summary": summary,
@@ -170,8 +165,7 @@ class SALECalibrationCallback(EvalStageSwitch):
                                                  "SALE calibration"))
 
     def output_path(self, trainer) -> Path:
-        path = Path(self.cfg.output).expanduser()
-        return path if path.is_absolute() else _run_dir(trainer) / path
+        return run_path(trainer, self.cfg.output)
 
     def _report(self, trainer, pl_module, stage):
         if not self.table:

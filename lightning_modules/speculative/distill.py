@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from lightning_modules.base import LongContextModule, SharedEvalStages, check_field, is_int, is_number
+from lightning_modules.base import LongContextModule, SharedEvalStages, check_field, is_int, is_number, run_path
 from lightning_modules.llm.decoding.drafts import DRAFT_INFO_FILE, decoder_layers, truncated_draft
 from lightning_modules.llm.model.loading import DTYPES, load_causal_lm
 from litctx_common.io import atomic_path
@@ -191,6 +191,6 @@ class DraftDistillModule(SharedEvalStages, LongContextModule):
     def on_train_end(self) -> None:
         if self.cfg.output_dir is None or self._trainer is None or not self.trainer.is_global_zero:
             return
-        folder = self.save_draft(Path(self.trainer.default_root_dir) / self.cfg.output_dir)
+        folder = self.save_draft(run_path(self, self.cfg.output_dir))
         print(f"[litctx] draft ({self.cfg.num_layers} of {len(decoder_layers(self.target)[1])} layers) written to "
               f"{folder}", flush=True)

@@ -113,3 +113,15 @@ def test_mean_of_skips_missing_values():
 
     assert mean_of([1.0, None, 3.0, float("nan")]) == 2.0
     assert math.isnan(mean_of([None])) and mean_of([], empty=None) is None
+
+
+def test_the_strict_jsonl_reader_names_the_bad_line(tmp_path):
+    from litctx_common.errors import DataError
+    from litctx_common.io import jsonl_lines
+
+    path = tmp_path / "q.jsonl"
+    path.write_text('{"a": 1}\n\n{"a": 2}\n{"a": \n')
+    with pytest.raises(DataError, match=r"q\.jsonl:4: not valid JSON"):
+        list(jsonl_lines(path, DataError))
+    path.write_text('{"a": 1}\n\n{"a": 2}\n')
+    assert list(jsonl_lines(path)) == [(1, {"a": 1}), (3, {"a": 2})]

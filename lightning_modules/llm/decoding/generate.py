@@ -13,7 +13,7 @@ import torch
 
 from lightning_modules.llm.kv_policy.runner import active_session
 from litctx_common.timing import clock
-from lightning_modules.llm.runtime.cached_lm import CachedLM
+from lightning_modules.llm.runtime.cached_lm import CachedLM, Prefilled, prefill
 
 __all__ = ["GenerationResult", "greedy_generate", "RecordedPrefill", "record_prefill", "HeldPrompt", "hold_prompt", "check_held", "generate_under_policies"]
 
@@ -50,19 +50,15 @@ def greedy_generate(model: torch.nn.Module, context_ids: torch.Tensor, context_m
         check_held(held, model, context_ids, question_ids)
         t0 = clock(held.recorded.lm.device)
         lm, logits = held.resume()
-        t0 -= held.seconds
+        start = Prefilled(lm, logits, clock(lm.device) - t0 + held.seconds)
     else:
-        lm = CachedLM(model)
-        t0 = clock(lm.device)
-        logits = lm.feed(context_ids, context_mask)
-        if question_ids is not None and question_ids.shape[1] > 0:
-            logits = lm.feed(question_ids, question_mask)
-    t1 = clock(lm.device)
-    size = lm.cache_bytes()
-    tokens = lm.greedy(logits, max_new_tokens, stop_ids)
-    t2 = clock(lm.device)
+        start = prefill(model, context_ids, context_mask, question_ids, question_mask)
+    size = start.lm.cache_bytes()
+    t1 = clock(start.lm.device)
+    tokens = start.lm.greedy(start.first_logits, max_new_tokens, stop_ids)
+    t2 = clock(start.lm.device)
     steps = max((len(t) for t in tokens), default=0)
-    return GenerationResult(tokens=tokens, prefill_seconds=t1 - t0, decode_seconds=t2 - t1, decode_steps=steps,
+    return GenerationResult(tokens=tokens, prefill_seconds=start.seconds, decode_seconds=t2 - t1, decode_steps=steps,
                             cache_bytes=size)
 
 

@@ -27,14 +27,16 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from lightning_modules.llm.decoding.step import DecodeHook, DecodeResult, DecodeState, StepDecoder
+from lightning_modules.llm.decoding.step import (DecodeHook, DecodeResult, DecodeState, StepDecoder,
+                                                 StoppingCriterion, stopping_criteria)
 from lightning_modules.llm.decoding.drafts import DraftConfig, PromptLookupSpec, check_draft_compatible
 from lightning_modules.llm.decoding.sampling import SamplingConfig, next_token_probs, pick_tokens
 from lightning_modules.llm.runtime.stack import call_phase
+from litctx_common.padding import left_pad
 from litctx_common.timing import clock
 
 __all__ = ["SpeculativeDecoder", "SpeculativeHook", "ModelDraft", "PromptLookupDraft", "accept_drafts",
-           "left_pad_rows", "check_gamma", "speculative_generate", "PROMPT_LOOKUP", "PromptLookupSpec"]
+           "check_gamma", "speculative_generate", "PROMPT_LOOKUP", "PromptLookupSpec"]
 
 PROMPT_LOOKUP = "prompt_lookup"
 """Pass as ``draft`` to :func:`speculative_generate` for prompt-lookup drafting with the default n-grams."""
@@ -58,18 +60,6 @@ class SpeculativeHook(DecodeHook):
 
     def after_verify(self, decoder: "SpeculativeDecoder", state: DecodeState, accepted: torch.Tensor) -> None:
         return None
-
-
-def left_pad_rows(rows: Sequence[Sequence[int]], pad_id: int = 0, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Token lists of different lengths -> left-padded ``ids [B, n]`` and ``mask [B, n]``."""
-    n = max(len(r) for r in rows)
-    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), n, dtype=torch.long)
-    for b, r in enumerate(rows):
-        if r:
-            ids[b, n - len(r):] = torch.tensor(list(r), dtype=torch.long)
-            mask[b, n - len(r):] = 1
-    return ids.to(device), mask.to(device)
 
 
 def accept_drafts(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: Optional[torch.Tensor],
@@ -133,7 +123,7 @@ class ModelDraft:
     def propose(self, decoder: "SpeculativeDecoder", state: DecodeState, missing: List[List[int]], gamma: int):
         """``(drafts [B, gamma], draft_probs [B, gamma, V] | None)``; ``missing[b]`` are row ``b``'s committed
         tokens the draft has not fed yet (the last one is the token the target verifies first)."""
-        ids, mask = left_pad_rows(missing, self.pad_id, self.lm.device)
+        ids, mask = left_pad(missing, self.pad_id, self.lm.device)
         logits = self.lm.feed(ids, mask)
         drafts, probs = [], []
         for i in range(gamma):
@@ -258,9 +248,10 @@ class SpeculativeDecoder(StepDecoder):
                 fn(self, *args)
 
     @torch.no_grad()
-    def run(self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: Iterable[int] = ()) -> DecodeResult:
+    def run(self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: Iterable[int] = (),
+            stopping: Sequence[StoppingCriterion] = ()) -> DecodeResult:
         """Decode after ``first_logits [B, V]`` (the target's logits of each row's last prompt token)."""
-        stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long)
+        criteria = stopping_criteria(max_new_tokens, stop_ids, stopping)
         b = first_logits.shape[0]
         state = self.start(b)
         ex = state.extras
@@ -272,7 +263,7 @@ class SpeculativeDecoder(StepDecoder):
         self._before_step(state)
         logits = self._on_logits(state, first_logits.unsqueeze(1))[:, 0]
         token = pick_tokens(logits, self.sampling, self.generator)
-        self.commit(state, [[int(t)] for t in token.tolist()], stop, max_new_tokens)
+        self.commit(state, [[int(t)] for t in token.tolist()], criteria)
         state.step += 1
         missing: List[List[int]] = [[int(t)] for t in token.tolist()]  # fed to neither model yet
         g = self.gamma
@@ -304,7 +295,7 @@ class SpeculativeDecoder(StepDecoder):
                     ex["verify_steps"][row] += 1
             ex["accepted_per_step"].append([acc[row] if bool(active[row]) else None for row in range(b)])
             proposal = [d[row, :acc[row]].tolist() + [int(nxt[row])] for row in range(b)]
-            self.commit(state, proposal, stop, max_new_tokens)
+            self.commit(state, proposal, criteria)
             state.step += 1
             back = w - accepted
             self.lm.rollback(back)

@@ -12,8 +12,14 @@ A :class:`StepDecoder` continues a prefilled :class:`~lightning_modules.llm.runt
   already cut at a stop token);
 * ``on_rollback(decoder, state, n)`` - ``n [B]`` fed tokens per row were taken back (rejected drafts).
 
-The state (:class:`DecodeState`) holds every row's committed tokens, which rows are done (a stop token or the
-length limit) and per-step statistics. The next token is chosen by :func:`~lightning_modules.llm.decoding.sampling.pick_tokens`
+When a row stops is decided by stopping criteria (transformers' ``StoppingCriteria`` idea): objects the decoders
+take (``run(..., stopping=[...])``), each of which may end a row at a proposed token (:meth:`StoppingCriterion.
+at_token`: :class:`StopOnTokens` excludes a stop id, :class:`MaxNewTokens` includes the last allowed token) or
+after a commit (:meth:`StoppingCriterion.after_commit`: e.g. Guidance's sentence boundary,
+:class:`StopOnPattern`). ``stop_ids`` and ``max_new_tokens`` are two such criteria.
+
+The state (:class:`DecodeState`) holds every row's committed tokens, which rows are done and per-step
+statistics. The next token is chosen by :func:`~lightning_modules.llm.decoding.sampling.pick_tokens`
 under a :class:`~lightning_modules.llm.decoding.sampling.SamplingConfig` (greedy by default) with a generator seeded
 once per run, so a sampled run repeats exactly.
 """
@@ -27,7 +33,8 @@ import torch
 
 from lightning_modules.llm.decoding.sampling import SamplingConfig, make_generator, pick_tokens
 
-__all__ = ["DecodeHook", "DecodeState", "DecodeResult", "StepDecoder"]
+__all__ = ["DecodeHook", "DecodeState", "DecodeResult", "StepDecoder", "StoppingCriterion", "StopOnTokens",
+           "MaxNewTokens", "StopOnPattern", "stopping_criteria"]
 
 
 class DecodeHook:
@@ -44,6 +51,60 @@ class DecodeHook:
 
     def on_rollback(self, decoder: "StepDecoder", state: "DecodeState", n: torch.Tensor) -> None:
         return None
+
+
+class StoppingCriterion:
+    """When a row's decoding ends. Both methods are optional (the defaults never stop)."""
+
+    def at_token(self, row: int, token: int, taken: int) -> Optional[str]:
+        """A proposed ``token`` of ``row``, which already holds ``taken`` tokens: ``"exclude"`` (stop before it),
+        ``"include"`` (stop after it) or None (go on)."""
+        return None
+
+    def after_commit(self, state: "DecodeState") -> None:
+        """After a commit: set ``state.done[b]`` for the rows that should stop."""
+        return None
+
+
+class StopOnTokens(StoppingCriterion):
+    """A stop id (EOS, a turn end) ends the row; the stop token itself is not kept."""
+
+    def __init__(self, ids: Iterable[int]) -> None:
+        self.ids = frozenset(int(i) for i in ids)
+
+    def at_token(self, row: int, token: int, taken: int) -> Optional[str]:
+        return "exclude" if token in self.ids else None
+
+
+class MaxNewTokens(StoppingCriterion):
+    """The row ends with its ``limit``-th token."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = int(limit)
+
+    def at_token(self, row: int, token: int, taken: int) -> Optional[str]:
+        return "include" if taken + 1 >= self.limit else None
+
+
+class StopOnPattern(StoppingCriterion):
+    """A row ends once its decoded text matches ``pattern`` (a compiled regular expression), e.g. Guidance's
+    sentence end; ``hit[b]`` says which rows it stopped."""
+
+    def __init__(self, tokenizer: Any, pattern: Any) -> None:
+        self.tok, self.pattern = tokenizer, pattern
+        self.hit: Dict[int, bool] = {}
+
+    def after_commit(self, state: "DecodeState") -> None:
+        for b, tokens in enumerate(state.tokens):
+            if not bool(state.done[b]) and self.pattern.search(self.tok.decode(tokens, skip_special_tokens=True)):
+                self.hit[b] = True
+                state.done[b] = True
+
+
+def stopping_criteria(max_new_tokens: int, stop_ids: Iterable[int] = (),
+                      stopping: Sequence[StoppingCriterion] = ()) -> List[StoppingCriterion]:
+    """The criteria of a run: the stop ids, the length limit, then the caller's own."""
+    return [StopOnTokens(stop_ids), MaxNewTokens(max_new_tokens), *stopping]
 
 
 @dataclass
@@ -107,26 +168,29 @@ class StepDecoder:
         for h in self.hooks:
             h.on_rollback(self, state, n)
 
-    def commit(self, state: DecodeState, proposed: Sequence[Sequence[int]], stop: torch.Tensor,
-               max_new_tokens: int) -> List[List[int]]:
-        """Append each row's ``proposed`` tokens to the state, cut at the first stop id (excluded, the row is
-        then done) and at ``max_new_tokens``; done rows take nothing. Returns what each row committed."""
-        stop_set = set(int(s) for s in stop.tolist())
+    def commit(self, state: DecodeState, proposed: Sequence[Sequence[int]],
+               criteria: Sequence[StoppingCriterion]) -> List[List[int]]:
+        """Append each row's ``proposed`` tokens to the state, cut where a criterion stops the row (the row is
+        then done); done rows take nothing; then the criteria that look at whole commits and the hooks run.
+        Returns what each row committed."""
         committed: List[List[int]] = []
         for b, toks in enumerate(proposed):
             took: List[int] = []
             if not bool(state.done[b]):
                 for t in toks:
                     t = int(t)
-                    if t in stop_set:
+                    verdicts = {c.at_token(b, t, len(state.tokens[b]) + len(took)) for c in criteria}
+                    if "exclude" in verdicts:
                         state.done[b] = True
                         break
                     took.append(t)
-                    if len(state.tokens[b]) + len(took) >= max_new_tokens:
+                    if "include" in verdicts:
                         state.done[b] = True
                         break
                 state.tokens[b].extend(took)
             committed.append(took)
+        for c in criteria:
+            c.after_commit(state)
         for h in self.hooks:
             h.on_commit(self, state, committed)
         return committed
@@ -137,10 +201,11 @@ class StepDecoder:
                            done=torch.zeros(batch, dtype=torch.bool))
 
     @torch.no_grad()
-    def run(self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: Iterable[int] = ()) -> DecodeResult:
+    def run(self, first_logits: torch.Tensor, max_new_tokens: int, stop_ids: Iterable[int] = (),
+            stopping: Sequence[StoppingCriterion] = ()) -> DecodeResult:
         """Decode after ``first_logits [B, V]`` (the logits of each row's last prompt token) until every row
-        stops or has ``max_new_tokens`` tokens."""
-        stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long)
+        stops (a stop id, ``max_new_tokens`` tokens, or one of the ``stopping`` criteria)."""
+        criteria = stopping_criteria(max_new_tokens, stop_ids, stopping)
         state = self.start(first_logits.shape[0])
         if max_new_tokens < 1:
             return DecodeResult(state.tokens, 0, 0)
@@ -149,7 +214,7 @@ class StepDecoder:
             self._before_step(state)
             logits = self._on_logits(state, logits.unsqueeze(1))[:, 0]
             token = pick_tokens(logits, self.sampling, self.generator)
-            self.commit(state, [[int(t)] for t in token.tolist()], stop, max_new_tokens)
+            self.commit(state, [[int(t)] for t in token.tolist()], criteria)
             state.step += 1
             if bool(state.done.all()):
                 break

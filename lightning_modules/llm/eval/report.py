@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Mapping
 
 import lightning.pytorch as pl
 
+from lightning_modules.base import run_path
 from lightning_modules.llm.eval.suite_metrics import depth_grid, markdown_table, summarise
 from litctx_common.io import atomic_open, atomic_path
 
@@ -79,7 +80,7 @@ class LongContextReport(pl.Callback):
         if not records:
             return
         summary = summarise(records)
-        out = Path(trainer.default_root_dir) / self.folder
+        out = run_path(trainer, self.folder)
         table = markdown_table(summary)
         grid = depth_grid(records)
         name = f"longctx_{stage}"

@@ -15,12 +15,11 @@ its share of the samples and rank zero logs the totals.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from lightning_modules.base import check_field, gather_records, is_int
+from lightning_modules.base import check_field, gather_records, is_int, run_path
 from litctx_common.records import RecordStore, flat_provenance
 
 __all__ = ["SuiteEvalConfig", "SuiteEvaluation"]
@@ -97,7 +96,7 @@ class SuiteEvaluation(Callback):
     def store(self, trainer: Any) -> RecordStore:
         """This rank's records file (one per rank under DDP), keyed by sample and checkpoint, stamped with the
         suite's settings (a rerun under other settings is refused, naming them)."""
-        path = Path(trainer.default_root_dir) / self.cfg.results_file if self.cfg.results_file else None
+        path = run_path(trainer, self.cfg.results_file)
         if path is not None and trainer.world_size > 1:
             path = path.with_suffix(f".rank{trainer.global_rank}.jsonl")
         settings = flat_provenance(asdict(self.cfg), "suite.", skip=("results_file", "stages", "batch_size"))

@@ -1,17 +1,20 @@
 """A causal LM with its KV cache as one object: feed tokens, peek without committing, snapshot and restore
-(:class:`CachedLM`), the runtime every driver and method builds on.
+(:class:`CachedLM`), the runtime every driver and method builds on; and :class:`Prefilled`, the one value every
+prefill -> decode driver starts decoding from (:func:`prefill` makes the plain one).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
 from lightning_modules.llm.kv_policy.runner import active_session
 from lightning_modules.llm.runtime.stack import cache_bytes
+from litctx_common.timing import clock
 
-__all__ = ["CachedLM"]
+__all__ = ["CachedLM", "Prefilled", "prefill"]
 
 
 class CachedLM:
@@ -222,4 +225,32 @@ class CachedLM:
         self.positions = state.get("positions")
         for layer, (keys, values) in zip(self.cache.layers, state["layers"]):
             layer.keys, layer.values = keys, values
+
+
+@dataclass
+class Prefilled:
+    """What a prefill hands its decoder, whichever way it was made (one forward, a held prompt, stored chunk KV):
+
+    Attributes:
+        lm: the prefilled :class:`CachedLM`.
+        first_logits: ``[B, V]``, the logits of each row's last prompt token.
+        seconds: the prefill's wall time (the device synchronised before each clock reading).
+    """
+
+    lm: CachedLM
+    first_logits: torch.Tensor
+    seconds: float
+
+
+@torch.no_grad()
+def prefill(model: torch.nn.Module, context_ids: torch.Tensor, context_mask: Optional[torch.Tensor] = None,
+            question_ids: Optional[torch.Tensor] = None, question_mask: Optional[torch.Tensor] = None) -> Prefilled:
+    """Prefill ``context_ids [B, n]`` (left padding in ``context_mask``) into a fresh cache, then append
+    ``question_ids [B, m]`` when given (a KV policy compresses the context before it sees the question)."""
+    lm = CachedLM(model)
+    t0 = clock(lm.device)
+    logits = lm.feed(context_ids, context_mask)
+    if question_ids is not None and question_ids.shape[1] > 0:
+        logits = lm.feed(question_ids, question_mask)
+    return Prefilled(lm, logits, clock(lm.device) - t0)
 

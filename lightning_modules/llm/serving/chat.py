@@ -203,7 +203,7 @@ class LocalChatBackend(_Base):
         import torch
 
         from lightning_modules.llm.decoding.step import StepDecoder
-        from lightning_modules.llm.runtime.cached_lm import CachedLM
+        from lightning_modules.llm.runtime.cached_lm import prefill
         from lightning_modules.llm.decoding.sampling import SamplingConfig
 
         ids = self.render(messages)
@@ -215,9 +215,8 @@ class LocalChatBackend(_Base):
                                   top_p=float(params.top_p), seed=int(params.seed or 0))
         with self._lock, torch.no_grad():
             device = next(self.model.parameters()).device
-            lm = CachedLM(self.model)
-            first = lm.feed(torch.tensor([ids], device=device))
-            result = StepDecoder(lm, sampling).run(first, params.max_tokens, self.stop_ids)
+            start = prefill(self.model, torch.tensor([ids], device=device))
+            result = StepDecoder(start.lm, sampling).run(start.first_logits, params.max_tokens, self.stop_ids)
         tokens = result.tokens[0]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         text, stopped = apply_stop(text, params.stop)
