@@ -84,7 +84,9 @@ def layout_block() -> str:
                      "command continues its file"),
         ("docs/", "architecture.md (the design as built), results.md (every measured number), one notes file per "
                   "method family"),
-        ("tests/", "the suite; notebooks/: paired .ipynb / py:percent notebooks"),
+        ("tests/", "the suite, mirroring the packages: common/, kernels/, llm/, datamodules/, methods/<method>/, "
+                   "recipes/, bench/"),
+        ("notebooks/", "paired .ipynb / py:percent notebooks, run in smoke mode by the tests"),
     ]
     return "\n".join(["```text"] + [line for head, text in rows for line in _wrapped(head, text)] + ["```"])
 

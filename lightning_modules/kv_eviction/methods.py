@@ -1,7 +1,7 @@
 """The eviction methods as typed configs: each config is the method. It is the single source of the method's
 defaults, validates itself in ``__post_init__`` (errors name ``<method>.<field>`` and the valid values) and
 ``build()`` returns the :class:`~lightning_modules.llm.kv_policy.protocol.KVPolicy` that runs, wired from exactly its
-fields (``tests/test_kv_eviction.py`` checks every field of every registered method).
+fields (``tests/methods/kv_eviction/test_kv_eviction.py`` checks every field of every registered method).
 
 Each config names what its paper varies; every scored method takes ``score`` (``attention`` or an OBCache
 score, :data:`~lightning_modules.kv_eviction.scores.SCORE_KINDS`), which is how OBCache replaces the attention

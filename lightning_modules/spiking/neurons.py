@@ -14,7 +14,7 @@ membrane keeps what exceeded the threshold), spikingjelly's ``LIFNode`` to a *ha
 (``v_reset=0.0``); with the same input about 3% of the spikes differ. ``LIFConfig(v_reset=0.0)`` (in a recipe:
 ``method.args.neuron_options.v_reset: 0.0``) is spikingjelly's default exactly (``tau=2``, ``v_threshold=1``,
 ``decay_input=True``, sigmoid surrogate with alpha 4, ``detach_reset=False`` agree already). The soft default is
-kept because the shipped recipes' results were trained with it (``tests/test_spiking_neurons.py`` checks both
+kept because the shipped recipes' results were trained with it (``tests/methods/spiking/test_spiking_neurons.py`` checks both
 resets against hand-computed sequences).
 
 ``implementation="fused"`` runs the whole sequence as one autograd node (forward scan, hand-written reverse

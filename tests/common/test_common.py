@@ -17,7 +17,7 @@ from litctx_common.paths import default_cache_dir
 from litctx_common.seeding import stable_seed
 from litctx_common.stats import MeanSD, mean_sd
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _listing(folder: Path):

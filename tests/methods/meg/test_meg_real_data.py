@@ -256,7 +256,7 @@ def test_documented_real_data_commands_load():
 
     from recipes.config import load_config
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "meg.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "meg.md").read_text()
     section = text.split("## Real data", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [c for c in section.replace("\\\n", " ").splitlines() if c.startswith("python -m recipes.fit")]
     assert len(commands) >= 3

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODULES = sorted(f"bench.{p.stem}" for p in (REPO / "bench").glob("*.py") if p.stem != "__init__")
 
 
