@@ -87,6 +87,8 @@ def test_a_nested_typo_fails_in_one_line_before_a_run_directory(override, key, i
     with pytest.raises(ConfigError, match=rf"unknown key '{key}'; did you mean") as err:
         load_config(recipe, [override])
     assert "\n" not in str(err.value)
+    if "sampler" not in override:
+        return  # the command line once is enough
     out = run_cli(["-m", "recipes.fit", "--recipe", recipe, override])
     assert out.returncode != 0
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]

@@ -48,15 +48,17 @@ def test_ls_finds_each_method_by_its_papers_name(word):
     assert found, word
 
 
-def test_ls_lists_each_paper_method_with_its_file_and_recipe():
+def test_ls_lists_each_paper_method_with_its_file_and_recipe(capsys):
+    from recipes import ls
+
     for paper, spec in PAPER_METHODS:
         word = paper.name.split()[0].lower()
-        out = run_cli(["-m", "recipes.ls", f"*{word}*", "--wide"])
-        assert out.returncode == 0, out.stderr
-        row = next((ln for ln in out.stdout.splitlines() if ln.split() and ln.split()[0] == spec.name), None)
-        assert row is not None, f"'recipes.ls *{word}*' does not list {spec.name}:\n{out.stdout}"
+        assert ls.main([f"*{word}*", "--wide"]) == 0  # in process: the CLI path itself is tested below
+        out = capsys.readouterr().out
+        row = next((ln for ln in out.splitlines() if ln.split() and ln.split()[0] == spec.name), None)
+        assert row is not None, f"'recipes.ls *{word}*' does not list {spec.name}:\n{out}"
         assert own_file(spec) in row and spec.recipe in row, row
-        assert any(ln.split() and ln.split()[0] == spec.recipe for ln in out.stdout.splitlines()), spec.recipe
+        assert any(ln.split() and ln.split()[0] == spec.recipe for ln in out.splitlines()), spec.recipe
 
 
 def test_ls_pattern_is_not_only_a_name_filter():
@@ -72,12 +74,14 @@ def test_ls_pattern_is_not_only_a_name_filter():
     ("epic", "lightning_modules/prophetkv/config.py", ["ratio", "tokens_per_chunk"]),
     ("spiking", "lightning_modules/spiking/module.py", ["neuron", "neuron_options"]),
 ])
-def test_show_names_the_methods_own_file_and_every_knob(name, file, knobs):
-    out = run_cli(["-m", "recipes.show", name])
-    assert out.returncode == 0, out.stderr
-    assert file in out.stdout.splitlines()[0]
+def test_show_names_the_methods_own_file_and_every_knob(name, file, knobs, capsys):
+    from recipes import show
+
+    assert show.main([name]) == 0  # in process (the CLI itself: test_ls_pattern_is_not_only_a_name_filter)
+    out = capsys.readouterr().out
+    assert file in out.splitlines()[0]
     for knob in knobs:
-        assert f"{knob}:" in out.stdout and "# default" in out.stdout, knob
+        assert f"{knob}:" in out and "# default" in out, knob
 
 
 def test_show_of_every_paper_method_prints_every_field_of_its_config():
@@ -137,14 +141,12 @@ def test_readme_methods_table_and_layout_match_the_registry():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_readme_check_fails_on_a_stale_table(tmp_path):
+def test_readme_check_fails_on_a_stale_table(tmp_path, capsys):
     text = (REPO / "README.md").read_text()
     stale = tmp_path / "README.md"
     stale.write_text(text.replace("| Dustin |", "| Dustn |"))
-    out = run_cli(["-m", "recipes.readme", "--check", "--readme", str(stale)])
-    assert out.returncode == 1 and "out of date" in out.stdout
-    out = run_cli(["-m", "recipes.readme", "--write", "--readme", str(stale)])
-    assert out.returncode == 0 and stale.read_text() == text
+    assert readme.main(["--check", "--readme", str(stale)]) == 1 and "out of date" in capsys.readouterr().out
+    assert readme.main(["--write", "--readme", str(stale)]) == 0 and stale.read_text() == text
 
 
 def test_readme_methods_table_has_one_row_per_paper_method():
