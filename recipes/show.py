@@ -20,6 +20,7 @@ from recipes.config import ConfigError, LoadedConfig, config_dir, load_config, r
 __all__ = ["main", "defining_file", "own_file", "source_lines"]
 
 _REPO = Path(__file__).resolve().parent.parent
+_OURS = ("lightning_modules", "datamodules", "recipes", "litctx_common", "litctx_kernels")
 
 
 def _shown(path: Path) -> str:
@@ -32,6 +33,8 @@ def defining_file(target: str) -> str:
     """The source file of a ``"module:Attr"`` registry target, found without importing the module itself
     (its parent packages are imported), shown relative to the repository."""
     module, _, _ = target.partition(":")
+    if module.split(".")[0] not in _OURS:  # another library's class (Lightning's callbacks): name it, import nothing
+        return f"{module} (installed)"
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):

@@ -123,6 +123,17 @@ def test_the_hugging_face_kernels_name_is_free_for_transformers():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+def test_listing_imports_nothing_heavy():
+    """``recipes.ls`` (every table, every defining file) and ``recipes.readme`` run without torch or Lightning."""
+    code = ("import sys, io, contextlib, recipes.ls, recipes.readme\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    recipes.ls.main(['--wide']); recipes.readme.main([])\n"
+            "print(','.join(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules))")
+    out = run_cli(["-c", code])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"the listing imported: {out.stdout.strip()}"
+
+
 def test_light_imports_stay_light():
     """Listing and configuring import neither torch nor any optional dependency."""
     code = (
