@@ -44,6 +44,7 @@ from recipes.configio import (
     find_container_mismatch,
     friendly_error,
     read_yaml,
+    recipe_chain,
 )
 
 __all__ = [
@@ -346,16 +347,9 @@ def recipe_path(name: str, cfg_dir: Path) -> Path:
 def _recipe_layers(name: str, cfg_dir: Path) -> Tuple[List[Layer], Optional[Dict[str, Any]]]:
     """The recipe's layers (its farthest ancestor first, through ``extends``) and its ``sweep:`` block (the
     nearest one along the chain)."""
-    chain: List[Tuple[str, Path, Dict[str, Any]]] = []  # the recipe first, then its parent, ...
-    current: Optional[str] = name
-    while current is not None:
-        path = recipe_path(str(current), cfg_dir)
-        if any(path.resolve() == p.resolve() for _, p, _ in chain):
-            names = " -> ".join([n for n, _, _ in chain] + [str(current)])
-            raise ConfigError(f"{chain[0][1]}: its extends chain loops ({names})")
-        data = read_yaml(path)
-        chain.append((str(current), path, data))
-        current = data.pop("extends", None)
+    chain = recipe_chain(name, lambda n: recipe_path(n, cfg_dir))  # the recipe first, then its parent, ...
+    for _, _, data in chain:
+        data.pop("extends", None)
     sweeps = [data.pop("sweep") for _, _, data in chain if "sweep" in data]
     sweep = sweeps[0] if sweeps else None
     top = chain[0][1]

@@ -16,7 +16,7 @@ import os
 import re
 import typing
 from pathlib import Path, PurePath, PurePosixPath
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -34,6 +34,7 @@ __all__ = [
     "find_container_mismatch",
     "friendly_error",
     "prefixed",
+    "recipe_chain",
     "is_plain",
     "plain_value",
     "read_yaml",
@@ -283,6 +284,26 @@ def read_yaml(path: Path) -> Dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
+
+
+def recipe_chain(name: str, find: Callable[[str], Path]) -> List[Tuple[str, Path, Dict[str, Any]]]:
+    """``[(name, path, data)]`` of a recipe and its ancestors through ``extends:``, the recipe first (``find``
+    turns a recipe name into its file; each ``data`` still holds its ``extends`` key).
+
+    Raises:
+        ConfigError: the chain loops (the names in order), or a file does not read (:func:`read_yaml`).
+    """
+    chain: List[Tuple[str, Path, Dict[str, Any]]] = []
+    current: Optional[str] = name
+    while current is not None:
+        path = find(str(current))
+        if any(path.resolve() == p.resolve() for _, p, _ in chain):
+            names = " -> ".join([n for n, _, _ in chain] + [str(current)])
+            raise ConfigError(f"{chain[0][1]}: its extends chain loops ({names})")
+        data = read_yaml(path)
+        chain.append((str(current), path, data))
+        current = data.get("extends")
+    return chain
 
 
 # ---------------------------------------------------------------------------------------------- validation

@@ -37,7 +37,7 @@ from recipes.configio import (
     config_dir,
     is_plain,
     plain_value,
-    read_yaml,
+    recipe_chain,
     validate_component_args,
 )
 
@@ -214,9 +214,7 @@ def list_recipes(pattern: str = "*", cfg_dir: Optional[str] = None) -> List[Reci
     for path in sorted(root.glob("*.yaml")):
         if not fnmatch.fnmatch(path.stem, pattern):
             continue
-        chain = [read_yaml(path)]
-        while chain[-1].get("extends") and len(chain) < 16:
-            chain.append(read_yaml(root / f"{chain[-1]['extends']}.yaml"))
+        chain = [data for _, _, data in recipe_chain(path.stem, lambda n: root / f"{n}.yaml")]
 
         def name_of(section: str) -> Optional[str]:
             return next(((d.get(section) or {}).get("name") for d in chain if (d.get(section) or {}).get("name")),

@@ -288,15 +288,10 @@ class DustinCalibrationCallback(EvalStageSwitch):
         self.result: Optional[Dict[str, Any]] = None
 
     def _enter(self, trainer, pl_module, stage):
-
-        if not hasattr(pl_module, "generation"):
-            raise TypeError(f"dustin_calibration drives LongContextEvalModule-style modules; got "
-                            f"{type(pl_module).__name__}")
         self.steps, self.batches = [], 0
         draft, _ = self.cfg.draft.build(target_model(pl_module), getattr(pl_module, "tokenizer", None))
         draft.requires_grad_(False)
-        pl_module.generation = _CalibrationGeneration(self, draft.eval())
-        self._stack.callback(setattr, pl_module, "generation", None)
+        self._plug(pl_module, "generation", _CalibrationGeneration(self, draft.eval()), "dustin_calibration")
 
     def output_path(self, trainer) -> Path:
         return run_path(trainer, self.cfg.output)
