@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional
 
 from bench._report import REPO, pyplot, save_figure, write_section
 
-from litctx_common.io import append_jsonl, read_jsonl
+from litctx_common.io import read_jsonl
 from litctx_common.timing import clock
 
 RESULTS = REPO / "results" / "cdic_smollm2.jsonl"
@@ -110,26 +110,34 @@ def run(args) -> None:
 
     from litctx_common.torch_state import torch_threads
 
-    done = {(r["part"], r["arm"], r["dialogue"]) for r in read_jsonl(RESULTS)} if RESULTS.is_file() else set()
+    from litctx_common.records import Arm, RecordStore, evaluate_arms
+
+    store = RecordStore(RESULTS, keys=("part", "dialogue", "arm"), mismatch="skip").load()
+
     def untrained_last(arm: str) -> bool:  # arms that still need training run last (results sooner)
         return arm in TRAINED and not (Path(args.runs_root) / arm / "cdic" / "cdic.safetensors").is_file()
 
-    for arm in sorted(args.arms, key=untrained_last):
-        todo = [p for p in ("long", "recall") if any((p, arm, i) not in done for i in range(
-            args.long_dialogues if p == "long" else args.recall_dialogues))]
+    def count(part: str) -> int:
+        return args.long_dialogues if part == "long" else args.recall_dialogues
+
+    for arm in sorted(args.arms, key=untrained_last):  # one arm at a time: each loads (or trains) its own model
+        todo = [p for p in ("long", "recall") if any(store.get(part=p, dialogue=i, arm=arm) is None
+                                                     for i in range(count(p)))]
         if not todo:
             continue
         module, wid = build_arm(arm, args)
+
+        def run_one(sample, arm=arm, module=module, wid=wid):
+            with torch_threads(args.threads):
+                turns = run_dialogue(module, sample["dialogue_data"])
+            print(f"[bench.cdic] {arm} {sample['part']} {sample['dialogue']}: {len(turns)} turns, "
+                  f"{sum(t['time'] for t in turns):.1f}s", flush=True)
+            return {"id": sample["dialogue_data"]["id"], "weights": wid, "n_turns": len(turns), "turns": turns}
+
         for part in todo:
-            for i, d in enumerate(dialogues(part, args, module.tokenizer)):
-                if (part, arm, i) in done:
-                    continue
-                with torch_threads(args.threads):
-                    turns = run_dialogue(module, d)
-                append_jsonl(RESULTS, [{"part": part, "arm": arm, "dialogue": i, "id": d["id"], "weights": wid,
-                                       "n_turns": len(turns), "turns": turns}])
-                print(f"[bench.cdic] {arm} {part} {i}: {len(turns)} turns, {sum(t['time'] for t in turns):.1f}s",
-                      flush=True)
+            samples = ({"part": part, "dialogue": i, "dialogue_data": d}
+                       for i, d in enumerate(dialogues(part, args, module.tokenizer)) if i < count(part))
+            evaluate_arms([Arm(arm, run_one)], samples, store, sample_key=("part", "dialogue"))
         del module
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
 

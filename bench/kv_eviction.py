@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Tuple
 
 from bench._report import REPO, pyplot, save_figure, save_json, write_section
 
-from litctx_common.io import append_jsonl, read_jsonl
+from litctx_common.io import read_jsonl
 from litctx_common.timing import clock
 from litctx_common.stats import mean_of
 
@@ -75,51 +75,62 @@ def read_records(path: Path) -> List[Dict[str, Any]]:
     return read_jsonl(path, key=lambda r: (r["id"], r["protocol"], r["method"], r["ratio"], r.get("kind", "suite")))
 
 
+def suite_arms(args) -> Tuple[List[Any], Dict[str, Any]]:
+    """The arms of the suite part (one per (method, ratio), the full cache first) and their policies by name."""
+    from lightning_modules.kv_eviction.methods import policy_grid
+    from litctx_common.records import Arm
+
+    policies = policy_grid(METHODS, args.ratios)
+    arms = [Arm(f"{m}@{r}", settings={"method": list(METHODS.get(m, ("full", {}))), "ratio": r},
+                keys={"method": m, "ratio": r}) for m, r in policies]
+    return arms, {f"{m}@{r}": pol for (m, r), pol in policies.items()}
+
+
 def run_suite(args, model, tok) -> None:
+    """Every (method, ratio) on every sample, into the records store (:func:`litctx_common.records.evaluate_arms`):
+    each sample's context is prefilled once and the arms still missing on it are decoded together."""
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
-    from lightning_modules.kv_eviction.methods import policy_grid
     from lightning_modules.llm.decoding.generate import record_prefill
     from lightning_modules.llm.decoding.stopping import stop_token_ids
     from lightning_modules.llm.eval.suite_metrics import score_prediction
+    from litctx_common.records import RecordStore, evaluate_arms
 
-    policies = policy_grid(METHODS, args.ratios)
-    done = {(r["id"], r["protocol"], r["method"], r["ratio"]) for r in read_records(args.results) if r.get("kind", "suite") == "suite"}
+    arms, policies = suite_arms(args)
     haystack = Haystack(pydoc_documents(), tok)
     stops = stop_token_ids(tok, model)
-    keys = [(p, n, t, i) for p in args.protocols for n in args.lengths for i in range(args.samples) for t in args.tasks]
+    samples = [{"id": f"{t}-{n}-{i}", "protocol": p, "kind": "suite", "task": t, "length": n, "index": i}
+               for p in args.protocols for n in args.lengths for i in range(args.samples) for t in args.tasks]
     t_start = clock(model.device)
-    for count, (protocol, length, task, index) in enumerate(keys):
-        sid = f"{task}-{length}-{index}"
-        todo = {k: pol for k, pol in policies.items() if (sid, protocol, k[0], k[1]) not in done}
-        if not todo:
-            continue
-        s = build_sample(task, length, index, haystack, tok, 0)
+
+    def together(sample, todo):
+        s = build_sample(sample["task"], sample["length"], sample["index"], haystack, tok, 0)
         ctx, q = s["context_ids"].unsqueeze(0), s["question_ids"].unsqueeze(0)
-        if protocol == "query_aware":
+        if sample["protocol"] == "query_aware":
             ctx, q = torch_cat(ctx, q), None
         rec = record_prefill(model, ctx)
         results = {}
         # rows of one batch are padded to the longest: one batch per ratio, the full cache on its own
-        for ratio in sorted({r for _, r in todo}):
-            group = {f"{m}@{r}": pol for (m, r), pol in todo.items() if r == ratio}
+        for ratio in sorted({a.keys["ratio"] for a in todo}):
+            group = {a.name: policies[a.name] for a in todo if a.keys["ratio"] == ratio}
             results.update(rec.generate(group, s["max_new_tokens"], stops, q, None,
                                         batched=not args.unbatched and ratio > 0 and len(group) > 1))
-        recs = []
-        for (m, r), _ in todo.items():
-            res = results[f"{m}@{r}"]
+        out = {}
+        for a in todo:
+            res = results[a.name]
             text = tok.decode(res.tokens[0], skip_special_tokens=True)
-            recs.append({"kind": "suite", "id": sid, "task": task, "length": length, "depth": s["depth"],
-                         "protocol": protocol, "method": m, "ratio": r,
-                         "score": score_prediction(text, s["answers"], s["metric"]), "prediction": text,
-                         "compressed_bytes": res.compressed_bytes, "cache_bytes": res.cache_bytes,
-                         "compress_s": res.compress_seconds, "decode_s": res.decode_seconds,
-                         "decode_steps": res.decode_steps, "prefill_s": res.prefill_seconds})
-        append_jsonl(args.results, recs)
-        elapsed = clock(model.device) - t_start
-        print(f"[{count + 1}/{len(keys)}] {protocol} {sid}: {len(recs)} runs, "
-              f"full={next((x['score'] for x in recs if x['method'] == 'full'), float('nan')):.2f} "
-              f"({elapsed / 60:.1f} min so far)", flush=True)
+            out[a.name] = {"task": sample["task"], "length": sample["length"], "depth": s["depth"],
+                           "score": score_prediction(text, s["answers"], s["metric"]), "prediction": text,
+                           "compressed_bytes": res.compressed_bytes, "cache_bytes": res.cache_bytes,
+                           "compress_s": res.compress_seconds, "decode_s": res.decode_seconds,
+                           "decode_steps": res.decode_steps, "prefill_s": res.prefill_seconds}
+        full = out.get("full@0.0", {}).get("score", float("nan"))
+        print(f"[{samples.index(sample) + 1}/{len(samples)}] {sample['protocol']} {sample['id']}: {len(todo)} runs, "
+              f"full={full:.2f} ({(clock(model.device) - t_start) / 60:.1f} min so far)", flush=True)
+        return out
+
+    store = RecordStore(args.results, keys=("id", "protocol", "kind", "method", "ratio"), mismatch="skip").load()
+    evaluate_arms(arms, samples, store, sample_key=("id", "protocol", "kind"), together=together)
 
 
 def torch_cat(a, b):
@@ -134,25 +145,28 @@ def run_throughput(args, model, tok) -> None:
     from datamodules.text import pydoc_documents
     from lightning_modules.kv_eviction.methods import policy_grid
     from lightning_modules.llm.decoding.generate import generate_under_policies
+    from litctx_common.records import Arm, RecordStore, evaluate_arms
 
     length = max(args.lengths)
-    done = {(r["id"], r["method"], r["ratio"]) for r in read_records(args.results) if r.get("kind") == "throughput"}
     haystack = Haystack(pydoc_documents(), tok)
-    methods = policy_grid(THROUGHPUT, args.ratios)
-    for index in range(args.throughput_samples):
-        sid = f"niah_single-{length}-{index}"
-        if all((sid, m, r) in done for m, r in methods):
-            continue
-        s = build_sample("niah_single", length, index, haystack, tok, 0)
+    policies = {f"{m}@{r}": p for (m, r), p in policy_grid(THROUGHPUT, args.ratios).items()}
+    arms = [Arm(name, settings={"method": list(THROUGHPUT.get(name.rsplit("@", 1)[0], ("full", {})))},
+                keys={"method": name.rsplit("@", 1)[0], "ratio": float(name.rsplit("@", 1)[1])}) for name in policies]
+    samples = [{"id": f"niah_single-{length}-{i}", "index": i, "kind": "throughput", "protocol": "compress_then_ask"}
+               for i in range(args.throughput_samples)]
+
+    def together(sample, todo):
+        s = build_sample("niah_single", length, sample["index"], haystack, tok, 0)
         res = generate_under_policies(model, s["context_ids"].unsqueeze(0), None,
-                                      {f"{m}@{r}": p for (m, r), p in methods.items()}, 33, (),
+                                      {a.name: policies[a.name] for a in todo}, 33, (),
                                       s["question_ids"].unsqueeze(0), None)
-        append_jsonl(args.results, [
-            {"kind": "throughput", "id": sid, "length": length, "protocol": "compress_then_ask", "method": m,
-             "ratio": r, "decode_s": res[f"{m}@{r}"].decode_seconds, "decode_steps": res[f"{m}@{r}"].decode_steps,
-             "compressed_bytes": res[f"{m}@{r}"].compressed_bytes, "cache_bytes": res[f"{m}@{r}"].cache_bytes}
-            for m, r in methods])
-        print(f"throughput sample {index + 1}/{args.throughput_samples} done", flush=True)
+        print(f"throughput sample {sample['index'] + 1}/{args.throughput_samples} done", flush=True)
+        return {a.name: {"length": length, "decode_s": res[a.name].decode_seconds,
+                         "decode_steps": res[a.name].decode_steps, "compressed_bytes": res[a.name].compressed_bytes,
+                         "cache_bytes": res[a.name].cache_bytes} for a in todo}
+
+    store = RecordStore(args.results, keys=("id", "protocol", "kind", "method", "ratio"), mismatch="skip").load()
+    evaluate_arms(arms, samples, store, sample_key=("id", "protocol", "kind"), together=together)
 
 
 def run_rank_quality(model, tok) -> Dict[str, Any]:

@@ -237,33 +237,42 @@ def run_samples(part: str, samples: Sequence[Tuple[str, str, int]], length: int,
     from lightning_modules.llm.eval.suite_metrics import score_prediction
     from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
-    done = {(r["id"], r["method"]) for r in records(part)}
+    from litctx_common.records import Arm, RecordStore, evaluate_arms
+
     haystacks = _haystacks(tok, {h for h, _, _ in samples})
     stops = stop_token_ids(tok, model)
-    for hay, task, index in samples:
-        sid = sample_id(hay, task, length, index)
-        if (sid, methods[0]) not in done:  # another process may have run it meanwhile
-            done = {(r["id"], r["method"]) for r in records(part)}
-        todo = [m for m in methods if (sid, m) not in done]
-        if not todo:
-            continue
-        s = build_sample(task, length, index, haystacks[hay], tok, 0)
-        prompt = torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0)
-        for m in todo:
+    built: Dict[str, Any] = {}
+
+    def prompt_of(sample):
+        """The sample built once (the arms of one sample run one after another)."""
+        if built.get("id") != sample["id"]:
+            s = build_sample(sample["task"], length, sample["index"], haystacks[sample["haystack"]], tok, 0)
+            built.update(id=sample["id"], s=s, prompt=torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0))
+        return built["s"], built["prompt"]
+
+    def arm(m):
+        def run(sample):
+            s, prompt = prompt_of(sample)
             cfg = method_config(m)
             with install_sparse_prefill(model, cfg.build(), min_length=cfg.min_length, layers=cfg.layers) as sess:
                 res = greedy_generate(model, prompt, None, s["max_new_tokens"], stops)
             text = tok.decode(res.tokens[0], skip_special_tokens=True)
             summ = sess.summary()
-            rec = {"part": part, "id": sid, "haystack": hay, "task": task, "length": length, "index": index,
-                   "depth": s["depth"], "n_tokens": s["n_tokens"], "method": m,
+            rec = {"haystack": sample["haystack"], "task": sample["task"], "index": sample["index"],
+                   "depth": s["depth"], "n_tokens": s["n_tokens"],
                    "score": score_prediction(text, s["answers"], s["metric"]), "prediction": text,
                    "density": summ.get("density", 1.0), "estimate_s": summ.get("estimate_seconds", 0.0),
                    "attention_s": summ.get("attention_seconds", 0.0), "prefill_s": res.prefill_seconds,
                    "threads": torch.get_num_threads()}
-            append_jsonl(RECORDS, [rec])
-            print(f"{part} {sid} {m}: score {rec['score']:.2f} density {rec['density']:.2f} "
+            print(f"{part} {sample['id']} {m}: score {rec['score']:.2f} density {rec['density']:.2f} "
                   f"est+att {rec['estimate_s'] + rec['attention_s']:.2f} s", flush=True)
+            return rec
+        return Arm(m, run, keys={"method": m})
+
+    rows = [{"part": part, "id": sample_id(hay, task, length, index), "length": length, "haystack": hay,
+             "task": task, "index": index} for hay, task, index in samples]
+    store = RecordStore(RECORDS, keys=("part", "id", "length", "method"), mismatch="skip").load()
+    evaluate_arms([arm(m) for m in methods], rows, store, sample_key=("part", "id", "length"))
 
 
 def run_screen(args, model, tok) -> None:

@@ -36,8 +36,11 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from bench._report import REPO, pyplot, save_figure, save_json, write_section
-from litctx_common.io import append_jsonl, read_jsonl
+from litctx_common.io import read_jsonl
+from litctx_common.records import Arm, RecordStore, evaluate_arms
 
+KEYS = ("stage", "setting", "method", "id")
+"""What names one record: the stage, the setting, the method (the arm) and the sample."""
 RESULTS = REPO / "results" / "rag_smollm2.jsonl"
 TTFT = REPO / "results" / "rag_smollm2_ttft.json"
 FIGURE = REPO / "docs" / "figures" / "rag_smollm2.png"
@@ -63,13 +66,16 @@ class Bench:
         self.stop = stop_token_ids(self.tok, self.model)
         newline = self.tok("\n", add_special_tokens=False)["input_ids"]
         self.stop_answer = sorted(set(self.stop) | set(newline[-1:]))
-        self.records = read_jsonl(RESULTS, key=self.key)
-        self.done = {self.key(r) for r in self.records}
+        self.recorded = RecordStore(RESULTS, keys=KEYS, mismatch="skip").load()
         self._reusers: Dict[str, Any] = {}
 
     @staticmethod
     def key(r: Dict[str, Any]):
-        return (r["stage"], r["setting"], r["method"], r["id"])
+        return tuple(r[k] for k in KEYS)
+
+    @property
+    def records(self) -> List[Dict[str, Any]]:
+        return self.recorded.records
 
     def reuser(self, selector: str, ratio: float = 0.0):
         from lightning_modules.llm.runtime.kv_store import KVSegmentStore
@@ -96,31 +102,36 @@ class Bench:
         from lightning_modules.rag.pipeline import answer, answer_distribution_kl
         from lightning_modules.rag.prompts import build_prompt
 
-        for i, s in enumerate(samples):
-            todo = [m for m in methods if (stage, setting, m[0], s["id"]) not in self.done]
-            if not todo:
-                continue
+        n_samples = len(samples)
+
+        def together(sample, todo):
+            s = sample["sample"]
             prompt = build_prompt(self.tok, s["documents"], s["question"], "qa")
-            ref = None
-            recs = []
-            for name, selector, ratio in [("full", "full", 0.0)] + [m for m in todo if m[0] != "full"]:
+            ref, out_recs = None, {}
+            # full prefill first, always: the KL reference of every other arm
+            for arm in [a for a in arms if a.name == "full"] + [a for a in todo if a.name != "full"]:
+                selector, ratio = arm.settings["selector"], arm.settings["ratio"]
                 out = answer(prompt, self.reuser(selector, ratio), self.tok, self.args.max_new_tokens, self.stop_answer)
-                if name == "full":
+                if arm.name == "full":
                     ref = out.first_logits
-                    if (stage, setting, "full", s["id"]) in self.done:
+                    if arm not in todo:
                         continue
-                recs.append({"stage": stage, "setting": setting, "method": name, "id": s["id"],
-                             "score": score_prediction(out.text, s["answers"], "any"),
-                             "kl": answer_distribution_kl(ref, out.first_logits), "ttft_s": out.ttft_s,
-                             "recomputed": out.stats.get("recomputed", [0])[0],
-                             "chunk_tokens": out.stats["chunk_tokens"][0], "prompt_tokens": len(prompt.ids),
-                             "prediction": out.text, "answers": s["answers"]})
-            append_jsonl(RESULTS, recs)
-            for r in recs:
-                self.done.add(self.key(r))
-                self.records.append(r)
-            line = " ".join(f"{r['method']}={r['score']:.0f}" for r in recs)
-            print(f"[bench.rag] {stage} {setting} {i + 1}/{len(samples)} ({len(prompt.ids)} tok): {line}", flush=True)
+                out_recs[arm.name] = {"score": score_prediction(out.text, s["answers"], "any"),
+                                      "kl": answer_distribution_kl(ref, out.first_logits), "ttft_s": out.ttft_s,
+                                      "recomputed": out.stats.get("recomputed", [0])[0],
+                                      "chunk_tokens": out.stats["chunk_tokens"][0], "prompt_tokens": len(prompt.ids),
+                                      "prediction": out.text, "answers": s["answers"]}
+            line = " ".join(f"{m}={r['score']:.0f}" for m, r in out_recs.items())
+            print(f"[bench.rag] {stage} {setting} {sample['n'] + 1}/{n_samples} ({len(prompt.ids)} tok): {line}",
+                  flush=True)
+            return out_recs
+
+        arms = [Arm(name, settings={"selector": selector, "ratio": ratio}, keys={"method": name})
+                for name, selector, ratio in ([("full", "full", 0.0)] + [m for m in methods if m[0] != "full"])]
+        rows = [{"stage": stage, "setting": setting, "id": s["id"], "n": i, "sample": s} for i, s in enumerate(samples)]
+        wanted = {m[0] for m in methods}
+        evaluate_arms([a for a in arms if a.name in wanted], rows, self.recorded, sample_key=("stage", "setting", "id"),
+                      together=together)
 
     # ------------------------------------------------------------------ stages
     def diagnostic(self) -> None:
@@ -225,26 +236,26 @@ class Bench:
         samples = self.samples({"distractors": self.args.cite_distractors}, self.args.questions, source="cite",
                                facts=1)
         guided = GuidanceConfig().build(self.tok)
-        for i, s in enumerate(samples):
-            recs = []
+        def together(sample, todo):
+            s = sample["sample"]
             prompt = build_prompt(self.tok, s["documents"], s["question"], "cite")
-            for name, decoder in (("plain", None), ("guidance", guided)):
-                if ("guidance", "cite", name, s["id"]) in self.done:
-                    continue
+            out_recs = {}
+            for arm in todo:
+                decoder = guided if arm.name == "guidance" else None
                 out = answer(prompt, self.reuser("full"), self.tok, self.args.cite_tokens, self.stop, decoder)
                 sc = score_response(out.text, [t for _, _, t in prompt.sentences], judge,
                                     gold=[next(g for g, (d, j, _) in enumerate(prompt.sentences)
                                                if d == x["doc"] and j == x["sentence"]) for x in s["gold"]])
-                recs.append({"stage": "guidance", "setting": "cite", "method": name, "id": s["id"],
-                             "score": score_prediction(out.text, s["answers"], "all"), **sc,
-                             "prediction": out.text, "answers": s["answers"]})
-            if recs:
-                append_jsonl(RESULTS, recs)
-                for r in recs:
-                    self.done.add(self.key(r))
-                    self.records.append(r)
-                print(f"[bench.rag] guidance {i + 1}/{len(samples)}: " + " ".join(
-                    f"{r['method']} f1={r['f1']:.2f} acc={r['score']:.2f}" for r in recs), flush=True)
+                out_recs[arm.name] = {"score": score_prediction(out.text, s["answers"], "all"), **sc,
+                                      "prediction": out.text, "answers": s["answers"]}
+            print(f"[bench.rag] guidance {sample['n'] + 1}/{len(samples)}: " + " ".join(
+                f"{m} f1={r['f1']:.2f} acc={r['score']:.2f}" for m, r in out_recs.items()), flush=True)
+            return out_recs
+
+        rows = [{"stage": "guidance", "setting": "cite", "id": s["id"], "n": i, "sample": s}
+                for i, s in enumerate(samples)]
+        arms = [Arm(name, keys={"method": name}) for name in ("plain", "guidance")]
+        evaluate_arms(arms, rows, self.recorded, sample_key=("stage", "setting", "id"), together=together)
 
 
 # ---------------------------------------------------------------------------------------------- report

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Tuple
 
 from bench._report import REPO, pyplot, save_figure, save_json, write_section
 
-from litctx_common.io import append_jsonl, read_jsonl
+from litctx_common.io import read_jsonl
 from litctx_common.timing import time_call
 
 RESULTS = REPO / "results"
@@ -302,33 +302,35 @@ def run_suite(args, model, tok) -> None:
     from lightning_modules.sparse_prefill.methods import prefill_config
     from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
-    done = {(r["id"], r["method"]) for r in suite_records()}
+    from litctx_common.records import Arm, RecordStore, evaluate_arms
+
     haystack = Haystack(pydoc_documents(), tok)
     stops = stop_token_ids(tok, model)
-    for n in args.lengths:
-        for index in range(args.samples or DEFAULT_SAMPLES):
-            for task in TASKS:
-                sid = f"{task}-{n}-{index}"
-                todo = [m for m in args.methods if (sid, m) not in done]
-                if not todo:
-                    continue
-                s = build_sample(task, n, index, haystack, tok, 0)
-                prompt = torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0)
-                recs = []
-                for m in todo:
-                    name, kw = SUITE_METHODS[m]
-                    cfg = prefill_config(name, kw)
-                    with install_sparse_prefill(model, cfg.build(), min_length=cfg.min_length, layers=cfg.layers) as sess:
-                        res = greedy_generate(model, prompt, None, s["max_new_tokens"], stops)
-                    text = tok.decode(res.tokens[0], skip_special_tokens=True)
-                    summ = sess.summary()
-                    recs.append({"id": sid, "task": task, "length": n, "method": m,
-                                 "score": score_prediction(text, s["answers"], s["metric"]), "prediction": text,
-                                 "density": summ.get("density", 1.0), "estimate_s": summ.get("estimate_seconds", 0.0),
-                                 "attention_s": summ.get("attention_seconds", 0.0), "prefill_s": res.prefill_seconds})
-                append_jsonl(SUITE, recs)
-                print(f"suite {sid}: " + ", ".join(f"{r['method']}={r['score']:.2f}/{r['density']:.2f}" for r in recs),
-                      flush=True)
+    arms = [Arm(m, settings={"method": list(SUITE_METHODS[m])}, keys={"method": m}) for m in args.methods]
+    samples = [{"id": f"{task}-{n}-{index}", "task": task, "length": n, "index": index}
+               for n in args.lengths for index in range(args.samples or DEFAULT_SAMPLES) for task in TASKS]
+
+    def together(sample, todo):
+        """The sample is built once; each method prefills it under its own sparse prefill."""
+        s = build_sample(sample["task"], sample["length"], sample["index"], haystack, tok, 0)
+        prompt = torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0)
+        out = {}
+        for arm in todo:
+            cfg = prefill_config(*SUITE_METHODS[arm.name])
+            with install_sparse_prefill(model, cfg.build(), min_length=cfg.min_length, layers=cfg.layers) as sess:
+                res = greedy_generate(model, prompt, None, s["max_new_tokens"], stops)
+            text = tok.decode(res.tokens[0], skip_special_tokens=True)
+            summ = sess.summary()
+            out[arm.name] = {"task": sample["task"], "length": sample["length"],
+                             "score": score_prediction(text, s["answers"], s["metric"]), "prediction": text,
+                             "density": summ.get("density", 1.0), "estimate_s": summ.get("estimate_seconds", 0.0),
+                             "attention_s": summ.get("attention_seconds", 0.0), "prefill_s": res.prefill_seconds}
+        print(f"suite {sample['id']}: " + ", ".join(f"{m}={r['score']:.2f}/{r['density']:.2f}" for m, r in out.items()),
+              flush=True)
+        return out
+
+    store = RecordStore(SUITE, keys=("id", "method"), mismatch="skip").load()
+    evaluate_arms(arms, samples, store, sample_key="id", together=together)
 
 
 def suite_report(args) -> Tuple[str, int]:

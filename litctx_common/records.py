@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from litctx_common.io import append_jsonl, read_jsonl
 
@@ -146,50 +146,92 @@ class Arm:
     Attributes:
         name: the arm's name in the records (``full``, ``snapkv@0.5``, ``prophetkv@0.2``).
         run: ``sample -> record`` (a mapping: the arm's result on that sample; one record per sample and arm).
+            None when the arms are evaluated together (``evaluate_arms(..., together=...)``).
         settings: what the arm runs with (recorded in each of its records as ``arm_settings``; a changed setting
             under the same name is refused like any other provenance change).
+        keys: the record fields that identify the arm in the store (default ``{"arm": name}``; a bench whose
+            records name an arm by several fields, ``{"method": "h2o", "ratio": 0.5}``, says so here).
     """
 
     name: str
-    run: Callable[[Mapping[str, Any]], Any]
+    run: Optional[Callable[[Mapping[str, Any]], Any]] = None
     settings: Mapping[str, Any] = field(default_factory=dict)
+    keys: Optional[Mapping[str, Any]] = None
+
+    def key_fields(self) -> Dict[str, Any]:
+        """The record fields that name this arm."""
+        return dict(self.keys) if self.keys is not None else {"arm": self.name}
 
 
-def evaluate_arms(arms: Sequence[Arm], samples: Iterable[Mapping[str, Any]], store: RecordStore, *,
-                  sample_key: str = "id", on_record: Optional[Callable[[Dict[str, Any]], None]] = None
-                  ) -> List[Dict[str, Any]]:
-    """Evaluate every arm on every sample into ``store`` (keys must include ``sample_key`` and ``arm``): samples
-    in order, each under every arm in turn (so a kill leaves whole samples paired across arms as far as it got);
-    a record already in the store is reused, a new one is added (synced) as soon as it exists.
+Together = Callable[[Mapping[str, Any], List[Arm]], Mapping[str, Mapping[str, Any]]]
+"""``(sample, arms) -> {arm name: record}``: the arms still to do on one sample, evaluated in one go (one shared
+prefill, the arms as the rows of one batch)."""
 
-    Returns:
-        Every record, in (sample, arm) order. ``on_record`` sees each as it is made or reused (progress, logs).
 
-    Raises:
-        ValueError: the store's keys lack ``sample_key`` or ``arm``, or two arms share a name.
-        ProvenanceError: an arm's settings differ from those recorded for its name.
-    """
-    missing = [k for k in (sample_key, "arm") if k not in store.keys]
-    if missing:
-        raise ValueError(f"evaluate_arms: the store's keys {store.keys} lack {missing}")
+def _check_arms(arms: Sequence[Arm], sample_keys: Sequence[str], store: RecordStore) -> None:
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise ValueError(f"evaluate_arms: arm names repeat: {names}")
+    needed = list(sample_keys) + [k for a in arms for k in a.key_fields()] if arms else list(sample_keys) + ["arm"]
+    missing = sorted({k for k in needed if k not in store.keys})
+    if missing:
+        raise ValueError(f"evaluate_arms: the store's keys {store.keys} lack {missing}")
+
+
+def _settings(arm: Arm) -> Dict[str, Any]:
+    return json.loads(json.dumps(dict(arm.settings), sort_keys=True, default=str))
+
+
+def evaluate_arms(arms: Sequence[Arm], samples: Iterable[Mapping[str, Any]], store: RecordStore, *,
+                  sample_key: Union[str, Sequence[str]] = "id", together: Optional[Together] = None,
+                  on_record: Optional[Callable[[Dict[str, Any]], None]] = None) -> List[Dict[str, Any]]:
+    """Evaluate every arm on every sample into ``store``: samples in order, each under every arm (so a kill leaves
+    whole samples paired across arms as far as it got); a record already in the store is reused, a new one is
+    added (synced) as soon as it exists.
+
+    Args:
+        sample_key: the sample's field(s) that identify it in the records (each a key of the store).
+        together: evaluates a sample's missing arms in one call (:data:`Together`); their records are added at
+            once. Without it each arm's ``run`` is called in turn.
+        on_record: sees each record as it is made or reused (progress, logs).
+
+    Returns:
+        Every record, in (sample, arm) order: the arm's result, the sample's key fields, the arm's key fields,
+        ``arm`` (its name) and ``arm_settings``.
+
+    Raises:
+        ValueError: the store's keys lack a sample or arm key field, or two arms share a name.
+        ProvenanceError: an arm's settings differ from those recorded for its name.
+    """
+    sample_keys = [sample_key] if isinstance(sample_key, str) else list(sample_key)
+    _check_arms(arms, sample_keys, store)
     out: List[Dict[str, Any]] = []
     for sample in samples:
+        ident = {k: sample[k] for k in sample_keys}
+        done: Dict[str, Dict[str, Any]] = {}
         for arm in arms:
-            settings = json.loads(json.dumps(dict(arm.settings), sort_keys=True, default=str))
-            done = store.get(**{sample_key: sample[sample_key], "arm": arm.name})
-            if done is not None:
-                if done.get("arm_settings", settings) != settings:
+            rec = store.get(**ident, **arm.key_fields())
+            if rec is not None:
+                if rec.get("arm_settings", _settings(arm)) != _settings(arm):
                     raise ProvenanceError(store.mismatch_message({f"arm_settings ({arm.name})":
-                                                                  (done.get("arm_settings"), settings)}))
-                rec = done
-            else:
-                rec = store.add([{**dict(arm.run(sample)), sample_key: sample[sample_key], "arm": arm.name,
-                                  "arm_settings": settings}])[0]
-            if on_record is not None:
-                on_record(rec)
-            out.append(rec)
-    return out
+                                                                  (rec.get("arm_settings"), _settings(arm))}))
+                done[arm.name] = rec
+        todo = [a for a in arms if a.name not in done]
 
+        def stamp(arm: Arm, result: Mapping[str, Any]) -> Dict[str, Any]:
+            return {**dict(result), **ident, **arm.key_fields(), "arm": arm.name, "arm_settings": _settings(arm)}
+
+        if todo and together is not None:
+            results = together(sample, todo)
+            for rec in store.add([stamp(a, results[a.name]) for a in todo]):
+                done[rec["arm"]] = rec
+        else:
+            for arm in todo:
+                if arm.run is None:
+                    raise ValueError(f"evaluate_arms: arm {arm.name!r} has no run and no 'together' was given")
+                done[arm.name] = store.add([stamp(arm, arm.run(sample))])[0]
+        for arm in arms:
+            if on_record is not None:
+                on_record(done[arm.name])
+            out.append(done[arm.name])
+    return out

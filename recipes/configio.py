@@ -12,15 +12,19 @@ import difflib
 import enum
 import functools
 import importlib.metadata
+import inspect
 import os
 import re
 import typing
 from pathlib import Path, PurePath, PurePosixPath
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from litctx_common.options import accepted_keywords, unknown_key_message
+from litctx_common.plugins import PluginField, inline_spec, plugin_entry, plugin_field
 
 __all__ = [
     "ConfigError",
@@ -28,6 +32,9 @@ __all__ = [
     "WHEEL_CONFIGS",
     "check_list_elements",
     "complete_component_args",
+    "complete_plugins",
+    "dataclass_of",
+    "complete_signature_args",
     "config_dir",
     "container_type_error",
     "describe_type",
@@ -325,6 +332,9 @@ def _merged_component(schema: type, args: Mapping[str, Any], where: str) -> Tupl
     except OmegaConfBaseException as err:
         raise friendly_error(err, "", schema, args_of=where) from None
     check_list_elements(plain, schema, f"{where}.")
+    completed = complete_plugins(schema, plain, where)  # before the constructor: its errors name the dotted key
+    if completed != plain:
+        merged = OmegaConf.merge(merged, completed)
     try:
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
@@ -364,6 +374,89 @@ def complete_component_args(schema: type, args: Mapping[str, Any], where: str) -
     merged, _ = _merged_component(schema, args, where)
     values = OmegaConf.to_container(merged, resolve=True, enum_to_str=True)
     return {key: plain_value(value, f"{where}.{key}") for key, value in values.items()}
+
+
+def complete_signature_args(cls: Any, args: Mapping[str, Any], where: str, skip: Sequence[str] = ()) -> Dict[str, Any]:
+    """``args`` for a class without a config dataclass, checked against its signature, plus each keyword
+    parameter's default (parameters without a default stay as given; a default YAML cannot represent, such as an
+    object, is left to the constructor; ``skip``: parameters the caller sets itself).
+
+    Raises:
+        ConfigError: an unknown key (named in full, with the valid ones), or arguments the signature cannot bind.
+    """
+    params = inspect.signature(cls).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+             and n not in skip and n != "self"]
+    for key in args:
+        if key not in valid and not accepts_any:
+            raise ConfigError(unknown_key_message(key, valid, where))
+    try:
+        inspect.signature(cls).bind_partial(**dict(args))
+    except TypeError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    out = {n: plain_value(params[n].default, f"{where}.{n}") for n in valid
+           if params[n].default is not params[n].empty and is_plain(params[n].default)}
+    out.update({k: plain_value(v, f"{where}.{k}") for k, v in args.items()})
+    return out
+
+
+def _complete_entry(table: Mapping[str, Any], name: str, args: Mapping[str, Any], spec: PluginField,
+                    where: str) -> Dict[str, Any]:
+    """One plugin's arguments with every default of its entry filled in (the fixed and skipped ones left out)."""
+    try:
+        cls, fixed = plugin_entry(table, name, spec.kind)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    skip = tuple(fixed) + spec.skip
+    if not isinstance(args, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of {name}'s arguments, got {type(args).__name__}")
+    valid = accepted_keywords(cls, skip=skip)
+    for key in args:
+        if key not in valid:
+            raise ConfigError(unknown_key_message(key, valid, where))
+    if not dataclasses.is_dataclass(cls):
+        return complete_signature_args(cls, args, where, skip=skip)
+    completed = complete_component_args(cls, {**fixed, **dict(args)}, where)
+    return {k: v for k, v in completed.items() if k not in skip and k in valid}
+
+
+def complete_plugins(schema: type, values: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """``values`` (a config's fields) with each plugin field (:mod:`litctx_common.plugins`) completed from the
+    entry its name picks, and nested config dataclasses completed the same way."""
+    hints = typing.get_type_hints(schema)
+    out = dict(values)
+    for f in dataclasses.fields(schema):
+        spec = plugin_field(f)
+        here = f"{where}.{f.name}"
+        if spec is not None:
+            table = spec.entries()
+            if spec.name_field is not None:
+                name = out.get(spec.name_field)
+                if name is not None:
+                    out[f.name] = _complete_entry(table, name, out.get(f.name) or {}, spec, here)
+                continue
+            try:
+                name, args = inline_spec(out.get(f.name), spec.default_name, here)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+            if name is not None:
+                out[f.name] = {"name": name, **_complete_entry(table, name, args, spec, here)}
+            continue
+        nested = dataclass_of(hints.get(f.name))
+        if nested is not None and isinstance(out.get(f.name), dict):
+            out[f.name] = complete_plugins(nested, out[f.name], here)
+    return out
+
+
+def dataclass_of(tp: Any) -> Optional[type]:
+    """The dataclass in an annotation (``X`` or ``Optional[X]``), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
 
 
 _SCALARS = (type(None), bool, int, float, str)

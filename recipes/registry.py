@@ -24,19 +24,17 @@ import difflib
 import fnmatch
 import importlib
 import importlib.util
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from litctx_common.options import unknown_key_message
+from litctx_common.plugins import import_object as import_target
 from litctx_common.specs import ALL_STAGES, CallbackSpec, DataSpec, MethodSpec, Paper
 from recipes.configio import (
     ConfigError,
     complete_component_args,
+    complete_signature_args,
     config_dir,
-    is_plain,
-    plain_value,
     recipe_chain,
     validate_component_args,
 )
@@ -233,16 +231,6 @@ def list_recipes(pattern: str = "*", cfg_dir: Optional[str] = None) -> List[Reci
 
 
 # ---------------------------------------------------------------------------------------------- imports
-def import_target(target: str) -> Any:
-    """Import ``"package.module:Attr"``."""
-    module_name, _, attr = target.partition(":")
-    module = importlib.import_module(module_name)
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ImportError(f"{module_name} has no attribute {attr!r} (registry target {target!r})") from None
-
-
 def check_requirements(name: str, requires: Sequence[str], extra: Optional[str]) -> None:
     """Fail before importing anything if an optional dependency of a component is missing."""
     missing = [r for r in requires if importlib.util.find_spec(r) is None]
@@ -252,37 +240,23 @@ def check_requirements(name: str, requires: Sequence[str], extra: Optional[str])
 
 
 def _validate_args(config_target: Optional[str], target: str, args: Mapping[str, Any], where: str) -> Any:
+    """The config object (with a config dataclass) or the checked keyword mapping (without one)."""
     if config_target is not None:
         return validate_component_args(import_target(config_target), args, where)
-    cls = import_target(target)
-    params = inspect.signature(cls).parameters
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    for key in args:
-        if key not in params and not accepts_any:
-            raise ConfigError(unknown_key_message(key, valid, where))
-    try:
-        inspect.signature(cls).bind_partial(**dict(args))
-    except TypeError as err:
-        raise ConfigError(f"{where}: {err}") from None
+    complete_signature_args(import_target(target), args, where)  # unknown keys and unbindable arguments fail
     return dict(args)
 
 
 def complete_args(config_target: Optional[str], target: str, args: Mapping[str, Any], where: str) -> Dict[str, Any]:
     """A component's validated args with every default filled in, as plain YAML-able containers.
 
-    With a config dataclass: every field (see :func:`recipes.configio.complete_component_args`). Without one:
-    the given args plus each constructor parameter's default (parameters without a default stay as given;
-    a default YAML cannot represent, such as an object, is left to the constructor).
+    With a config dataclass: every field, plugin fields completed from the entry they name (see
+    :func:`recipes.configio.complete_component_args`). Without one: the constructor's signature
+    (:func:`recipes.configio.complete_signature_args`).
     """
     if config_target is not None:
         return complete_component_args(import_target(config_target), args, where)
-    _validate_args(None, target, args, where)
-    params = inspect.signature(import_target(target)).parameters
-    out = {n: plain_value(p.default, f"{where}.{n}") for n, p in params.items()
-           if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty and is_plain(p.default)}
-    out.update({k: plain_value(v, f"{where}.{k}") for k, v in args.items()})
-    return out
+    return complete_signature_args(import_target(target), args, where)
 
 
 def validate_run_components(run: Any) -> Dict[str, Dict[str, Any]]:

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 from lightning_modules.base import check_field, is_int, run_path
 from lightning_modules.hgmem.loop import HGMemConfig
 from lightning_modules.llm.eval.records import RecordEvalModule
+from litctx_common.plugins import plugin_args
 from litctx_common.io import atomic_write_text
 from litctx_common.options import nested_config
 from litctx_common.paths import default_cache_dir
@@ -77,7 +78,8 @@ class HGMemEvalConfig:
         provenance_mismatch: ``refuse`` to resume over records of another setup, or ``skip`` them.
     """
 
-    backend: Dict[str, Any] = field(default_factory=lambda: {"name": "local", "model": "smollm2-135m"})
+    backend: Dict[str, Any] = plugin_args("lightning_modules.llm.serving.chat:BACKENDS", default={"name": "local", "model": "smollm2-135m"},
+                                          default_name="local", kind="backend")
     loop: HGMemConfig = field(default_factory=HGMemConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     results_file: Optional[str] = "hgmem_records.jsonl"

@@ -26,7 +26,7 @@ method                    scorer / selector                                     
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Type
 
 from lightning_modules.base import check_field as _check, coerce_config, is_int as _is_int, is_number
@@ -43,6 +43,7 @@ from lightning_modules.llm.kv_policy.protocol import (
     SharedTopKSelector,
     TopKSelector,
 )
+from litctx_common.plugins import plugin_args
 
 __all__ = [
     "EvictionConfig",
@@ -61,6 +62,8 @@ __all__ = [
     "policy_grid",
 ]
 
+_BASES = "lightning_modules.kv_eviction.methods:EVICTION_METHODS"
+"""The plugin table of ``base_args`` (:mod:`litctx_common.plugins`): a base method's config by name."""
 ADAPTABLE: Tuple[str, ...] = ("h2o", "snapkv", "tova", "streaming_llm")
 """Bases AdaKV's head-adaptive selection can wrap."""
 OBCACHE_BASES: Tuple[str, ...] = ("h2o", "snapkv", "tova")
@@ -299,7 +302,7 @@ class AdaKVConfig(EvictionConfig):
 
     method: ClassVar[str] = "adakv"
     base: str = "snapkv"
-    base_args: Dict[str, Any] = field(default_factory=dict)
+    base_args: Dict[str, Any] = plugin_args(_BASES, name_field="base", kind="base method")
     alpha: float = 0.2
 
     def __post_init__(self) -> None:
@@ -334,7 +337,7 @@ class OBCacheConfig(EvictionConfig):
     kind: str = "kv"
     adaptive: bool = False
     alpha: float = 0.2
-    base_args: Dict[str, Any] = field(default_factory=dict)
+    base_args: Dict[str, Any] = plugin_args(_BASES, name_field="base", skip=("score",), kind="base method")
 
     def __post_init__(self) -> None:
         _check(self.kind in OBCACHE_KINDS, self.method, "kind", self.kind,

@@ -245,11 +245,7 @@ def build_memory_judge(spec: Any = "rule") -> Any:
     """``rule``, ``llm`` or ``{name: llm, backend: {...}, max_tokens: ..., retries: ...}``, or a judge object."""
     if hasattr(spec, "judge"):
         return spec
-    args = {"name": spec} if isinstance(spec, str) else dict(spec or {})
-    name = args.pop("name", "rule")
-    if name not in MEMORY_JUDGES:
-        raise ValueError(f"judge.name={name!r}: valid judges are {', '.join(MEMORY_JUDGES)}")
-    from litctx_common.options import accepted_keywords, check_options
+    from litctx_common.plugins import build_plugin, inline_spec
 
-    check_options(args, accepted_keywords(MEMORY_JUDGES[name]), "judge")
-    return MEMORY_JUDGES[name](**args)
+    name, args = inline_spec(spec, "rule", "judge")
+    return build_plugin(MEMORY_JUDGES, name, args, kind="judge", where="judge")

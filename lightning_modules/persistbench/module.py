@@ -24,6 +24,8 @@ from typing import Any, Dict, List, Optional
 
 from lightning_modules.base import check_field, is_int, is_number, run_path
 from lightning_modules.llm.eval.records import RecordEvalModule
+from litctx_common.options import check_options
+from litctx_common.plugins import inline_spec, plugin_args, plugin_keywords
 from litctx_common.io import atomic_write_text
 from litctx_common.seeding import stable_seed
 
@@ -57,8 +59,10 @@ class PersistBenchConfig:
         keep_responses: keep the answers in the records.
     """
 
-    backend: Dict[str, Any] = field(default_factory=lambda: {"name": "local", "model": "smollm2-135m"})
-    judge: Dict[str, Any] = field(default_factory=lambda: {"name": "rule"})
+    backend: Dict[str, Any] = plugin_args("lightning_modules.llm.serving.chat:BACKENDS", default={"name": "local", "model": "smollm2-135m"},
+                                          default_name="local", kind="backend")
+    judge: Dict[str, Any] = plugin_args("lightning_modules.persistbench.judges:MEMORY_JUDGES", default={"name": "rule"},
+                                        default_name="rule", kind="judge")
     system_prompt: str = "default"
     generations: Dict[str, int] = field(default_factory=_default_generations)
     k: int = 3
@@ -77,12 +81,10 @@ class PersistBenchConfig:
         from lightning_modules.persistbench.prompts import prompt_id
 
         backend_options_check(self.backend, "persistbench.backend")
-        judge = {"name": self.judge} if isinstance(self.judge, str) else dict(self.judge or {})
-        check_field(judge.get("name", "rule") in MEMORY_JUDGES, "persistbench", "judge.name", judge.get("name"),
+        name, judge = inline_spec(self.judge, "rule", "persistbench.judge")
+        check_field(name in MEMORY_JUDGES, "persistbench", "judge.name", name,
                     f"valid judges are {', '.join(MEMORY_JUDGES)}")
-        unknown = sorted(set(judge) - {"name", "backend", "max_tokens", "retries", "temperature"})
-        check_field(not unknown, "persistbench", "judge", self.judge,
-                    f"unknown key(s) {unknown}; valid keys are name, backend, max_tokens, retries, temperature")
+        check_options(judge, plugin_keywords(MEMORY_JUDGES, name, "judge"), "persistbench.judge")
         if judge.get("backend") is not None:
             backend_options_check(judge["backend"], "persistbench.judge.backend")
         try:

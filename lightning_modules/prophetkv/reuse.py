@@ -27,11 +27,13 @@ from lightning_modules.llm.runtime.cache_surgery import assemble, check_cache_su
 from lightning_modules.llm.runtime.cached_lm import CachedLM, Prefilled
 from lightning_modules.llm.runtime.kv_store import KVSegmentStore
 from lightning_modules.prophetkv.selectors import SELECTORS
-from litctx_common.options import accepted_keywords, check_options
 from litctx_common.padding import left_pad
+from litctx_common.plugins import build_plugin, plugin_args
 from litctx_common.timing import clock
 
 __all__ = ["ReuseSettings", "ReuseConfig", "ReusePrefill", "ReuseResult"]
+
+SELECTOR_TABLE = "lightning_modules.prophetkv.selectors:SELECTORS"
 
 
 @dataclass
@@ -70,15 +72,18 @@ class ReuseConfig(ReuseSettings):
     """
 
     selector: str = "prophetkv"
-    selector_args: Dict[str, Any] = field(default_factory=dict)
+    selector_args: Dict[str, Any] = plugin_args(SELECTOR_TABLE, name_field="selector", kind="selector")
 
     def __post_init__(self) -> None:
         check_field(self.selector in SELECTORS, "kv_reuse", "selector", self.selector,
                     f"valid selectors are {', '.join(SELECTORS)}")
-        check_options(dict(self.selector_args), accepted_keywords(SELECTORS[self.selector]),
-                      f"kv_reuse.selector_args ({self.selector})")
-        SELECTORS[self.selector](**dict(self.selector_args))  # field errors now, not mid-run
+        self.build_selector()  # field errors now, not mid-run
         self.check_settings("kv_reuse")
+
+    def build_selector(self) -> Any:
+        """The selector object (None for ``full``), its arguments checked key by key."""
+        return build_plugin(SELECTORS, self.selector, self.selector_args, kind="selector",
+                            where="kv_reuse.selector_args")
 
     @property
     def name(self) -> str:
@@ -103,7 +108,7 @@ class ReusePrefill:
 
     def __init__(self, cfg: ReuseConfig, model: torch.nn.Module, store: Optional[KVSegmentStore] = None) -> None:
         self.cfg, self.model = cfg, model
-        self.selector = SELECTORS[cfg.selector](**dict(cfg.selector_args)).build()
+        self.selector = cfg.build_selector()
         if self.selector is not None:
             check_cache_surgery(model, f"KV reuse ({cfg.selector})")
         self.store = store if store is not None else KVSegmentStore(cfg.store_dir, cfg.store_max_bytes)

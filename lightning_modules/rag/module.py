@@ -23,6 +23,7 @@ from lightning_modules.llm.decoding.stopping import stop_token_ids
 from lightning_modules.llm.model.loading import load_causal_lm
 from lightning_modules.llm.eval.records import RecordEvalModule
 from lightning_modules.llm.eval.suite_metrics import score_prediction
+from litctx_common.plugins import plugin_args
 from litctx_common.options import nested_config
 from litctx_common.records import MISMATCH_POLICIES
 
@@ -93,7 +94,8 @@ class RAGEvalConfig:
     max_new_tokens: Optional[int] = None
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     judge: str = "lexical"
-    judge_args: Dict[str, Any] = field(default_factory=dict)
+    judge_args: Dict[str, Any] = plugin_args("lightning_modules.llm.eval.judges:JUDGES", name_field="judge",
+                                             skip=("unparsed", "calls", "name"), kind="judge")
     results_file: Optional[str] = None
     provenance_mismatch: str = "refuse"
     keep_predictions: bool = True

@@ -28,8 +28,9 @@ from lightning_modules.llm.kv_policy.callback import target_model
 from lightning_modules.llm.decoding.drafts import DraftConfig
 from lightning_modules.llm.decoding.sampling import SamplingConfig
 from lightning_modules.llm.decoding.speculative import check_gamma, speculative_generate
-from lightning_modules.speculative.verifiers import VERIFIERS, build_verifier, verifier_keywords
-from litctx_common.options import check_options, nested_config
+from lightning_modules.speculative.verifiers import VERIFIERS, build_verifier
+from litctx_common.options import nested_config
+from litctx_common.plugins import plugin_args
 
 __all__ = ["SpeculativeSettings", "SpeculativeConfig", "SpeculativeGeneration", "SpeculativeCallback"]
 
@@ -77,13 +78,13 @@ class SpeculativeConfig(SpeculativeSettings):
     """
 
     verify: str = "dense"
-    verify_args: Dict[str, Any] = field(default_factory=dict)
+    verify_args: Dict[str, Any] = plugin_args("lightning_modules.speculative.verifiers:VERIFIERS", name_field="verify",
+                                              kind="verifier")
 
     def __post_init__(self) -> None:
         self.check_settings()
         if self.verify not in VERIFIERS:
             raise ValueError(f"speculative.verify={self.verify!r}: valid verifiers are {', '.join(VERIFIERS)}")
-        check_options(dict(self.verify_args), verifier_keywords(self.verify), "speculative.verify_args")
         build_verifier(self.verify, self.verify_args)  # value errors now, not mid-run
 
     @property

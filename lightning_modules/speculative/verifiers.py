@@ -8,12 +8,11 @@ convention), so the shared decoding engine in ``lightning_modules.llm`` never im
 
 from __future__ import annotations
 
-import importlib
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
-from litctx_common.options import accepted_keywords
+from litctx_common.plugins import build_plugin
 
-__all__ = ["VERIFIERS", "build_verifier", "verifier_keywords"]
+__all__ = ["VERIFIERS", "build_verifier"]
 
 VERIFIERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "dense": ("lightning_modules.llm.sparse_read.read_method:DenseVerifier", {}),
@@ -22,26 +21,11 @@ VERIFIERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "history_only": ("lightning_modules.dustin.method:DustinConfig", {"signal": "history"}),
     "draft_only": ("lightning_modules.dustin.method:DustinConfig", {"signal": "draft"}),
 }
-"""Verifier name -> (``"module:Class"``, the arguments the name fixes). A class with a ``build()`` method is a
-config that builds the verifier; any other class is the verifier."""
-
-
-def _target(name: str) -> Tuple[Any, Dict[str, Any]]:
-    if name not in VERIFIERS:
-        raise ValueError(f"speculative.verify={name!r}: valid verifiers are {', '.join(VERIFIERS)}")
-    path, fixed = VERIFIERS[name]
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr), dict(fixed)
-
-
-def verifier_keywords(name: str) -> List[str]:
-    """The ``verify_args`` keys verifier ``name`` accepts (those the name fixes excluded)."""
-    cls, fixed = _target(name)
-    return accepted_keywords(cls, skip=tuple(fixed))
+"""Verifier name -> (``"module:Class"``, the arguments the name fixes): a plugin table
+(:mod:`litctx_common.plugins`). A config dataclass with a ``build()`` method builds the verifier; any other class
+is the verifier."""
 
 
 def build_verifier(name: str, args: Optional[Mapping[str, Any]] = None) -> Any:
     """The verifier ``name`` (:data:`VERIFIERS`) built from ``args``."""
-    cls, fixed = _target(name)
-    made = cls(**fixed, **dict(args or {}))
-    return made.build() if hasattr(made, "build") and callable(made.build) else made
+    return build_plugin(VERIFIERS, name, args, kind="verifier", where="speculative.verify_args")

@@ -93,6 +93,34 @@ def test_evaluate_arms_refuses_an_arm_whose_settings_changed(tmp_path):
         evaluate_arms([], [], RecordStore(None, ("id",)))
 
 
+def test_evaluate_arms_together_runs_only_the_missing_arms_of_a_sample_in_one_call(tmp_path):
+    """A bench's shared prefill: the arms still to do on a sample go to one call; arms named by several record
+    fields (``method``, ``ratio``) resume from records written before the field ``arm`` existed."""
+    path = tmp_path / "bench.jsonl"
+    old = {"id": "s0", "protocol": "p", "method": "h2o", "ratio": 0.5, "score": 0.25, "model": "m"}
+    path.write_text(json.dumps(old) + "\n")
+    arms = [Arm(f"{m}@{r}", settings={"m": m}, keys={"method": m, "ratio": r}) for m, r in (("h2o", 0.5), ("full", 0))]
+    calls = []
+
+    def together(sample, todo):
+        calls.append((sample["id"], [a.name for a in todo]))
+        return {a.name: {"score": 1.0} for a in todo}
+
+    store = RecordStore(path, ("id", "protocol", "method", "ratio"), {"model": "m"}).load()
+    samples = [{"id": "s0", "protocol": "p"}, {"id": "s1", "protocol": "p"}]
+    out = evaluate_arms(arms, samples, store, sample_key=("id", "protocol"), together=together)
+    assert calls == [("s0", ["full@0"]), ("s1", ["h2o@0.5", "full@0"])]
+    assert [(r["id"], r["method"], r["score"]) for r in out] == [("s0", "h2o", 0.25), ("s0", "full", 1.0),
+                                                                 ("s1", "h2o", 1.0), ("s1", "full", 1.0)]
+    calls.clear()
+    again = evaluate_arms(arms, samples, RecordStore(path, ("id", "protocol", "method", "ratio"), {"model": "m"}).load(),
+                          sample_key=("id", "protocol"), together=together)
+    assert calls == [] and len(again) == 4 and len(path.read_text().splitlines()) == 4
+    with pytest.raises(ValueError, match=r"lack \['ratio'\]"):
+        evaluate_arms(arms, samples, RecordStore(None, ("id", "protocol", "method")), sample_key=("id", "protocol"),
+                      together=together)
+
+
 # ---------------------------------------------------------------------------------------------- shared helpers
 def test_left_pad_puts_every_rows_last_token_in_the_last_column():
     import torch

@@ -81,6 +81,25 @@ def test_the_llm_base_is_subpackages_only():
     assert subpackages == ["decoding", "eval", "kv_policy", "model", "runtime", "serving", "sparse_read"]
 
 
+LLM_ABOVE = {"model": {"runtime", "kv_policy", "sparse_read", "decoding", "serving", "eval"},
+             "runtime": {"kv_policy", "serving", "eval"}}
+"""What the bottom of ``lightning_modules/llm`` never imports: the model (loading, surgery, the attention function)
+no other subpackage; the runtime (runner stack, cached LM, slot buffer, KV store) not the KV-policy protocol, the
+serving or the evaluation built on it (the cache session it consults is :data:`~lightning_modules.llm.runtime.
+stack.SESSION_ATTR`, installed from above)."""
+
+
+@pytest.mark.parametrize("sub", sorted(LLM_ABOVE))
+def test_the_llm_runtime_sits_below_what_builds_on_it(sub):
+    offenders = []
+    for path in sorted((REPO / "lightning_modules" / "llm" / sub).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_modules.llm."):
+                if node.module.split(".")[2] in LLM_ABOVE[sub]:
+                    offenders.append(f"{path.relative_to(REPO)}:{node.lineno} imports {node.module}")
+    assert not offenders, f"llm/{sub} imports above itself:\n" + "\n".join(offenders)
+
+
 @pytest.mark.parametrize("name", PACKAGES)
 def test_our_packages_are_not_shadowed(name):
     spec = importlib.util.find_spec(name)

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
-from lightning_modules.llm.kv_policy.runner import active_session
+from lightning_modules.llm.runtime.stack import active_session
 from litctx_common.timing import clock
 from lightning_modules.llm.runtime.cached_lm import CachedLM, Prefilled, prefill
 
@@ -48,9 +48,7 @@ def greedy_generate(model: torch.nn.Module, context_ids: torch.Tensor, context_m
     question (before decoding)."""
     if held is not None:
         check_held(held, model, context_ids, question_ids)
-        t0 = clock(held.recorded.lm.device)
-        lm, logits = held.resume()
-        start = Prefilled(lm, logits, clock(lm.device) - t0 + held.seconds)
+        start = held.start()
     else:
         start = prefill(model, context_ids, context_mask, question_ids, question_mask)
     size = start.lm.cache_bytes()
@@ -152,11 +150,10 @@ def record_prefill(model: torch.nn.Module, context_ids: torch.Tensor,
     from lightning_modules.llm.kv_policy.protocol import KVPolicy
     from lightning_modules.llm.kv_policy.runner import install_policy
 
-    lm = CachedLM(model)
-    t0 = clock(lm.device)
     with install_policy(model, KVPolicy(), record_prefill=True, prefill_sums=True) as recorder:
-        first_logits = lm.feed(context_ids, context_mask)
-    return RecordedPrefill(lm, lm.snapshot(), recorder.prefill_observations, first_logits, clock(lm.device) - t0)
+        start = prefill(model, context_ids, context_mask)
+    return RecordedPrefill(start.lm, start.lm.snapshot(), recorder.prefill_observations, start.first_logits,
+                           start.seconds)
 
 
 @dataclass
@@ -194,6 +191,12 @@ class HeldPrompt:
         if session is not None:
             session.replay_prefill(self.recorded.observations, lm.cache)
         return lm, lm.feed(self.ids[:, -1:], self.mask[:, -1:])
+
+    def start(self) -> Prefilled:
+        """:meth:`resume`, timed: its :class:`Prefilled` counts the shared prefill's seconds plus this call's."""
+        t0 = clock(self.recorded.lm.device)
+        lm, logits = self.resume()
+        return Prefilled(lm, logits, clock(lm.device) - t0 + self.seconds)
 
 
 def hold_prompt(model: torch.nn.Module, ids: torch.Tensor, mask: Optional[torch.Tensor] = None) -> HeldPrompt:

@@ -216,6 +216,16 @@ class PromptLookupDraft:
         return out
 
 
+def _count_step(ex: Dict[str, Any], active: List[bool], accepted: List[int], proposed: int) -> None:
+    """Add one verification step to the per-row counters in ``ex`` (rows already done are not counted)."""
+    for row, live in enumerate(active):
+        if live:
+            ex["proposed"][row] += proposed
+            ex["accepted"][row] += accepted[row]
+            ex["verify_steps"][row] += 1
+    ex["accepted_per_step"].append([a if live else None for a, live in zip(accepted, active)])
+
+
 class SpeculativeDecoder(StepDecoder):
     """Draft-and-verify decoding of a prefilled batch (see the module docstring).
 
@@ -288,12 +298,7 @@ class SpeculativeDecoder(StepDecoder):
             ex["draft_seconds"] += t1 - t0
             ex["verify_seconds"] += t2 - t1
             acc = accepted.tolist()
-            for row in range(b):
-                if bool(active[row]):
-                    ex["proposed"][row] += w
-                    ex["accepted"][row] += acc[row]
-                    ex["verify_steps"][row] += 1
-            ex["accepted_per_step"].append([acc[row] if bool(active[row]) else None for row in range(b)])
+            _count_step(ex, active.tolist(), acc, w)
             proposal = [d[row, :acc[row]].tolist() + [int(nxt[row])] for row in range(b)]
             self.commit(state, proposal, criteria)
             state.step += 1
@@ -305,6 +310,8 @@ class SpeculativeDecoder(StepDecoder):
         return DecodeResult(state.tokens, state.step, state.target_calls, self.stats(state))
 
     def stats(self, state: DecodeState) -> Dict[str, Any]:
+        """The run's statistics: steps, target calls, proposed and accepted drafts (in all and per row),
+        acceptance rate, mean accepted length, draft and verify seconds."""
         ex = state.extras
         proposed, accepted, steps = sum(ex["proposed"]), sum(ex["accepted"]), sum(ex["verify_steps"])
         return {"strategy": "speculative", "gamma": self.gamma, "steps": state.step,
@@ -313,6 +320,34 @@ class SpeculativeDecoder(StepDecoder):
                 "mean_accepted_length": (accepted + steps) / steps if steps else float("nan"),
                 "verify_steps": steps, "draft_seconds": ex["draft_seconds"], "verify_seconds": ex["verify_seconds"],
                 "accepted_per_row": list(ex["accepted"]), "proposed_per_row": list(ex["proposed"])}
+
+
+def _prefill_pair(model: torch.nn.Module, draft: Any, target_lm: Any, draft_lm: Any, held: Any, draft_held: Any,
+                  context_ids: torch.Tensor, context_mask: Optional[torch.Tensor], question_ids: Optional[torch.Tensor],
+                  question_mask: Optional[torch.Tensor]) -> Tuple[Any, Any]:
+    """The target's :class:`~lightning_modules.llm.runtime.cached_lm.Prefilled` (its seconds counting the draft's
+    prefill too) and the draft's cached LM (None for prompt lookup), from held prompts or fresh prefills."""
+    from lightning_modules.llm.runtime.cached_lm import prefill
+
+    if held is not None:
+        start = held.start()
+        if draft_lm is not None:
+            draft_start = draft_held.start()
+            draft_lm, start.seconds = draft_start.lm, start.seconds + draft_start.seconds
+        return start, draft_lm
+    start = prefill(model, context_ids, context_mask, question_ids, question_mask, lm=target_lm)
+    if draft_lm is not None:
+        start.seconds += prefill(draft, context_ids, context_mask, question_ids, question_mask, lm=draft_lm).seconds
+    return start, draft_lm
+
+
+def _lookup_draft(model: torch.nn.Module, spec: "PromptLookupSpec", target_lm: Any, context_ids: torch.Tensor,
+                  question_ids: Optional[torch.Tensor]) -> "PromptLookupDraft":
+    """Prompt lookup over the real prompt tokens of each row (the target's columns are its fed tokens, in order)."""
+    fed = [context_ids] + ([question_ids] if question_ids is not None and question_ids.shape[1] else [])
+    ids_all = torch.cat(fed, 1).to(target_lm.mask.device)
+    prompts = [ids_all[b][target_lm.mask[b].bool()].tolist() for b in range(ids_all.shape[0])]
+    return PromptLookupDraft(prompts, model.config.vocab_size, spec.ngram_max, spec.ngram_min)
 
 
 def speculative_generate(model: torch.nn.Module, draft: torch.nn.Module, context_ids: torch.Tensor,
@@ -357,31 +392,16 @@ def speculative_generate(model: torch.nn.Module, draft: torch.nn.Module, context
         draft_lm = None if lookup else CachedLM(draft)
     with install_read_method(model, verifier.method, measure_arr=verifier.measure_arr) as reads:
         with verifier.run_context(target_lm, draft_lm) as run_hooks:
-            t0 = clock(target_lm.device)
-            if held is not None:
-                target_lm, logits = held.resume()
-                if draft_lm is not None:
-                    draft_lm, _ = draft_held.resume()
-                t0 -= held.seconds + (0.0 if draft_lm is None else draft_held.seconds)
-            else:
-                logits = target_lm.feed(context_ids, context_mask)
-                if draft_lm is not None:
-                    draft_lm.feed(context_ids, context_mask)
-                if question_ids is not None and question_ids.shape[1] > 0:
-                    logits = target_lm.feed(question_ids, question_mask)
-                    if draft_lm is not None:
-                        draft_lm.feed(question_ids, question_mask)
-            t1 = clock(target_lm.device)
+            start, draft_lm = _prefill_pair(model, draft, target_lm, draft_lm, held, draft_held, context_ids,
+                                            context_mask, question_ids, question_mask)
+            target_lm = start.lm
             size = target_lm.cache_bytes()
             proposer: Any = draft_lm
             if lookup:
-                # the real prompt tokens of each row: the target's columns are its fed tokens, in order
-                fed = [context_ids] + ([question_ids] if question_ids is not None and question_ids.shape[1] else [])
-                ids_all = torch.cat(fed, 1).to(target_lm.mask.device)
-                prompts = [ids_all[b][target_lm.mask[b].bool()].tolist() for b in range(ids_all.shape[0])]
-                proposer = PromptLookupDraft(prompts, model.config.vocab_size, draft.ngram_max, draft.ngram_min)
+                proposer = _lookup_draft(model, draft, target_lm, context_ids, question_ids)
             decoder = SpeculativeDecoder(target_lm, proposer, gamma, sampling, [*run_hooks, *hooks], pad_id)
-            result = decoder.run(logits, max_new_tokens, stop_ids)
+            t1 = clock(target_lm.device)
+            result = decoder.run(start.first_logits, max_new_tokens, stop_ids)
             t2 = clock(target_lm.device)
     stats = dict(result.stats)
     stats["read"] = reads.summary("verify")
@@ -392,5 +412,5 @@ def speculative_generate(model: torch.nn.Module, draft: torch.nn.Module, context
     t2 -= reads.arr_seconds
     stats["verifier"] = verifier.name
     steps = max((len(t) for t in result.tokens), default=0)
-    return GenerationResult(tokens=result.tokens, prefill_seconds=t1 - t0, decode_seconds=t2 - t1,
+    return GenerationResult(tokens=result.tokens, prefill_seconds=start.seconds, decode_seconds=t2 - t1,
                             decode_steps=steps, cache_bytes=size, stats=stats)

@@ -96,7 +96,7 @@ class LongContextEvalModule(RecordEvalModule):
     def policy_name(self) -> str:
         """The installed KV policy's name (``full``: none), stored with each record so that a results file
         resumes only records of the same policy."""
-        from lightning_modules.llm.kv_policy.runner import active_session
+        from lightning_modules.llm.runtime.stack import active_session
 
         session = active_session(self.model)
         return "full" if session is None or session.policy.is_noop else session.policy.name

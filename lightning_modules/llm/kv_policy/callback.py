@@ -22,10 +22,13 @@ from typing import Any, Dict, List, Optional
 import lightning.pytorch as pl
 
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
-from lightning_modules.llm.kv_policy.protocol import SCORERS, SELECTORS, Action, Budget, KVPolicy, Schedule, resolve_component
+from lightning_modules.llm.kv_policy.protocol import SCORERS, SELECTORS, Action, Budget, KVPolicy, Schedule
 from lightning_modules.llm.kv_policy.runner import install_policy
+from litctx_common.plugins import build_plugin, plugin_args
 
 __all__ = ["KVPolicyConfig", "KVPolicyCallback", "target_model"]
+
+_PROTOCOL = "lightning_modules.llm.kv_policy.protocol"
 
 
 @dataclass
@@ -41,9 +44,9 @@ class KVPolicyConfig:
     """
 
     scorer: Optional[str] = None
-    scorer_args: Dict[str, Any] = field(default_factory=dict)
+    scorer_args: Dict[str, Any] = plugin_args(f"{_PROTOCOL}:SCORERS", name_field="scorer", kind="scorer")
     selector: str = "topk"
-    selector_args: Dict[str, Any] = field(default_factory=dict)
+    selector_args: Dict[str, Any] = plugin_args(f"{_PROTOCOL}:SELECTORS", name_field="selector", kind="selector")
     budget: Budget = field(default_factory=Budget)
     action: str = "evict"
     schedule: Schedule = field(default_factory=Schedule)
@@ -63,8 +66,9 @@ class KVPolicyConfig:
         """The :class:`KVPolicy` this config describes (a fresh scorer and selector per call)."""
         scorer = None
         if self.scorer is not None:
-            scorer = resolve_component(SCORERS, self.scorer, "scorer")(**dict(self.scorer_args))
-        selector = resolve_component(SELECTORS, self.selector, "selector")(**dict(self.selector_args))
+            scorer = build_plugin(SCORERS, self.scorer, self.scorer_args, kind="scorer", where="kv_policy.scorer_args")
+        selector = build_plugin(SELECTORS, self.selector, self.selector_args, kind="selector",
+                                where="kv_policy.selector_args")
         return KVPolicy(scorer=scorer, selector=selector, budget=self.budget, action=Action(self.action),
                         schedule=self.schedule, layers=list(self.layers) if self.layers is not None else None,
                         name=f"{self.scorer}@{self.budget.tag()}" if self.scorer else "noop")

@@ -58,7 +58,6 @@ __all__ = [
     "protected_mask",
     "SCORERS",
     "SELECTORS",
-    "resolve_component",
 ]
 
 
@@ -536,27 +535,13 @@ SCORERS: Dict[str, Any] = {
     "accumulated": "lightning_modules.kv_eviction.scorers:AccumulatedScorer",
     "window": "lightning_modules.kv_eviction.scorers:WindowScorer",
 }
-"""Scorer names usable from config: a class, or a ``module:Class`` string imported on first use (method
-packages list theirs here without being imported by this module)."""
+"""Scorer names usable from config (a plugin table, :mod:`litctx_common.plugins`): a class, or a ``module:Class``
+string imported on first use (method packages list theirs here without being imported by this module)."""
 SELECTORS: Dict[str, Any] = {
     "topk": TopKSelector,
     "shared_topk": SharedTopKSelector,
     "adakv": "lightning_modules.kv_eviction.selectors:AdaKVSelector",
 }
-
-
-def resolve_component(table: Dict[str, Any], name: str, kind: str) -> Any:
-    """The class registered as ``name`` in ``table`` (``SCORERS`` or ``SELECTORS``), importing a
-    ``module:Class`` entry."""
-    if name not in table:
-        raise ValueError(f"{kind}={name!r}: known {kind}s are {', '.join(sorted(table))}")
-    entry = table[name]
-    if isinstance(entry, str):
-        import importlib
-
-        module, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
-    return entry
 
 
 @dataclass

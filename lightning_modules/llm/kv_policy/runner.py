@@ -46,13 +46,12 @@ from lightning_modules.llm.model.attention import (mask_to_key_mask)
 from lightning_modules.llm.kv_policy.protocol import (Action, KVObservation, KVPolicy, PolicyBatch, Schedule,
                                          SharedTopKSelector, TopKSelector, compensator_merge)
 from lightning_modules.llm.runtime.slot_buffer import SlotBufferLayer, as_slot_buffer
-from lightning_modules.llm.runtime.stack import (RunnerStack, attach_runners, attention_modules, check_window, phase_of,
-                                                 window_attention)
+from lightning_modules.llm.runtime.stack import (SESSION_ATTR, RunnerStack, active_session, attach_runners,
+                                                 attention_modules, check_window, phase_of, window_attention)
 
 __all__ = ["SESSION_ATTR", "BATCHED_SELECTORS", "IN_PLACE_MIN", "IN_PLACE_FRACTION", "LayerState", "LayerRunner", "PolicySession", "active_session", "install_policy"]
 
 
-SESSION_ATTR = "_litctx_kv_session"
 
 
 BATCHED_SELECTORS = (TopKSelector, SharedTopKSelector)
@@ -151,9 +150,35 @@ class LayerRunner:
         ``window`` is the layer's sliding window (None: full causal attention). ``stack`` (the module's
         :class:`RunnerStack`) computes the attention over the entries this policy lets the call read (a prefill
         method, a read subset); ``phase_hint`` is the driver's mark (``verify``). Returns ``[B, Hq, Nq, dv]``."""
-        b, hk, n_k = key.shape[0], key.shape[1], key.shape[2]
         n_q = query.shape[2]
-        n_old = n_k - n_q
+        n_old = key.shape[2] - n_q
+        window = self._begin_call(key, value, n_old, window)
+        st = self.state
+        phase = phase_of(n_old, n_q, phase_hint)
+        new_slots, new_valid = self._new_entries(attention_mask, key.shape[0], key.shape[1], n_q, key.device, window)
+        slots = new_slots if n_old == 0 else torch.cat([st.slots, new_slots], dim=-1)
+        valid = new_valid if n_old == 0 else torch.cat([st.valid, new_valid], dim=-1)
+        # this call's attention input (the pre-hook's), when it belongs to these queries
+        hidden = self.hidden if self.hidden is not None and self.hidden.shape[1] == n_q else None
+        call = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, window=window, hidden=hidden)
+        read = self._read_set(call, n_old)
+        o, lse, colstats = self._attention(module, call, read, attention_mask, stack)
+        if window is not None:
+            # entries the next query cannot see (slot <= next slot - window) are dead: never read again
+            valid = valid & (slots > st.seen + n_q - window)
+        o, lse = self._compensate(query, scale, hidden, o, lse)
+        obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, out=o, lse=lse,
+                            window=window, hidden=hidden)
+        if colstats is not None:
+            obs._cache[colstats[0]] = colstats[1]
+        if phase == "prefill" and self.session.record_prefill:
+            self.session.prefill_observations[self.layer] = obs
+        self._after_attention(obs)
+        return o
+
+    def _begin_call(self, key: torch.Tensor, value: torch.Tensor, n_old: int, window: Optional[int]) -> Optional[int]:
+        """Check the call against the tracked state (a first call starts it afresh) and own a sliding layer's
+        cache; returns the checked ``window``."""
         window = check_window(self.layer, window)
         if window is not None:
             if self.policy.compensator is not None and self.policy.acts_on(self.layer):
@@ -164,59 +189,64 @@ class LayerRunner:
         st = self.state
         if n_old == 0:
             self._start()
-            st = self.state
-        elif st.slots is None or st.slots.shape[-1] != n_old or st.slots.shape[0] != b:
+        elif st.slots is None or st.slots.shape[-1] != n_old or st.slots.shape[0] != key.shape[0]:
             have = None if st.slots is None else list(st.slots.shape)
-            raise RuntimeError(f"layer {self.layer}: the cache holds {n_old} entries for batch {b} but the policy "
-                               f"tracked {have}; a cache that was filled before the policy was installed, or edited "
-                               f"outside it, cannot be served (start from an empty cache)")
-        phase = phase_of(n_old, n_q, phase_hint)
-        new_slots, new_valid = self._new_entries(attention_mask, b, hk, n_q, key.device, window)
-        slots = new_slots if n_old == 0 else torch.cat([st.slots, new_slots], dim=-1)
-        valid = new_valid if n_old == 0 else torch.cat([st.valid, new_valid], dim=-1)
-        pol = self.policy
-        read = valid
-        # this call's attention input (the pre-hook's), when it belongs to these queries
-        hidden = self.hidden if self.hidden is not None and self.hidden.shape[1] == n_q else None
-        if pol.action is Action.SPARSE_READ and phase in ("decode", "verify") and pol.acts_on(self.layer):
-            obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, window=window,
-                                hidden=hidden)
-            read = self._combine([p.decide(ob, self.scorers[i]) if p.acts_on(self.layer) else ob.valid
-                                  for i, p, ob in self._views(obs)])
-            # the call's own entries are always read (a verification's queries attend to each other causally)
-            read = torch.cat([read[..., :n_old], valid[..., n_old:]], -1)
-            self.session.record(self.layer, phase, read, valid)
+            raise RuntimeError(f"layer {self.layer}: the cache holds {n_old} entries for batch {key.shape[0]} but "
+                               f"the policy tracked {have}; a cache that was filled before the policy was installed, "
+                               f"or edited outside it, cannot be served (start from an empty cache)")
+        return window
 
-        fused = None
-        if (phase == "decode" and n_q == 1 and window is None and pol.acts_on(self.layer)
+    def _read_set(self, call: KVObservation, n_old: int) -> torch.Tensor:
+        """``[B, Hk, Nk]``: the entries this call reads (every valid one, unless a sparse-read policy decides)."""
+        pol = self.policy
+        if not (pol.action is Action.SPARSE_READ and call.phase in ("decode", "verify") and pol.acts_on(self.layer)):
+            return call.valid
+        read = self._combine([p.decide(ob, self.scorers[i]) if p.acts_on(self.layer) else ob.valid
+                              for i, p, ob in self._views(call)])
+        # the call's own entries are always read (a verification's queries attend to each other causally)
+        read = torch.cat([read[..., :n_old], call.valid[..., n_old:]], -1)
+        self.session.record(self.layer, call.phase, read, call.valid)
+        return read
+
+    def _attention(self, module: torch.nn.Module, call: KVObservation, read: torch.Tensor,
+                   attention_mask: Optional[torch.Tensor], stack: Optional["RunnerStack"]):
+        """The attention of ``call``'s queries over the ``read`` entries: ``(out [B, Hq, Nq, dv], lse [B, Hq, Nq],
+        colstats)``, where ``colstats`` is ``(cache key, sums)`` of the column sums a fused path computed on the way
+        for the scorers to reuse (None otherwise, and with a compensator, whose output the sums would not match)."""
+        q, k, v, scale, window, phase = call.q, call.k, call.v, call.scale, call.window, call.phase
+        n_q = q.shape[2]
+        dense = bool(read.all())
+        plain = KVObservation(self.layer, phase, q, k, v, call.slots, call.valid, scale)
+        if (phase == "decode" and n_q == 1 and window is None and self.policy.acts_on(self.layer)
                 and (stack is None or "read" not in stack.parts)):
-            fused = self._decode_moments(KVObservation(self.layer, phase, query, key, value, slots, valid, scale))
-        stats = None
-        prefill = None
-        if fused is None and self._prefill_sums_wanted(
-                lambda: KVObservation(self.layer, phase, query, key, value, slots, valid, scale), phase, window,
-                stack, n_q) and bool(read.all()):
+            fused = self._decode_moments(plain)
+            if fused is not None:
+                # one pass gives the output and the probabilities the scorers sum (no second pass over the keys)
+                o, lse, stats = decode_attention_colstats(q, k, v, scale=scale, key_mask=None if dense else read,
+                                                          moments=fused)
+                return o, lse, ((("colstats", 1, fused), stats) if self.policy.compensator is None else None)
+        if dense and self._prefill_sums_wanted(lambda: plain, phase, window, stack, n_q):
             # attention and every query's column sums from one call (H2O's scores, or a recorded prefill that
-            # policies will read) instead of a second pass over the queries
-            prefill = litctx_kernels.fused_attention_colstats(query, key, value, scale=scale, causal=True)
-        if prefill is not None:
-            o, lse = prefill[0], prefill[1]
-        elif fused is not None:
-            # one pass gives the output and the probabilities the scorers sum (no second pass over the keys)
-            o, lse, stats = decode_attention_colstats(query, key, value, scale=scale,
-                                                      key_mask=None if bool(read.all()) else read, moments=fused)
-        elif stack is not None:
-            o, lse = stack.compute(module, query, key, value, read, scale, window, phase, attention_mask, slots,
-                                   first_slot=st.seen)
+            # policies will read) instead of a second pass over the queries (never with a compensator); None
+            # where no fused path serves these shapes
+            fused_prefill = litctx_kernels.fused_attention_colstats(q, k, v, scale=scale, causal=True)
+            if fused_prefill is not None:
+                o, lse, sums = fused_prefill
+                return o, lse, (("colstats", n_q, "attention"), sums)
+        first = self.state.seen
+        if stack is not None:
+            o, lse = stack.compute(module, q, k, v, read, scale, window, phase, attention_mask, call.slots,
+                                   first_slot=first)
         elif window is None:
-            o, lse = litctx_kernels.attention(query, key, value, scale=scale, causal=True,
-                                       key_mask=None if bool(read.all()) else read)
+            o, lse = litctx_kernels.attention(q, k, v, scale=scale, causal=True, key_mask=None if dense else read)
         else:
-            o, lse = window_attention(query, key, value, slots, read, scale, window, first_slot=st.seen)
-        if window is not None:
-            # entries the next query cannot see (slot <= next slot - window) are dead: never read again
-            valid = valid & (slots > st.seen + n_q - window)
-        comp = pol.compensator
+            o, lse = window_attention(q, k, v, call.slots, read, scale, window, first_slot=first)
+        return o, lse, None
+
+    def _compensate(self, query: torch.Tensor, scale: float, hidden: Optional[torch.Tensor], o: torch.Tensor,
+                    lse: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` with the policy's compensator (if any) added: as a residual, or merged by LSE."""
+        comp = self.policy.compensator
         if comp is not None and compensator_merge(comp) == "residual":
             extra = comp.read_residual(self.layer, query, scale, hidden)
             if extra is not None:
@@ -225,17 +255,7 @@ class LayerRunner:
             extra = comp.read(self.layer, query, scale)
             if extra is not None:
                 o, lse = litctx_kernels.merge_lse(o, lse, extra[0].to(o.dtype), extra[1].to(lse.dtype))
-
-        obs = KVObservation(self.layer, phase, query, key, value, slots, valid, scale, out=o, lse=lse,
-                            window=window, hidden=hidden)
-        if stats is not None and comp is None:
-            obs._cache[("colstats", 1, fused)] = stats
-        if prefill is not None:  # (never with a compensator: see _prefill_sums_wanted)
-            obs._cache[("colstats", n_q, "attention")] = prefill[2]
-        if phase == "prefill" and self.session.record_prefill:
-            self.session.prefill_observations[self.layer] = obs
-        self._after_attention(obs)
-        return o
+        return o, lse
 
     def _prefill_sums_wanted(self, pre: Callable[[], KVObservation], phase: str, window: Optional[int],
                              stack: Optional["RunnerStack"], n_q: int) -> bool:
@@ -614,11 +634,6 @@ class PolicySession:
         """Per layer, the entries ``[B, Hk, N]`` (over the cache view) that the last ``recompute`` decision
         selected for recomputation by a driver."""
         return {i: r.state.recompute for i, r in self.runners.items() if r.state.recompute is not None}
-
-
-def active_session(model: torch.nn.Module) -> Optional[PolicySession]:
-    """The session installed on ``model`` (or on its ``.model`` wrapper attribute), if any."""
-    return getattr(model, SESSION_ATTR, None)
 
 
 @contextlib.contextmanager

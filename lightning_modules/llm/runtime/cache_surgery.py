@@ -261,18 +261,10 @@ class AssembledContext:
         return [[c for s, e in row for c in range(s, e)] for row in self.spans]
 
 
-@torch.no_grad()
-def assemble(model: torch.nn.Module, rows: Sequence[Sequence[KVSegment]], prefix_ids: Sequence[int] = (),
-             prefix_kv: Optional[KVSegment] = None) -> AssembledContext:
-    """Lay ``prefix_ids`` and each row's segments out in order into one cache: the prefix at positions
-    ``0 .. P - 1`` (recomputed here unless ``prefix_kv`` holds it), then the chunks back to back, each segment's
-    keys re-rotated from the positions it was computed at to the ones it now occupies. Rows of different lengths
-    are left-padded. The result's ``first_logits`` is None: the question is what comes next."""
-    from transformers import DynamicCache
-
-    from lightning_modules.llm.runtime.cached_lm import CachedLM
-
-    check_cache_surgery(model, "KV segment assembly")
+def _checked_prefix(model: torch.nn.Module, rows: Sequence[Sequence[KVSegment]], prefix_ids: Sequence[int],
+                    prefix_kv: Optional[KVSegment]) -> Optional[KVSegment]:
+    """The prefix's segment (computed here when not given), after checking that it holds ``prefix_ids`` at
+    position 0 and that every row's segments were computed behind a prefix of that length."""
     if not rows:
         raise ValueError("assemble: no rows")
     p = len(prefix_ids)
@@ -286,6 +278,55 @@ def assemble(model: torch.nn.Module, rows: Sequence[Sequence[KVSegment]], prefix
             if s.start != p:
                 raise ValueError(f"assemble: row {r} has a segment computed behind a {s.start}-token prefix; this "
                                  f"prefix has {p} tokens (segments must be computed behind the same prefix)")
+    return prefix_kv
+
+
+def _assemble_row(model: torch.nn.Module, segs: Sequence[KVSegment], prefix_ids: Sequence[int],
+                  prefix_kv: Optional[KVSegment], pad: int, n_layers: int, sample: torch.Tensor):
+    """One row of :func:`assemble`: per layer its keys and values ``[Hk, pad + P + sum(len), d]`` (left padding,
+    the prefix, then each segment re-rotated to the positions it now occupies), its chunk spans (cache columns)
+    and its token ids (without the padding). ``sample`` gives the padding's shape, dtype and device."""
+    hk, d = sample.shape[0], sample.shape[-1]
+    p = len(prefix_ids)
+    parts_k: List[List[torch.Tensor]] = [[] for _ in range(n_layers)]
+    parts_v: List[List[torch.Tensor]] = [[] for _ in range(n_layers)]
+    for layer in range(n_layers):
+        if pad:
+            parts_k[layer].append(torch.zeros(hk, pad, d, dtype=sample.dtype, device=sample.device))
+            parts_v[layer].append(torch.zeros(hk, pad, d, dtype=sample.dtype, device=sample.device))
+        if prefix_kv is not None:
+            parts_k[layer].append(prefix_kv.keys[layer])
+            parts_v[layer].append(prefix_kv.values[layer])
+    col, pos = pad + p, p
+    row_spans, row_ids = [], list(prefix_ids)
+    for s in segs:
+        n = len(s)
+        src, dst = torch.arange(s.start, s.start + n), torch.arange(pos, pos + n)
+        for layer in range(n_layers):
+            parts_k[layer].append(rerotate_keys(model, s.keys[layer].unsqueeze(0), src, dst)[0])
+            parts_v[layer].append(s.values[layer])
+        row_spans.append((col, col + n))
+        row_ids += s.token_ids
+        col, pos = col + n, pos + n
+    keys = [torch.cat(parts, dim=1) for parts in parts_k]
+    values = [torch.cat(parts, dim=1) for parts in parts_v]
+    return keys, values, row_spans, row_ids
+
+
+@torch.no_grad()
+def assemble(model: torch.nn.Module, rows: Sequence[Sequence[KVSegment]], prefix_ids: Sequence[int] = (),
+             prefix_kv: Optional[KVSegment] = None) -> AssembledContext:
+    """Lay ``prefix_ids`` and each row's segments out in order into one cache: the prefix at positions
+    ``0 .. P - 1`` (recomputed here unless ``prefix_kv`` holds it), then the chunks back to back, each segment's
+    keys re-rotated from the positions it was computed at to the ones it now occupies. Rows of different lengths
+    are left-padded. The result's ``first_logits`` is None: the question is what comes next."""
+    from transformers import DynamicCache
+
+    from lightning_modules.llm.runtime.cached_lm import CachedLM
+
+    check_cache_surgery(model, "KV segment assembly")
+    p = len(prefix_ids)
+    prefix_kv = _checked_prefix(model, rows, prefix_ids, prefix_kv)
     n_layers = len(decoder_layers(model)[1])
     lengths = [p + sum(len(s) for s in segs) for segs in rows]
     width = max(lengths)
@@ -297,39 +338,16 @@ def assemble(model: torch.nn.Module, rows: Sequence[Sequence[KVSegment]], prefix
     positions = torch.full((len(rows), width), -1, dtype=torch.long)
     spans: List[List[Tuple[int, int]]] = []
     sample = (prefix_kv or rows[0][0]).keys[0]
-    hk, d = sample.shape[0], sample.shape[-1]
     for r, segs in enumerate(rows):
         pad = width - lengths[r]
-        parts_k: List[List[torch.Tensor]] = [[] for _ in range(n_layers)]
-        parts_v: List[List[torch.Tensor]] = [[] for _ in range(n_layers)]
-        if pad:
-            for layer in range(n_layers):
-                parts_k[layer].append(torch.zeros(hk, pad, d, dtype=sample.dtype, device=sample.device))
-                parts_v[layer].append(torch.zeros(hk, pad, d, dtype=sample.dtype, device=sample.device))
-        if prefix_kv is not None:
-            for layer in range(n_layers):
-                parts_k[layer].append(prefix_kv.keys[layer])
-                parts_v[layer].append(prefix_kv.values[layer])
-        col, pos = pad + p, p
-        row_spans = []
-        row_ids = list(prefix_ids)
-        for s in segs:
-            n = len(s)
-            src = torch.arange(s.start, s.start + n)
-            dst = torch.arange(pos, pos + n)
-            for layer in range(n_layers):
-                parts_k[layer].append(rerotate_keys(model, s.keys[layer].unsqueeze(0), src, dst)[0])
-                parts_v[layer].append(s.values[layer])
-            row_spans.append((col, col + n))
-            row_ids += s.token_ids
-            col, pos = col + n, pos + n
+        row_k, row_v, row_spans, row_ids = _assemble_row(model, segs, prefix_ids, prefix_kv, pad, n_layers, sample)
         spans.append(row_spans)
         ids[r, pad:] = torch.tensor(row_ids, dtype=torch.long)
         mask[r, pad:] = 1
         positions[r, pad:] = torch.arange(lengths[r])
         for layer in range(n_layers):
-            keys[layer].append(torch.cat(parts_k[layer], dim=1))
-            values[layer].append(torch.cat(parts_v[layer], dim=1))
+            keys[layer].append(row_k[layer])
+            values[layer].append(row_v[layer])
     lm = CachedLM(model)
     lm.cache = DynamicCache(config=model.config)
     device = ref.device
@@ -416,6 +434,46 @@ def _visible(key_pos: torch.Tensor, key_live: torch.Tensor, q_pos: torch.Tensor,
     return vis.unsqueeze(1)
 
 
+def _selective_inputs(lm: Any, slots: Optional[torch.Tensor], tail_ids: Optional[torch.Tensor],
+                      tail_mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`selective_forward`'s ``slots [B, r]``, ``tail_ids [B, m]`` and ``tail_mask [B, m]`` on the cache's
+    device (absent ones empty, the mask all ones), checked against the cache ``lm`` holds."""
+    device, b = lm.device, lm.mask.shape[0]
+    slots = torch.empty(b, 0, dtype=torch.long) if slots is None else slots
+    slots = slots.to(device=device, dtype=torch.long)
+    if slots.dim() != 2 or slots.shape[0] != b:
+        raise ValueError(f"slots must be [B={b}, r] cache columns (-1 = padding), got {list(slots.shape)}")
+    width = lm.mask.shape[1]
+    if bool((slots >= width).any()):
+        raise ValueError(f"slots name columns up to {int(slots.max())}; the cache has {width}")
+    if bool(((slots >= 0) & (lm.mask.gather(1, slots.clamp_min(0)) == 0)).any()):
+        raise ValueError("slots name padding columns of the cache (only real context tokens can be recomputed)")
+    tail_ids = (torch.empty(b, 0, dtype=torch.long) if tail_ids is None else tail_ids).to(device)
+    tail_mask = (torch.ones_like(tail_ids) if tail_mask is None else tail_mask).to(device).long()
+    if tail_ids.shape[0] != b or tail_mask.shape != tail_ids.shape:
+        raise ValueError(f"tail_ids {list(tail_ids.shape)} / tail_mask {list(tail_mask.shape)} must be [B={b}, m]")
+    return slots, tail_ids, tail_mask
+
+
+def _drop_recomputed(keep: torch.Tensor, cur_slots: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor,
+                     keep_rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """After a layer hook's ``keep [B, r']`` over the columns still recomputed (``cur_slots [B, r']``): the slots
+    ``[B, r]`` with the dropped ones set to -1, the hidden states ``[B, r'' + m, D]`` of the columns kept, and the
+    kept columns' indices into ``slots``. A column is dropped only when every batch row dropped it (the rows hold
+    per-row slots; the others pad)."""
+    keep = keep.to(device=cur_slots.device, dtype=torch.bool)
+    if keep.shape != cur_slots.shape:
+        raise ValueError(f"layer hook returned keep {list(keep.shape)}; expected {list(cur_slots.shape)}")
+    cols = keep.any(0)
+    slots = slots.clone()
+    kept_slots = torch.where(keep, cur_slots, torch.full_like(cur_slots, -1))
+    sub = keep_rows[cols]
+    slots[:, sub] = kept_slots[:, cols]
+    tail = hidden[:, cur_slots.shape[1]:]
+    hidden = torch.cat([hidden[:, :cur_slots.shape[1]][:, cols], tail], dim=1)
+    return slots, hidden, sub
+
+
 @torch.no_grad()
 def selective_forward(ctx: AssembledContext, slots: Optional[torch.Tensor] = None,
                       tail_ids: Optional[torch.Tensor] = None, tail_mask: Optional[torch.Tensor] = None,
@@ -430,26 +488,8 @@ def selective_forward(ctx: AssembledContext, slots: Optional[torch.Tensor] = Non
     layers."""
     lm, model = ctx.lm, ctx.lm.model
     device = lm.device
-    b = lm.mask.shape[0]
-    if slots is None:
-        slots = torch.empty(b, 0, dtype=torch.long)
-    slots = slots.to(device=device, dtype=torch.long)
-    if slots.dim() != 2 or slots.shape[0] != b:
-        raise ValueError(f"slots must be [B={b}, r] cache columns (-1 = padding), got {list(slots.shape)}")
-    width = lm.mask.shape[1]
-    if bool((slots >= width).any()):
-        raise ValueError(f"slots name columns up to {int(slots.max())}; the cache has {width}")
+    slots, tail_ids, tail_mask = _selective_inputs(lm, slots, tail_ids, tail_mask)
     live_slot = slots >= 0
-    if bool((live_slot & (lm.mask.gather(1, slots.clamp_min(0)) == 0)).any()):
-        raise ValueError("slots name padding columns of the cache (only real context tokens can be recomputed)")
-    if tail_ids is None:
-        tail_ids = torch.empty(b, 0, dtype=torch.long)
-    tail_ids = tail_ids.to(device)
-    if tail_mask is None:
-        tail_mask = torch.ones_like(tail_ids)
-    tail_mask = tail_mask.to(device).long()
-    if tail_ids.shape[0] != b or tail_mask.shape != tail_ids.shape:
-        raise ValueError(f"tail_ids {list(tail_ids.shape)} / tail_mask {list(tail_mask.shape)} must be [B={b}, m]")
     r, m = slots.shape[1], tail_ids.shape[1]
     if r + m == 0:
         raise ValueError("selective_forward: nothing to run (no slots and no tail)")
@@ -482,20 +522,8 @@ def selective_forward(ctx: AssembledContext, slots: Optional[torch.Tensor] = Non
             k_sel, v_sel, stale_k, stale_v = writes.last[i]
             keep = layer_hook(LayerStep(i, cur_slots, k_sel, v_sel, stale_k, stale_v))
             if keep is not None and i + 1 < len(layers):
-                keep = keep.to(device=device, dtype=torch.bool)
-                if keep.shape != cur_slots.shape:
-                    raise ValueError(f"layer hook returned keep {list(keep.shape)}; expected {list(cur_slots.shape)}")
-                # a row dropped in one batch row stays only where another row still needs that position: the
-                # rows are per-row slots, so drop a column only when every batch row dropped it (others pad)
-                cols = keep.any(0)
-                slots = slots.clone()
-                kept_slots = torch.where(keep, cur_slots, torch.full_like(cur_slots, -1))
-                sub = keep_rows[cols]
-                slots[:, sub] = kept_slots[:, cols]
+                slots, hidden, keep_rows = _drop_recomputed(keep, cur_slots, slots, hidden, keep_rows)
                 live_slot = slots >= 0
-                tail = hidden[:, cur_slots.shape[1]:]
-                hidden = torch.cat([hidden[:, :cur_slots.shape[1]][:, cols], tail], dim=1)
-                keep_rows = sub
     if m:
         lm.positions = torch.cat([lm.positions, torch.where(tail_mask.bool(), tail_pos,
                                                             torch.full_like(tail_pos, -1))], dim=1)

@@ -10,7 +10,7 @@ from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 
-from lightning_modules.llm.kv_policy.runner import active_session
+from lightning_modules.llm.runtime.stack import active_session
 from lightning_modules.llm.runtime.stack import cache_bytes
 from litctx_common.timing import clock
 
@@ -244,10 +244,12 @@ class Prefilled:
 
 @torch.no_grad()
 def prefill(model: torch.nn.Module, context_ids: torch.Tensor, context_mask: Optional[torch.Tensor] = None,
-            question_ids: Optional[torch.Tensor] = None, question_mask: Optional[torch.Tensor] = None) -> Prefilled:
-    """Prefill ``context_ids [B, n]`` (left padding in ``context_mask``) into a fresh cache, then append
-    ``question_ids [B, m]`` when given (a KV policy compresses the context before it sees the question)."""
-    lm = CachedLM(model)
+            question_ids: Optional[torch.Tensor] = None, question_mask: Optional[torch.Tensor] = None,
+            lm: Optional["CachedLM"] = None) -> Prefilled:
+    """Prefill ``context_ids [B, n]`` (left padding in ``context_mask``) into a fresh cache (``lm``'s, when the
+    caller made it already, e.g. to install hooks on it), then append ``question_ids [B, m]`` when given (a KV
+    policy compresses the context before it sees the question). The one timed prefill of every driver."""
+    lm = CachedLM(model) if lm is None else lm
     t0 = clock(lm.device)
     logits = lm.feed(context_ids, context_mask)
     if question_ids is not None and question_ids.shape[1] > 0:

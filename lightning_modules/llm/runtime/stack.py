@@ -11,7 +11,7 @@ Nothing here knows a particular method: the KV-policy runner is in :mod:`lightni
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,7 +19,20 @@ import litctx_kernels
 from lightning_modules.llm.model.attention import (ATTN_NAME, BLOCK_ATTR, RUNNER_ATTR, SCORE_ATTR, causal_attention,
                                             ensure_registered, mask_to_key_mask)
 
-__all__ = ["check_window", "window_attention", "attention_modules", "cache_bytes", "ROLES", "PHASE_ATTR", "call_phase", "phase_of", "RunnerStack", "COMPACT_READ_MAX", "runner_stack", "attach_runners"]
+__all__ = ["SESSION_ATTR", "active_session", "check_window", "window_attention", "attention_modules", "cache_bytes", "ROLES", "PHASE_ATTR", "call_phase", "phase_of", "RunnerStack", "COMPACT_READ_MAX", "runner_stack", "attach_runners"]
+
+
+SESSION_ATTR = "_litctx_kv_session"
+"""The attribute holding the cache session installed on a model: the object that owns the cache's physical
+layout while installed (the KV-policy runner's
+:class:`~lightning_modules.llm.kv_policy.runner.PolicySession`). The runtime asks it to ``rollback(removed
+[B, N])`` and reads ``runners[layer].state.slots / .valid`` (``[B, Hk, N]``: the stream column and validity of
+each physical entry); it knows nothing else of it."""
+
+
+def active_session(model: torch.nn.Module) -> Optional[Any]:
+    """The cache session installed on ``model`` (:data:`SESSION_ATTR`), if any."""
+    return getattr(model, SESSION_ATTR, None)
 
 
 def attention_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
@@ -246,14 +259,9 @@ def runner_stack(module: torch.nn.Module) -> Optional[RunnerStack]:
     return stack if isinstance(stack, RunnerStack) else None
 
 
-@contextlib.contextmanager
-def attach_runners(model: torch.nn.Module, make_runner: Callable[[torch.nn.Module], Any],
-                   what: str = "an attention runner", role: str = "compute") -> Iterator[Dict[int, Any]]:
-    """Switch ``model`` to the ``litctx`` attention function and attach the runner ``make_runner(module)`` to
-    every attention module in ``role`` (:data:`ROLES`; the default ``compute`` owns the whole call, with
-    ``attend(module, query, key, value, attention_mask, scale, window=None)``); yields ``{layer: runner}``.
-    Runners of different roles compose on one module (:class:`RunnerStack`); a role already taken, or anything
-    beside a ``compute`` runner, is refused. Everything is restored on exit, whatever happens."""
+def _drivable_modules(model: torch.nn.Module, what: str, role: str) -> List[torch.nn.Module]:
+    """The attention modules of ``model`` a runner in ``role`` can drive; refuses a model without any, a
+    non-softmax score mode, or an attention already overridden by something other than a runner stack."""
     if role not in ROLES:
         raise ValueError(f"runner role {role!r}: valid roles are {', '.join(ROLES)}")
     modules = attention_modules(model)
@@ -268,18 +276,35 @@ def attach_runners(model: torch.nn.Module, make_runner: Callable[[torch.nn.Modul
         existing = getattr(m, RUNNER_ATTR, None)
         if existing is not None and not isinstance(existing, RunnerStack):
             raise RuntimeError(f"cannot install {what}: the model's attention is already overridden; remove it first")
+    return modules
+
+
+def _probe_roles(model: torch.nn.Module, modules: Sequence[torch.nn.Module], role: str, what: str) -> None:
+    """Raise (as :meth:`RunnerStack.add` would) if ``role`` cannot join any layer's existing stack."""
+    for m in modules:
+        stack = runner_stack(m)
+        if stack is not None:
+            probe = RunnerStack(model, m.layer_idx)
+            probe.parts, probe.what, probe.observers = dict(stack.parts), dict(stack.what), list(stack.observers)
+            probe.add(role, object(), what)
+
+
+@contextlib.contextmanager
+def attach_runners(model: torch.nn.Module, make_runner: Callable[[torch.nn.Module], Any],
+                   what: str = "an attention runner", role: str = "compute") -> Iterator[Dict[int, Any]]:
+    """Switch ``model`` to the ``litctx`` attention function and attach the runner ``make_runner(module)`` to
+    every attention module in ``role`` (:data:`ROLES`; the default ``compute`` owns the whole call, with
+    ``attend(module, query, key, value, attention_mask, scale, window=None)``); yields ``{layer: runner}``.
+    Runners of different roles compose on one module (:class:`RunnerStack`); a role already taken, or anything
+    beside a ``compute`` runner, is refused. Everything is restored on exit, whatever happens."""
+    modules = _drivable_modules(model, what, role)
     ensure_registered()
     config = getattr(model, "config", None)
     previous_impl = getattr(config, "_attn_implementation", None)
     runners: Dict[int, Any] = {}
     added: List[Tuple[torch.nn.Module, RunnerStack, Any]] = []
     try:
-        for m in modules:  # check every layer before changing any
-            stack = runner_stack(m)
-            if stack is not None:
-                probe = RunnerStack(model, m.layer_idx)
-                probe.parts, probe.what, probe.observers = dict(stack.parts), dict(stack.what), list(stack.observers)
-                probe.add(role, object(), what)
+        _probe_roles(model, modules, role, what)  # check every layer before changing any
         if not any(runner_stack(m) is not None for m in modules):
             setattr(model, _ORIGINAL_IMPL_ATTR, previous_impl)  # restored when the last runner leaves
         if previous_impl != ATTN_NAME:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Union
 
 from litctx_common.options import check_options, unknown_key_message
+from litctx_common.plugins import inline_spec, plugin_entry, plugin_keywords
 
 __all__ = ["Message", "ChatBackend", "Completion", "GenerationParams", "BackendError", "check_messages",
            "LocalChatBackend", "ScriptedBackend", "BACKENDS", "backend_class", "build_backend", "backend_options_check", "render_plain",
@@ -254,14 +255,11 @@ class ScriptedBackend(_Base):
 BACKENDS: Dict[str, str] = {"local": "lightning_modules.llm.serving.chat:LocalChatBackend",
                             "openai": "lightning_modules.llm.serving.chat_http:OpenAIChatBackend",
                             "scripted": "lightning_modules.llm.serving.chat:ScriptedBackend"}
-"""Backend name -> ``"module:Class"`` (imported when built)."""
+"""Backend name -> ``"module:Class"`` (imported when built): a plugin table (:mod:`litctx_common.plugins`)."""
 
 
 def backend_class(name: str) -> Any:
-    import importlib
-
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return plugin_entry(BACKENDS, name, "backend")[0]
 
 
 def build_backend(spec: Any = "local", where: str = "backend") -> Any:
@@ -270,24 +268,19 @@ def build_backend(spec: Any = "local", where: str = "backend") -> Any:
     if hasattr(spec, "complete"):
         return spec
     backend_options_check(spec, where)
-    args = {"name": spec} if isinstance(spec, str) else dict(spec)
-    return backend_class(args.pop("name", "local"))(**args)
+    name, args = inline_spec(spec, "local", where)
+    return backend_class(name)(**args)
 
 
 def backend_options_check(spec: Any, where: str) -> None:
     """Config-time check of a backend spec (name and keys) without building it (nothing is loaded)."""
     if spec is None or hasattr(spec, "complete"):
         return
-    if isinstance(spec, str):
-        spec = {"name": spec}
-    if not isinstance(spec, Mapping):
+    if not isinstance(spec, (str, Mapping)):
         raise ValueError(f"{where}: expected a backend name or a mapping {{name: local|openai|scripted, ...}}, "
                          f"got {type(spec).__name__}")
-    args = dict(spec)
-    name = args.pop("name", "local")
+    name, args = inline_spec(spec, "local", where)
     if name not in BACKENDS:
         raise ValueError(f"{where}.name={name!r}: valid backends are {', '.join(BACKENDS)}")
-    from litctx_common.options import accepted_keywords
-
-    check_options(args, accepted_keywords(backend_class(name)), where)
+    check_options(args, plugin_keywords(BACKENDS, name, "backend"), where)
 

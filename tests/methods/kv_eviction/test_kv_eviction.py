@@ -614,7 +614,12 @@ def test_every_registered_eviction_callback_builds_a_policy_with_exactly_its_con
             assert all(v != getattr(defaults, k) for k, v in args.items()), (spec.name, args)
         for args in [{}] + variants:
             cb = create_callback(spec.name, args)
-            assert cb.cfg == cls(**args)
+            given = cls(**args)
+            if hasattr(given, "base_config"):  # base_args is completed with the base's defaults: the same base
+                assert cb.cfg.base_config() == given.base_config()
+                assert set(args.get("base_args", {}).items()) <= set(cb.cfg.base_args.items())
+                given = dataclasses.replace(given, base_args=cb.cfg.base_args)
+            assert cb.cfg == given
             for name, get in KV_GETTERS[spec.name].items():
                 observed, want = get(cb.policy, cb.cfg)
                 assert observed == want, (spec.name, args, name, observed, want)
