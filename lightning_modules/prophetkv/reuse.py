@@ -24,7 +24,7 @@ import torch
 
 from lightning_modules.base import check_field, is_number
 from lightning_modules.llm.runtime.cache_surgery import assemble, check_cache_surgery, selective_forward
-from lightning_modules.llm.runtime.cached_lm import CachedLM, Prefilled
+from lightning_modules.llm.runtime.cached_lm import Prefilled, prefill
 from lightning_modules.llm.runtime.kv_store import KVSegmentStore
 from lightning_modules.prophetkv.selectors import SELECTORS
 from litctx_common.padding import left_pad
@@ -132,15 +132,13 @@ class ReusePrefill:
         q_ids, q_mask = left_pad(question_ids)
         q_ids, q_mask = q_ids.to(device), q_mask.to(device)
         chunk_tokens = [sum(len(c) for c in chunks) for chunks in rows]
-        t0 = clock(device)
         if self.selector is None:  # full prefill of the same tokens
             ids, mask = left_pad([list(prefix_ids) + [t for c in chunks for t in c] for chunks in rows])
-            lm = CachedLM(self.model)
-            lm.feed(ids.to(device), mask.to(device))
-            logits = lm.feed(q_ids, q_mask)
-            t1 = clock(device)
-            return ReuseResult(lm, logits, t1 - t0, {"method": self.name, "ttft_s": t1 - t0, "chunk_tokens": chunk_tokens,
-                                            "recomputed": chunk_tokens, "recompute_s": t1 - t0})
+            start = prefill(self.model, ids.to(device), mask.to(device), q_ids, q_mask)
+            return ReuseResult(start.lm, start.first_logits, start.seconds,
+                               {"method": self.name, "ttft_s": start.seconds, "chunk_tokens": chunk_tokens,
+                                "recomputed": chunk_tokens, "recompute_s": start.seconds})
+        t0 = clock(device)
         hits0, miss0 = self.store.stats.hits, self.store.stats.misses
         prefix_kv = None
         if prefix_ids:

@@ -177,9 +177,11 @@ def test_show_prints_the_files_that_define_a_recipe_and_its_components(repo_root
 @pytest.mark.parametrize("name, path", [("meg_xl_words", "lightning_modules/meg/module.py"),
                                         ("snapkv", "lightning_modules/kv_eviction/callbacks.py"),
                                         ("era5", "datamodules/era5.py")])
-def test_show_of_a_component_names_its_file_and_recipes(name, path, repo_root):
-    out = run_cli(["-m", "recipes.show", name])
-    assert out.returncode == 0, out.stderr
-    assert path in out.stdout.splitlines()[0] and (repo_root / path).is_file()
+def test_show_of_a_component_names_its_file_and_recipes(name, path, repo_root, capsys):
+    from recipes.show import main as show_main
+
+    assert show_main([name]) == 0  # in process (the command line itself: test_paper_methods, test_config)
+    stdout = capsys.readouterr().out
+    assert path in stdout.splitlines()[0] and (repo_root / path).is_file()
     if name == "meg_xl_words":
-        assert "recipes: meg_xl_finetune" in out.stdout
+        assert "recipes: meg_xl_finetune" in stdout
