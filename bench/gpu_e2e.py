@@ -92,7 +92,7 @@ def set_linear_rope(model, factor: float) -> str:
 
 
 def run(args) -> Dict[str, Any]:
-    from lightning_modules.sparse_prefill.methods import prefill_config
+    from lightning_modules.sparse_prefill.config import prefill_config
     from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
     prompts = torch.load(args.prompts)

@@ -41,7 +41,7 @@ def run(args, model, tok) -> None:
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
     from litctx_kernels.cpu_sparse import NATIVE_ENV
-    from lightning_modules.kv_eviction.methods import method_config
+    from lightning_modules.kv_eviction.config import method_config
     from lightning_modules.llm.runtime.cached_lm import CachedLM
     from lightning_modules.llm.decoding.generate import record_prefill
     from lightning_modules.llm.kv_policy.runner import install_policy

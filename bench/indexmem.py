@@ -100,7 +100,7 @@ def run_suite(args, bank_dir: Path) -> None:
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
     from lightning_modules.indexmem.bank import IndexMemBank
-    from lightning_modules.kv_eviction.methods import policy_grid
+    from lightning_modules.kv_eviction.config import policy_grid
     from lightning_modules.llm.decoding.generate import record_prefill
     from lightning_modules.llm.decoding.stopping import stop_token_ids
     from lightning_modules.llm.model.loading import load_causal_lm

@@ -77,7 +77,7 @@ def read_records(path: Path) -> List[Dict[str, Any]]:
 
 def suite_arms(args) -> Tuple[List[Any], Dict[str, Any]]:
     """The arms of the suite part (one per (method, ratio), the full cache first) and their policies by name."""
-    from lightning_modules.kv_eviction.methods import policy_grid
+    from lightning_modules.kv_eviction.config import policy_grid
     from litctx_common.records import Arm
 
     policies = policy_grid(METHODS, args.ratios)
@@ -143,7 +143,7 @@ def run_throughput(args, model, tok) -> None:
     """Decode tokens/s on a fixed 32-token greedy decode (no stop token) at the longest length."""
     from datamodules.longctx_tasks import Haystack, build_sample
     from datamodules.text import pydoc_documents
-    from lightning_modules.kv_eviction.methods import policy_grid
+    from lightning_modules.kv_eviction.config import policy_grid
     from lightning_modules.llm.decoding.generate import generate_under_policies
     from litctx_common.records import Arm, RecordStore, evaluate_arms
 

@@ -7,7 +7,7 @@ LM, on the multi-key task (the answer block reads several prompt regions: KV inf
 
 Per sample the prompt is prefilled once (dense in every arm: the arms differ only on denoising steps) and each arm
 samples the answer block from that prefill with the model's sampler (8 steps per block unless ``--steps``).
-Arms (``lightning_modules.losa.method.prefix_grid``): ``dense``; at each per-query budget ``b`` (prefix entries per
+Arms (``lightning_modules.losa.config.prefix_grid``): ``dense``; at each per-query budget ``b`` (prefix entries per
 query, Quest pages of 16): ``quest_b{b}`` (every block query, every step), ``fixed_b{b}`` (pages fixed by the dense
 first step), ``losa_ka{k}_b{b}`` for each ``k_a`` and ``losa_thr{x}_b{b}`` (the threshold variant). One JSON
 record per (sample, arm) goes to ``results/losa_<recipe>_<run>.jsonl``, so a rerun continues. Reported per
@@ -226,7 +226,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.report_only:
         import torch
 
-        from lightning_modules.losa.method import prefix_grid
+        from lightning_modules.losa.config import prefix_grid
 
         torch.set_num_threads(args.threads)
         model, tok, setting = load(args.model)

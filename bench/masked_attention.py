@@ -142,7 +142,7 @@ def padded_batch(tok, n: int) -> Dict[str, torch.Tensor]:
 
 
 def adakv_policy(ratio: float):
-    from lightning_modules.kv_eviction.methods import method_config
+    from lightning_modules.kv_eviction.config import method_config
 
     return method_config("adakv", {"base": "snapkv", "base_args": {"window": 32, "compression_ratio": ratio}}).build()
 

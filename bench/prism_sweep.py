@@ -65,7 +65,7 @@ def setting_name(top_p: float, block: int, high: float, low: float, calibrate: b
 
 
 def parse_setting(name: str) -> Dict[str, Any]:
-    """The :class:`~lightning_modules.sparse_prefill.methods.PrismConfig` fields of a setting name."""
+    """The :class:`~lightning_modules.sparse_prefill.config.PrismConfig` fields of a setting name."""
     m = _SETTING.match(name)
     if not m:
         raise ValueError(f"not a Prism setting name: {name!r} (expected like p0.95-b128-h0.5-l0.75[-nocal])")
@@ -81,7 +81,7 @@ def grid() -> List[str]:
 def method_config(method: str):
     """The prefill config of a record's method: ``dense``, a suite name of ``bench.sparse_prefill`` or a Prism
     setting name."""
-    from lightning_modules.sparse_prefill.methods import prefill_config
+    from lightning_modules.sparse_prefill.config import prefill_config
 
     if _SETTING.match(method):
         return prefill_config("prism", parse_setting(method))

@@ -222,7 +222,7 @@ class Bench:
 
     def guidance(self) -> None:
         try:
-            from lightning_modules.guidance.method import GuidanceConfig
+            from lightning_modules.guidance.config import GuidanceConfig
         except ImportError:
             print("[bench.rag] guidance is not available; stage skipped", flush=True)
             return

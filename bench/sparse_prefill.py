@@ -46,7 +46,7 @@ SALE_TAUS = [0.5, 0.2, 0.1, 0.05, 0.02, 0.01, 0.004, 0.001, 0.0002]
 def estimators(block: int = 64) -> Dict[str, List[Tuple[float, Any]]]:
     """Method -> [(knob, estimator)] sweeps for the synthetic part (every other field at its config default;
     FlexPrefill's exact slice is one block)."""
-    from lightning_modules.sparse_prefill.methods import (
+    from lightning_modules.sparse_prefill.config import (
         FlexPrefillConfig,
         MeanPoolConfig,
         PrismConfig,
@@ -192,7 +192,7 @@ def run_spectral(args) -> Dict[str, Any]:
         relative_output_error,
         top_block_hit_rate,
     )
-    from lightning_modules.sparse_prefill.methods import PrismConfig
+    from lightning_modules.sparse_prefill.config import PrismConfig
     from lightning_modules.sparse_prefill.synthetic import offset_blocks, structured_heads
 
     n = 4096
@@ -299,7 +299,7 @@ def run_suite(args, model, tok) -> None:
     from lightning_modules.llm.decoding.generate import greedy_generate
     from lightning_modules.llm.decoding.stopping import stop_token_ids
     from lightning_modules.llm.eval.suite_metrics import score_prediction
-    from lightning_modules.sparse_prefill.methods import prefill_config
+    from lightning_modules.sparse_prefill.config import prefill_config
     from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
     from litctx_common.records import Arm, RecordStore, evaluate_arms
@@ -374,7 +374,7 @@ def run_timing(args, model, tok) -> Dict[str, Any]:
     from lightning_modules.llm.kv_policy.protocol import KVPolicy
     from lightning_modules.llm.kv_policy.runner import install_policy
     from lightning_modules.sparse_prefill.attention import sparse_prefill_attention
-    from lightning_modules.sparse_prefill.methods import prefill_config
+    from lightning_modules.sparse_prefill.config import prefill_config
 
     n = max(args.lengths)
     s = build_sample("niah_single", n, 0, Haystack(pydoc_documents(), tok), tok, 0)
@@ -459,7 +459,7 @@ def sale_bound_saving(obs, taus, timed) -> Dict[str, Any]:
     import torch
 
     import litctx_kernels
-    from lightning_modules.sparse_prefill.methods import SALEConfig
+    from lightning_modules.sparse_prefill.config import SALEConfig
     from lightning_modules.sparse_prefill.sale import sink_local_layout
 
     cfg = SALEConfig()

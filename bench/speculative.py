@@ -82,7 +82,7 @@ def run(args, model, tok, drafts: Dict[str, Any]) -> None:
 
     from datamodules.longctx_tasks import Haystack, build_sample, collate_suite
     from datamodules.text import pydoc_documents
-    from lightning_modules.kv_eviction.methods import SnapKVConfig
+    from lightning_modules.kv_eviction.config import SnapKVConfig
     from lightning_modules.llm.decoding.generate import greedy_generate, hold_prompt
     from lightning_modules.llm.decoding.stopping import stop_token_ids
     from lightning_modules.llm.kv_policy.runner import install_policy

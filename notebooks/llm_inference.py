@@ -112,7 +112,7 @@ def answer_of(tokens) -> str:
 # the entry (dashed red lines: the needle sentence; orange: its number).
 
 # %%
-from lightning_modules.kv_eviction.methods import OBCacheConfig, SnapKVConfig
+from lightning_modules.kv_eviction.config import OBCacheConfig, SnapKVConfig
 from lightning_modules.llm.runtime.cached_lm import CachedLM
 from lightning_modules.llm.kv_policy.runner import install_policy
 
@@ -172,7 +172,7 @@ plt.show()
 
 # %%
 from lightning_modules.llm.decoding.generate import greedy_generate
-from lightning_modules.sparse_prefill.methods import PREFILL_METHODS
+from lightning_modules.sparse_prefill.config import PREFILL_METHODS
 from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
 prism = PREFILL_METHODS["prism"](min_length=min(1024, LENGTH // 2), block=64 if SMOKE else 128)

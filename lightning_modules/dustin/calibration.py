@@ -39,7 +39,7 @@ from lightning_modules.llm.kv_policy.callback import target_model
 from lightning_modules.llm.decoding.drafts import DraftConfig
 from lightning_modules.llm.runtime.stack import PHASE_ATTR, attach_runners
 from lightning_modules.llm.decoding.speculative import SpeculativeHook, speculative_generate
-from lightning_modules.speculative.callback import SpeculativeSettings
+from lightning_modules.speculative.config import SpeculativeSettings
 from litctx_common.io import atomic_open
 from litctx_common.options import nested_config
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_modules.dustin.method import DustinConfig
-from lightning_modules.speculative.callback import SpeculativeConfig, SpeculativeGeneration, SpeculativeSettings
+from lightning_modules.speculative.generation import SpeculativeGeneration
+from lightning_modules.speculative.config import SpeculativeConfig, SpeculativeSettings
 
 __all__ = ["DustinSpeculativeConfig", "VERIFIER_OF_SIGNAL"]
 

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any, Dict, Optional
 
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
-from lightning_modules.guidance.method import GuidanceConfig
+from lightning_modules.guidance.config import GuidanceConfig
 
 __all__ = ["GuidanceCallback"]
 

@@ -20,7 +20,7 @@ CALLBACKS = [
         name="guidance",
         recipe="rag_cite_smollm2",
         target="lightning_modules.guidance.callback:GuidanceCallback",
-        config="lightning_modules.guidance.method:GuidanceConfig",
+        config="lightning_modules.guidance.config:GuidanceConfig",
         description="citation-enforced decoding: lookahead at each statement start, matched against the context "
                     "sentences' prefixes; a match is emitted verbatim with its LongBench-Cite citation",
         stages=("validate", "test", "predict"),

@@ -101,7 +101,7 @@ class IndexMemConfig:
         if self.scorer == "snapkv":  # SnapKV exactly as its own config builds it, plus the memory
             from dataclasses import replace
 
-            from lightning_modules.kv_eviction.methods import SnapKVConfig
+            from lightning_modules.kv_eviction.config import SnapKVConfig
 
             snap = SnapKVConfig(window=self.snapkv_window, compression_ratio=ratio, keep=self.keep).build()
             return replace(snap, budget=replace(snap.budget, aux_tokens=aux), compensator=memory,

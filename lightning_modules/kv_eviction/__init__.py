@@ -6,6 +6,6 @@ AdaKV, and OBCache's output-aware scores as drop-in replacements of their attent
 * :mod:`~lightning_modules.kv_eviction.scorers` - accumulated (H2O) and observation-window (SnapKV, TOVA)
   scorers over any score.
 * :mod:`~lightning_modules.kv_eviction.selectors` - AdaKV's head-adaptive selection.
-* :mod:`~lightning_modules.kv_eviction.methods` - typed method configs that build policies.
+* :mod:`~lightning_modules.kv_eviction.config` - typed method configs that build policies.
 * :mod:`~lightning_modules.kv_eviction.callbacks` - each method as a Lightning callback.
 """

@@ -10,14 +10,14 @@ model for validate/test/predict and always removed (see
 
 from __future__ import annotations
 
-from lightning_modules.kv_eviction.methods import EvictionConfig
+from lightning_modules.kv_eviction.config import EvictionConfig
 from lightning_modules.llm.kv_policy.callback import KVPolicyCallback
 
 __all__ = ["EvictionCallback"]
 
 
 class EvictionCallback(KVPolicyCallback):
-    """A KV eviction method (any config of :data:`~lightning_modules.kv_eviction.methods.EVICTION_METHODS`)
+    """A KV eviction method (any config of :data:`~lightning_modules.kv_eviction.config.EVICTION_METHODS`)
     for validate/test/predict: installs ``cfg.build()``. Logs the fraction of entries kept at each stage end."""
 
     def __init__(self, cfg: EvictionConfig) -> None:

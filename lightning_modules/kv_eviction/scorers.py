@@ -7,7 +7,7 @@
   queries of the current call, optionally smoothed by a 1-D pool over cache positions.
 
 Scores are per KV head ``[B, Hk, N]`` (query heads of a GQA group reduced by ``gqa``). The constructors have no
-defaults of their own: the method configs of :mod:`~lightning_modules.kv_eviction.methods` hold them.
+defaults of their own: the method configs of :mod:`~lightning_modules.kv_eviction.config` hold them.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ ACC_GROWTH = 256
 class AccumulatedScorer:
     """H2O's heavy-hitter score: per cache entry, the sum of a score over every query that has seen it.
 
-    Args (keyword-only, no defaults: :class:`~lightning_modules.kv_eviction.methods.H2OConfig` holds them):
+    Args (keyword-only, no defaults: :class:`~lightning_modules.kv_eviction.config.H2OConfig` holds them):
         score: ``attention`` (H2O) or an OBCache score.
         obs_window: at the first (prefill) call only the last ``obs_window`` queries count (None = all of them,
             as H2O; OBCache's released H2O variants use the recent window); later calls count all their queries.
@@ -83,7 +83,7 @@ class AccumulatedScorer:
 class WindowScorer:
     """SnapKV's observation-window score (TOVA: ``window=1``, ``pool="none"``).
 
-    Args (keyword-only, no defaults: :class:`~lightning_modules.kv_eviction.methods.SnapKVConfig` holds them):
+    Args (keyword-only, no defaults: :class:`~lightning_modules.kv_eviction.config.SnapKVConfig` holds them):
         score: ``attention`` or an OBCache score.
         window: observation queries, the last ``window`` of the call (SnapKV 32, kvpress 64; TOVA 1).
         pool: ``avg`` (SnapKV), ``max`` or ``none`` over cache positions; kernel: pool width (odd).

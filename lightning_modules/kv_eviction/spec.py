@@ -35,6 +35,6 @@ _EVICTION_CALLBACKS = [
 
 CALLBACKS = [
     *evaluation_callbacks(_EVICTION_CALLBACKS, "lightning_modules.kv_eviction.callbacks:EvictionCallback",
-                           "lightning_modules.kv_eviction.methods", "KV eviction",
+                           "lightning_modules.kv_eviction.config", "KV eviction",
                          recipes={"obcache": "obcache_smollm2"}),
 ]

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
-from lightning_modules.losa.method import BLOCK_SPARSE_METHODS, install_block_sparse
+from lightning_modules.losa.config import BLOCK_SPARSE_METHODS
+from lightning_modules.losa.method import install_block_sparse
 
 __all__ = ["BlockSparseCallback"]
 

@@ -24,26 +24,26 @@ CALLBACKS = [
     CallbackSpec(
         name="losa",
         recipe="losa_smollm2",
-        config="lightning_modules.losa.method:LoSAConfig",
+        config="lightning_modules.losa.config:LoSAConfig",
         description="LoSA on a block-diffusion LM's denoising steps: cached prefix attention for stable block "
                     "tokens, Quest for the tokens whose hidden state changed most (union density, bytes)",
         **_BLOCK_SPARSE,
     ),
     CallbackSpec(
         name="block_quest",
-        config="lightning_modules.losa.method:BlockQuestConfig",
+        config="lightning_modules.losa.config:BlockQuestConfig",
         description="Quest for every block query at every denoising step (LoSA's baseline: KV inflation)",
         **_BLOCK_SPARSE,
     ),
     CallbackSpec(
         name="block_fixed",
-        config="lightning_modules.losa.method:BlockFixedConfig",
+        config="lightning_modules.losa.config:BlockFixedConfig",
         description="SparseD-like: a dense first denoising step fixes each query's pages for the block",
         **_BLOCK_SPARSE,
     ),
     CallbackSpec(
         name="block_dense",
-        config="lightning_modules.losa.method:BlockDenseConfig",
+        config="lightning_modules.losa.config:BlockDenseConfig",
         description="dense prefix attention at every denoising step, with the same accounting as the sparse arms",
         **_BLOCK_SPARSE,
     ),

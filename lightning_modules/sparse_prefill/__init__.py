@@ -2,7 +2,7 @@
 FlexPrefill, mean pooling) choose which (query block, key block) tiles of a long prefill to compute, and the
 shared kernels compute only those.
 
-* :mod:`~lightning_modules.sparse_prefill.methods` - typed method configs that build the estimators.
+* :mod:`~lightning_modules.sparse_prefill.config` - typed method configs that build the estimators.
 * :mod:`~lightning_modules.sparse_prefill.session` - install an estimator on a model's prefill, always removed.
 * :mod:`~lightning_modules.sparse_prefill.callbacks` - each method as a Lightning callback.
 

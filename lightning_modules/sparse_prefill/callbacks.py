@@ -26,7 +26,7 @@ from lightning_modules.base import check_field, is_int, is_number, run_path
 from lightning_modules.callbacks.eval_switch import EvalStageSwitch
 from lightning_modules.llm.kv_policy.callback import target_model
 from lightning_modules.llm.runtime.stack import attach_runners
-from lightning_modules.sparse_prefill.methods import PrefillConfig, SALEEstimateFields
+from lightning_modules.sparse_prefill.config import PrefillConfig, SALEEstimateFields
 from lightning_modules.sparse_prefill.sale import calibrate_thresholds
 from lightning_modules.sparse_prefill.session import _unpadded, install_sparse_prefill
 from litctx_common.io import atomic_open
@@ -35,7 +35,7 @@ __all__ = ["SparsePrefillCallback", "SALECalibrationConfig", "SALECalibrationCal
 
 
 class SparsePrefillCallback(EvalStageSwitch):
-    """A sparse prefill method (any config of :data:`~lightning_modules.sparse_prefill.methods.PREFILL_METHODS`)
+    """A sparse prefill method (any config of :data:`~lightning_modules.sparse_prefill.config.PREFILL_METHODS`)
     for validate/test/predict (see the module docstring): installs ``cfg.build()`` on ``cfg.layers`` for
     prefills longer than ``cfg.min_length``."""
 
@@ -93,7 +93,7 @@ class SparsePrefillCallback(EvalStageSwitch):
 
 @dataclass
 class SALECalibrationConfig(SALEEstimateFields):
-    """Attributes (and SALE's estimate fields, :class:`~lightning_modules.sparse_prefill.methods.SALEEstimateFields`):
+    """Attributes (and SALE's estimate fields, :class:`~lightning_modules.sparse_prefill.config.SALEEstimateFields`):
         theta: error budget: a head's threshold is accepted when ``sum_{i,d} |O - O~| < theta * N``
             (SALE: 0.4 for Llama-3.1-8B).
         output: the threshold table (JSON); a relative path lands in the run directory.

@@ -17,7 +17,7 @@ through :func:`litctx_kernels.attention` and merges partial passes with :func:`l
 
 All selections keep the sink column (key block 0) and the causal diagonal block of every query row.
 
-Every estimator is built from its method config (:mod:`~lightning_modules.sparse_prefill.methods`, e.g.
+Every estimator is built from its method config (:mod:`~lightning_modules.sparse_prefill.config`, e.g.
 ``MeanPoolEstimator(MeanPoolConfig(block=64))`` or ``MeanPoolConfig(block=64).estimator()``): the constructors
 have no defaults of their own, so a default lives only in the config dataclass, which also validates it.
 """
@@ -186,7 +186,7 @@ class MeanPoolEstimator(BlockEstimator):
     """Mean-pooled block logits ``Q_bar K_bar^T * scale`` over all dims, causal block softmax, top-p per row.
 
     Args:
-        cfg: a :class:`~lightning_modules.sparse_prefill.methods.MeanPoolConfig` (``block``: block size, query
+        cfg: a :class:`~lightning_modules.sparse_prefill.config.MeanPoolConfig` (``block``: block size, query
             and key; ``top_p``: row mass to cover).
     """
 
@@ -209,7 +209,7 @@ class XAttentionEstimator(BlockEstimator):
     block; each row keeps its largest blocks until ``threshold`` of its mass.
 
     Args:
-        cfg: a :class:`~lightning_modules.sparse_prefill.methods.XAttentionConfig` (``block``: a multiple of
+        cfg: a :class:`~lightning_modules.sparse_prefill.config.XAttentionConfig` (``block``: a multiple of
             ``stride``; ``stride``: ``S``; ``threshold``: ``tau``; ``chunk_blocks``: query blocks scored per
             matmul, each chunk against only the key prefix it can see).
     """
@@ -252,7 +252,7 @@ class FlexPrefillEstimator(BlockEstimator):
     otherwise vertical-slash: the columns and diagonals covering ``gamma`` of their masses.
 
     Args:
-        cfg: a :class:`~lightning_modules.sparse_prefill.methods.FlexPrefillConfig` (``block``; ``gamma``: mass
+        cfg: a :class:`~lightning_modules.sparse_prefill.config.FlexPrefillConfig` (``block``; ``gamma``: mass
             to cover, Prism's comparison uses 0.95; ``tau``: JSD threshold; ``last_q``: queries of the exact
             slice, FlexPrefill: one block of 128).
     """

@@ -52,7 +52,7 @@ class PrismEstimator(BlockEstimator):
     """Prism's dual-band block estimate (see the module docstring).
 
     Args:
-        cfg: a :class:`~lightning_modules.sparse_prefill.methods.PrismConfig`: ``block`` (Prism: 128), ``top_p``
+        cfg: a :class:`~lightning_modules.sparse_prefill.config.PrismConfig`: ``block`` (Prism: 128), ``top_p``
             (the row mass each band must cover; Prism: 0.95 for Llama-3.1, 0.93 for Qwen), ``high_fraction`` /
             ``low_fraction`` (shares of the RoPE pairs in the high band, 0.5: d_high = 64 of d = 128, and the
             low band, 0.75: d_low = 96 of 128, Prism's defaults scaled to any head size) and ``calibrate``

@@ -47,7 +47,7 @@ class SALEEstimator:
     """SALE's selection with its exact sink + local pass (see the module docstring).
 
     Args:
-        cfg: SALE's estimate fields, :class:`~lightning_modules.sparse_prefill.methods.SALEEstimateFields`
+        cfg: SALE's estimate fields, :class:`~lightning_modules.sparse_prefill.config.SALEEstimateFields`
             (``bits`` / ``group_size`` of the quantisation, the ``block_q x block_k`` selection and compute tile,
             the exact pass's ``sink`` and ``local`` tokens), validated there.
         tau: threshold, one value or one per query head (0 = dense head); the method config gives it

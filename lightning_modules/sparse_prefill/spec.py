@@ -39,7 +39,7 @@ _PREFILL_CALLBACKS = [
 
 CALLBACKS = [
     *evaluation_callbacks(_PREFILL_CALLBACKS, "lightning_modules.sparse_prefill.callbacks:SparsePrefillCallback",
-                           "lightning_modules.sparse_prefill.methods", "sparse prefill",
+                           "lightning_modules.sparse_prefill.config", "sparse prefill",
                            logs=eval_stages("prefill_density", "prefill_estimate_s", "prefill_attention_s",
                                         "prefill_density_layer*"),
                          recipes={"sale": "sale_smollm2", "prism": "prism_smollm2"}),

@@ -30,7 +30,7 @@ CALLBACKS = [
     CallbackSpec(
         name="speculative",
         target="lightning_modules.speculative.callback:SpeculativeCallback",
-        config="lightning_modules.speculative.callback:SpeculativeConfig",
+        config="lightning_modules.speculative.config:SpeculativeConfig",
         description="speculative decoding (a draft proposes gamma tokens, the target verifies them in one call; "
                     "greedy or rejection-sampling acceptance, batch > 1) with a dense, Quest or Dustin verifier by name (Dustin's own entry: dustin)",
         stages=("validate", "test", "predict"),

@@ -277,7 +277,7 @@ def test_threshold_sampler_reveals_at_least_one_per_step():
 
 
 def test_runners_that_compute_causal_attention_are_refused():
-    from lightning_modules.kv_eviction.methods import SnapKVConfig
+    from lightning_modules.kv_eviction.config import SnapKVConfig
     from lightning_modules.llm.kv_policy.runner import install_policy
 
     model = _tiny_bdlm()

@@ -14,7 +14,7 @@ pytest.importorskip("transformers", reason="the LLM substrate needs transformers
 from litctx_common.padding import left_pad  # noqa: E402
 from lightning_modules.dustin.method import DustinConfig  # noqa: E402
 from lightning_modules.dustin.selection import dustin_select  # noqa: E402
-from lightning_modules.kv_eviction.methods import SnapKVConfig  # noqa: E402
+from lightning_modules.kv_eviction.config import SnapKVConfig  # noqa: E402
 from lightning_modules.llm.decoding.generate import greedy_generate  # noqa: E402
 from lightning_modules.llm.model.loading import load_causal_lm  # noqa: E402
 from lightning_modules.llm.kv_policy.runner import install_policy  # noqa: E402
@@ -366,7 +366,7 @@ def test_dustin_from_a_held_prompt_reads_the_sets_of_its_own_prefill(models):
 
 def test_dustins_own_config_is_the_speculative_callback_with_the_dustin_verifier():
     from lightning_modules.dustin.config import DustinSpeculativeConfig
-    from lightning_modules.speculative.callback import SpeculativeConfig
+    from lightning_modules.speculative.config import SpeculativeConfig
     from recipes import registry
 
     cb = registry.create_callback("dustin", {"budget": 256, "gamma": 3, "signal": "history"})
@@ -382,7 +382,7 @@ def test_dustins_own_config_is_the_speculative_callback_with_the_dustin_verifier
 
 def test_dustins_own_config_decodes_as_the_generic_callback(models):
     from lightning_modules.dustin.config import DustinSpeculativeConfig
-    from lightning_modules.speculative.callback import SpeculativeConfig
+    from lightning_modules.speculative.config import SpeculativeConfig
 
     target, _ = models
     ids, mask = _prompt()

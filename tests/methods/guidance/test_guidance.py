@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lightning_modules.guidance.longbench_cite import parse_response
-from lightning_modules.guidance.method import FactPool, GuidanceConfig
+from lightning_modules.guidance.config import GuidanceConfig
+from lightning_modules.guidance.method import FactPool
 from lightning_modules.llm.runtime.cached_lm import CachedLM
 
 pytestmark = pytest.mark.usefixtures("torch_seed")

@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="the LLM substrate needs transformers
 
 import litctx_kernels  # noqa: E402
 from litctx_kernels.reference import attention_colstats_reference  # noqa: E402
-from lightning_modules.kv_eviction.methods import (  # noqa: E402
+from lightning_modules.kv_eviction.config import (  # noqa: E402
     EVICTION_METHODS,
     AdaKVConfig,
     H2OConfig,
@@ -626,7 +626,7 @@ def test_every_registered_eviction_callback_builds_a_policy_with_exactly_its_con
 
 
 def test_policy_grid_sets_each_ratio_inside_the_base_and_drops_keep():
-    from lightning_modules.kv_eviction.methods import policy_grid
+    from lightning_modules.kv_eviction.config import policy_grid
 
     grid = policy_grid({"snap": ("snapkv", {"keep": 5, "window": 4}),
                         "ada": ("adakv", {"base": "tova", "base_args": {"keep": 5}}),

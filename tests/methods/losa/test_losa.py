@@ -18,9 +18,10 @@ pytest.importorskip("transformers")
 
 from lightning_modules.bdlm.block_attention import BlockDiffusionSetting, apply_block_diffusion  # noqa: E402
 from lightning_modules.bdlm.block_sampler import BlockSamplerConfig, block_generate  # noqa: E402
-from lightning_modules.losa.method import (BLOCK_SPARSE_METHODS, BlockDenseConfig, BlockFixedConfig,  # noqa: E402
-                                           BlockQuestConfig, LayerState, LoSAConfig, install_block_sparse,
-                                           prefix_grid)
+from lightning_modules.losa.config import (BLOCK_SPARSE_METHODS, BlockDenseConfig, BlockFixedConfig,  # noqa: E402
+                                           BlockQuestConfig, LoSAConfig)
+from lightning_modules.losa.config import prefix_grid  # noqa: E402
+from lightning_modules.losa.method import LayerState, install_block_sparse  # noqa: E402
 from lightning_modules.losa.sparse import page_density, quest_per_query, union_attention  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_seed", "two_torch_threads")

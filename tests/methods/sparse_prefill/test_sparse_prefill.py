@@ -22,7 +22,7 @@ from lightning_modules.sparse_prefill.metrics import (
     relative_output_error,
     top_block_hit_rate,
 )
-from lightning_modules.sparse_prefill.methods import (
+from lightning_modules.sparse_prefill.config import (
     FlexPrefillConfig,
     MeanPoolConfig,
     PrismConfig,
@@ -373,7 +373,7 @@ def test_sparse_prefill_and_calibration_callbacks_through_the_recipe(tmp_path):
 
 
 def test_prefill_configs_name_bad_fields():
-    from lightning_modules.sparse_prefill.methods import PREFILL_METHODS, SALEConfig, prefill_config
+    from lightning_modules.sparse_prefill.config import PREFILL_METHODS, SALEConfig, prefill_config
 
     for name in PREFILL_METHODS:
         prefill_config(name)
@@ -477,7 +477,7 @@ def _check_prefill_callback(cb, cfg, model, table) -> None:
 
 def test_every_registered_prefill_callback_builds_estimators_with_exactly_its_config_values(tmp_path):
     from lightning_modules.llm.model.loading import load_causal_lm
-    from lightning_modules.sparse_prefill.methods import PREFILL_METHODS
+    from lightning_modules.sparse_prefill.config import PREFILL_METHODS
     from recipes.registry import create_callback, import_target
 
     model, _ = load_causal_lm("tiny-llama", with_tokenizer=False, seed=0)
@@ -505,7 +505,7 @@ def test_every_registered_prefill_callback_builds_estimators_with_exactly_its_co
 
 
 def test_prefill_config_errors_name_the_field_and_the_valid_values():
-    from lightning_modules.sparse_prefill.methods import prefill_config
+    from lightning_modules.sparse_prefill.config import prefill_config
 
     for name, args, match in (("mean_pool_prefill", {"block": 0}, r"mean_pool_prefill\.block=0: must be an integer >= 1"),
                               ("flexprefill", {"tau": -1.0}, r"flexprefill\.tau=-1\.0: must be >= 0"),

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers", reason="the LLM substrate needs transformers (pip install -e '.[llm]')")
 
 from litctx_common.padding import left_pad  # noqa: E402
-from lightning_modules.kv_eviction.methods import SnapKVConfig  # noqa: E402
+from lightning_modules.kv_eviction.config import SnapKVConfig  # noqa: E402
 from lightning_modules.llm.model.attention import RUNNER_ATTR  # noqa: E402
 from lightning_modules.llm.decoding.step import StepDecoder  # noqa: E402
 from lightning_modules.llm.runtime.cached_lm import CachedLM  # noqa: E402
@@ -599,7 +599,7 @@ def _clean(model, impl):
 
 
 def _installers(model):
-    from lightning_modules.sparse_prefill.methods import PrismConfig
+    from lightning_modules.sparse_prefill.config import PrismConfig
     from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
     return {

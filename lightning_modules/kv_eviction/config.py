@@ -62,7 +62,7 @@ __all__ = [
     "policy_grid",
 ]
 
-_BASES = "lightning_modules.kv_eviction.methods:EVICTION_METHODS"
+_BASES = "lightning_modules.kv_eviction.config:EVICTION_METHODS"
 """The plugin table of ``base_args`` (:mod:`litctx_common.plugins`): a base method's config by name."""
 ADAPTABLE: Tuple[str, ...] = ("h2o", "snapkv", "tova", "streaming_llm")
 """Bases AdaKV's head-adaptive selection can wrap."""
