@@ -102,3 +102,90 @@ def test_the_size_limit_evicts_the_least_recently_used(tmp_path):
     assert not pb.exists() and limited.stats.evicted >= 1
     with pytest.raises(ValueError, match="max_bytes"):
         KVSegmentStore(str(tmp_path), max_bytes=0)
+
+
+# ---------------------------------------------------------------------------------------------- damage, disks, weights
+def _data_start(path) -> int:
+    """Where a safetensors file's tensor bytes begin (after the 8-byte length and the JSON header)."""
+    raw = path.read_bytes()
+    return 8 + int.from_bytes(raw[:8], "little")
+
+
+@pytest.mark.parametrize("where", [0.0, 0.13, 0.5, 0.77, 1.0])
+def test_one_flipped_bit_anywhere_in_a_tensor_is_never_served(tmp_path, caplog, where):
+    """A single bit flipped at any byte of the tensor data (the low mantissa bit too, which changes a value by
+    about 1e-7 and keeps it finite) is caught by the checksum: reported, deleted, recomputed."""
+    model, store = tiny(), KVSegmentStore(str(tmp_path))
+    ids = chunks()[:1]
+    good = store.get_or_compute(model, ids)[0]
+    path = store.file_of(segment_key(store.fingerprint(model), [], ids[0]))
+    raw = bytearray(path.read_bytes())
+    start = _data_start(path)
+    at = start + int(where * (len(raw) - 1 - start))
+    raw[at] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="litctx.llm"):
+        again = store.get_or_compute(model, ids)[0]
+    assert store.stats.recomputed_bad == 1 and store.stats.hits == 0
+    assert str(path) in caplog.text and ("checksum" in caplog.text or "non-finite" in caplog.text)
+    assert same(again, good)
+    store.get_or_compute(model, ids)
+    assert store.stats.hits == 1  # the rewritten file is good
+
+
+def test_the_fingerprint_covers_every_weight_and_is_hashed_once_per_load(monkeypatch):
+    from lightning_modules.llm.runtime import cache_surgery
+
+    model = tiny()
+    calls = []
+    real = cache_surgery.tensor_digest
+    monkeypatch.setattr(cache_surgery, "tensor_digest", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = cache_surgery.model_fingerprint(model)
+    assert cache_surgery.model_fingerprint(model) == first and len(calls) == 1  # cached by the weights' identity
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    original = float(weight.detach().view(-1)[1])
+    with torch.no_grad():  # one element a strided sample of 512 values per tensor would skip
+        weight.view(-1)[1] = original + 1e-3
+    edited = cache_surgery.model_fingerprint(model)
+    assert edited != first and len(calls) == 2
+    with torch.no_grad():
+        weight.view(-1)[1] = original
+    assert cache_surgery.model_fingerprint(model) == first  # the same bytes again: the same fingerprint
+
+
+def test_a_full_disk_degrades_to_computing_without_storing(tmp_path, caplog, monkeypatch):
+    import errno
+
+    import safetensors.torch
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    model, store = tiny(), KVSegmentStore(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="litctx.llm"):
+        got = store.get_or_compute(model, chunks())
+        again = store.get_or_compute(model, chunks())
+    fresh = compute_segments(model, chunks())
+    assert all(same(a, c) and same(b, c) for a, b, c in zip(got, again, fresh))
+    assert store.stats.write_failures == 1 and not store.writable and store.files() == []
+    assert caplog.text.count("cannot write") == 1 and "No space left" in caplog.text
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*"))  # no staging left behind
+
+
+def test_a_read_only_store_serves_its_files(tmp_path, monkeypatch):
+    import errno
+
+    from lightning_modules.llm.runtime import kv_store
+
+    model, store = tiny(), KVSegmentStore(str(tmp_path))
+    first = store.get_or_compute(model, chunks())
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(kv_store.os, "utime", read_only)
+    reader = KVSegmentStore(str(tmp_path))
+    again = reader.get_or_compute(model, chunks())
+    assert reader.stats.hits == 3 and reader.stats.misses == 0
+    assert all(same(a, b) for a, b in zip(first, again))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -38,7 +39,7 @@ import torch
 
 from lightning_modules.llm.model.surgery import anatomy, decoder_layers
 
-__all__ = ["KVSegment", "AssembledContext", "LayerStep", "model_fingerprint", "rotary_tables", "rerotate_keys",
+__all__ = ["KVSegment", "AssembledContext", "LayerStep", "model_fingerprint", "tensor_digest", "weights_identity", "rotary_tables", "rerotate_keys",
            "compute_segments", "assemble", "selective_forward", "check_cache_surgery", "forward_over_past",
            "place_states"]
 
@@ -66,21 +67,44 @@ def check_cache_surgery(model: torch.nn.Module, what: str = "cache surgery") -> 
                            f"{config.partial_rotary_factor}")
 
 
+_FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, Tuple[Tuple[Any, ...], str]]" = weakref.WeakKeyDictionary()
+
+
+def weights_identity(model: torch.nn.Module) -> Tuple[Any, ...]:
+    """What changes when any weight of ``model`` changes: each tensor's name, storage address, shape, dtype and
+    version counter (bumped by every in-place edit: ``copy_``, ``load_state_dict``, an optimizer step)."""
+    return tuple((name, t.data_ptr(), tuple(t.shape), str(t.dtype), t._version)
+                 for name, t in model.state_dict(keep_vars=True).items())
+
+
+def tensor_digest(tensors: Sequence[torch.Tensor], names: Sequence[str] = ()) -> str:
+    """A BLAKE2b digest of the tensors' names, shapes, dtypes and every byte of their values, in order."""
+    h = hashlib.blake2b(digest_size=20)
+    for i, t in enumerate(tensors):
+        name = names[i] if i < len(names) else str(i)
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        flat = t.detach().reshape(-1).contiguous().cpu()
+        if flat.numel():
+            h.update(flat.view(torch.uint8).numpy())  # the buffer itself: no copy
+    return h.hexdigest()
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """A short hash of a model's config and weights (every tensor's name, shape, dtype and a strided sample of
-    its values): stored KV is only ever reused by the model that computed it."""
-    h = hashlib.sha256()
+    """A hash of a model's config and of every byte of every weight: stored KV is only ever reused by the model
+    that computed it. Hashed once per load and cached by the weights' identity (:func:`weights_identity`), so an
+    edit to any one element, in place or by reloading, gives a new fingerprint."""
+    identity = weights_identity(model)
+    cached = _FINGERPRINTS.get(model)
+    if cached is not None and cached[0] == identity:
+        return cached[1]
     config = model.config.to_dict()
     for key in ("_name_or_path", "transformers_version", "_attn_implementation_autoset", "_attn_implementation"):
         config.pop(key, None)
-    h.update(repr(sorted(config.items(), key=lambda kv: kv[0])).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // 512)
-        sample = flat[::step][:512].to(torch.float64).cpu()
-        h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
-        h.update(sample.numpy().tobytes())
-    return h.hexdigest()[:20]
+    state = sorted(model.state_dict().items())
+    digest = tensor_digest([t for _, t in state], [n for n, _ in state])
+    out = hashlib.sha256(repr(sorted(config.items(), key=lambda kv: kv[0])).encode() + digest.encode()).hexdigest()[:20]
+    _FINGERPRINTS[model] = (identity, out)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- RoPE

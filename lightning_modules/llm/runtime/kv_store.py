@@ -5,11 +5,14 @@ fingerprint (:func:`~lightning_modules.llm.runtime.cache_surgery.model_fingerpri
 segment was computed behind it) and the chunk's tokens. The file's metadata repeats the key's parts, so a file
 that does not belong where it lies (copied, renamed, truncated, from another model) is caught on reading.
 
-* Writes are atomic (:func:`litctx_common.io.atomic_path`): a reader never sees half a file.
+* Every file carries a checksum of its tensors' bytes (:func:`~lightning_modules.llm.runtime.cache_surgery.
+  tensor_digest`), checked on every read: one flipped bit anywhere is caught, not served.
+* Writes are atomic (:func:`litctx_common.io.atomic_path`): a reader never sees half a file. A write that fails
+  (a full disk, a read-only store) is reported once and the run goes on computing without storing.
 * ``max_bytes`` bounds the store: after each write the least recently used files (by modification time, which
-  every hit refreshes) are deleted until it fits.
-* A corrupt or mismatched file is reported (a warning naming the file and what is wrong), deleted and
-  recomputed; it is never used. ``stats`` counts hits, misses, recomputes and evictions for the run's records.
+  every hit refreshes where the store is writable) are deleted until it fits. Reads never need write access.
+* A corrupt or mismatched file is reported (a warning naming the file and what is wrong), deleted (where it can
+  be) and recomputed; it is never used. ``stats`` counts hits, misses, recomputes, evictions and failed writes.
 
 Files are read on the device the model lives on, in the dtype they were written in (the model's).
 """
@@ -21,14 +24,13 @@ import json
 import logging
 import os
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from lightning_modules.llm.runtime.cache_surgery import KVSegment, compute_segments, model_fingerprint
+from lightning_modules.llm.runtime.cache_surgery import KVSegment, compute_segments, model_fingerprint, tensor_digest
 from litctx_common.io import atomic_path
 from litctx_common.paths import default_cache_dir
 
@@ -36,11 +38,17 @@ __all__ = ["KVSegmentStore", "StoreStats", "segment_key", "FORMAT_VERSION"]
 
 log = logging.getLogger("litctx.llm")
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+"""Bumped when a file's layout or metadata changes (2: the tensors' checksum); older files are recomputed."""
 
 
 def _hash_ids(ids: Sequence[int]) -> str:
     return hashlib.sha256(json.dumps([int(t) for t in ids]).encode()).hexdigest()[:24]
+
+
+def _names(n_layers: int) -> List[str]:
+    """The tensor names of a segment file, in checksum order: ``keys.0 .. keys.{L-1}, values.0 .. values.{L-1}``."""
+    return [f"keys.{i}" for i in range(n_layers)] + [f"values.{i}" for i in range(n_layers)]
 
 
 def segment_key(fingerprint: str, prefix_ids: Sequence[int], token_ids: Sequence[int]) -> str:
@@ -57,6 +65,7 @@ class StoreStats:
     evicted: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    write_failures: int = 0
 
     def as_dict(self) -> Dict[str, int]:
         return dict(self.__dict__)
@@ -78,15 +87,12 @@ class KVSegmentStore:
         if self.max_bytes is not None and int(self.max_bytes) <= 0:
             raise ValueError(f"KVSegmentStore.max_bytes={self.max_bytes!r}: expected a positive number of bytes or "
                              f"null (unbounded)")
-        self._fingerprints: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+        self.writable = True  # False after a failed write: the run goes on computing without storing
 
     # ------------------------------------------------------------------ keys
     def fingerprint(self, model: torch.nn.Module) -> str:
-        """The model's fingerprint, computed once per model object and store (the store serves inference: a model
-        whose weights change afterwards must be given to a new store)."""
-        if model not in self._fingerprints:
-            self._fingerprints[model] = model_fingerprint(model)
-        return self._fingerprints[model]
+        """The model's fingerprint (every weight hashed once per load; a weight edited since gives a new one)."""
+        return model_fingerprint(model)
 
     def file_of(self, key: str) -> Path:
         return self.path / key[:2] / f"{key}.safetensors"
@@ -132,15 +138,23 @@ class KVSegmentStore:
                     keys = [f.get_tensor(f"keys.{i}") for i in range(n_layers)]
                     values = [f.get_tensor(f"values.{i}") for i in range(n_layers)]
                     problem = self._check_tensors(keys, values, len(token_ids), model)
+                    if problem is None and tensor_digest(keys + values, _names(n_layers)) != meta.get("checksum"):
+                        problem = "damaged (its tensors' bytes do not match the checksum written with them)"
         except Exception as err:  # a truncated or foreign file: safetensors raises on its header or data
             problem = f"unreadable ({type(err).__name__}: {err})"
         if problem is not None:
             log.warning("KV store: %s is %s; it is deleted and the segment recomputed", path, problem)
             self.stats.recomputed_bad += 1
             self.stats.misses += 1
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:  # a read-only store: the bad file stays, and is never used
+                pass
             return None
-        os.utime(path)  # least recently used = oldest modification time
+        try:
+            os.utime(path)  # least recently used = oldest modification time
+        except OSError:  # a read-only store serves its files all the same
+            pass
         self.stats.hits += 1
         self.stats.bytes_read += path.stat().st_size
         return KVSegment(token_ids=[int(t) for t in token_ids], start=len(prefix_ids), keys=keys, values=values)
@@ -172,21 +186,33 @@ class KVSegmentStore:
                 return f"holding non-finite values at layer {i}"
         return None
 
-    def write(self, fingerprint: str, prefix_ids: Sequence[int], seg: KVSegment) -> Path:
-        """Store ``seg`` atomically, then evict least recently used files beyond ``max_bytes``."""
+    def write(self, fingerprint: str, prefix_ids: Sequence[int], seg: KVSegment) -> Optional[Path]:
+        """Store ``seg`` atomically with its checksum, then evict least recently used files beyond ``max_bytes``;
+        None when the store cannot be written (reported once; later writes are skipped)."""
         from safetensors.torch import save_file
 
         key = segment_key(fingerprint, prefix_ids, seg.token_ids)
         path = self.file_of(key)
-        tensors = {f"keys.{i}": k.detach().contiguous().cpu() for i, k in enumerate(seg.keys)}
-        tensors.update({f"values.{i}": v.detach().contiguous().cpu() for i, v in enumerate(seg.values)})
+        if not self.writable:
+            return None
+        names = _names(len(seg.keys))
+        ordered = [t.detach().contiguous().cpu() for t in list(seg.keys) + list(seg.values)]
+        tensors = dict(zip(names, ordered))
         meta = {"format": FORMAT_VERSION, "model": fingerprint, "prefix": _hash_ids(prefix_ids),
                 "tokens": _hash_ids(seg.token_ids), "start": str(len(prefix_ids)), "layers": str(len(seg.keys)),
-                "n_tokens": str(len(seg)), "written": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        with atomic_path(path) as tmp:
-            save_file(tensors, str(tmp), metadata=meta)
-        self.stats.bytes_written += path.stat().st_size
-        self.evict(keep=path)
+                "n_tokens": str(len(seg)), "checksum": tensor_digest(ordered, names),
+                "written": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        try:
+            with atomic_path(path) as tmp:
+                save_file(tensors, str(tmp), metadata=meta)
+            self.stats.bytes_written += path.stat().st_size
+            self.evict(keep=path)
+        except Exception as err:  # a full disk, a read-only store (OSError, or safetensors' own error type)
+            self.writable = False
+            self.stats.write_failures += 1
+            log.warning("KV store: cannot write to %s (%s: %s); this run goes on computing segments without "
+                        "storing them", self.path, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            return None
         return path
 
     def files(self) -> List[Path]:
