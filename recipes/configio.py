@@ -349,6 +349,9 @@ def prefixed(where: str, message: str) -> str:
     ``unknown key 'method.args.neuron_options.taux'`` of :func:`litctx_common.options.check_options`)."""
     if message.startswith(where) or f"'{where}." in message.split(";")[0]:
         return message
+    parent, _, last = where.rpartition(".")
+    if parent and f"'{last}." in message.split(";")[0]:  # a key named from the owner's own field: name it in full
+        return message.replace(f"'{last}.", f"'{where}.")
     return f"{where}: {message}"
 
 

@@ -228,3 +228,15 @@ def test_a_setting_the_owner_fixes_is_refused():
     assert "score" not in base_args and base_args["compression_ratio"] == 0.5 and "window" in base_args
     with pytest.raises(ConfigError, match=r"base_args\.score"):
         load_config("obcache_smollm2", ["callbacks.kv.args.base_args.score=attention"])
+
+
+@pytest.mark.parametrize("judge_args, key", [
+    ("{modell: tiny-llama}", "method.args.judge_args.modell"),
+    ("{backend: {name: openai, api_keyy: x}}", "method.args.judge_args.backend.api_keyy"),
+])
+def test_rag_judge_args_are_checked_at_config_time(judge_args, key):
+    """Issue 54's late errors: a model judge's misspelt argument (or its backend's) failed after the model loaded
+    and decoding began, in a 65-line TypeError; now the config refuses it in one line naming the whole key."""
+    with pytest.raises(ConfigError, match=rf"unknown key '{key}'; did you mean") as err:
+        load_config("rag_smollm2", ["method.args.judge=model", f"method.args.judge_args={judge_args}"])
+    assert "\n" not in str(err.value)
