@@ -56,6 +56,17 @@ def two_torch_threads():
         yield
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a test server)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
 def run_cli(args, cwd=REPO, env_extra=None, timeout=600):
     """Run ``python <args>`` in a subprocess from the repository root; returns CompletedProcess."""
     import subprocess

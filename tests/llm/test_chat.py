@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import sys
 
 import pytest
 
 from lightning_modules.llm.serving.chat import (BackendError, GenerationParams, ScriptedBackend, apply_stop, build_backend,
                                         check_messages)
+from conftest import free_port
 from lightning_modules.llm.serving.chat_records import RecordedBackend
 from lightning_modules.llm.serving.structured import (StructuredOutputError, ask_structured, parse_json, parse_records,
                                               split_sections, strip_reasoning)
@@ -162,14 +162,6 @@ def test_recorded_backend_resumes_without_repeating_calls(tmp_path):
 
 
 # ---------------------------------------------------------------- the served model, faults injected
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 class Faults:
     """ASGI middleware: the next requests to /chat/completions fail as planned (``timeout``: answer after
     ``delay`` s; ``drop``: start a response, then close the connection; ``malformed``: 200 with a body that is not
@@ -302,7 +294,7 @@ def test_server_rejects_bad_requests_with_openai_errors(served, monkeypatch):
     for body, status, text in cases:
         r = httpx.post(url, json=body, headers=h, timeout=10)
         assert r.status_code == status and text in r.json()["error"]["message"], (body, r.text)
-    r = httpx.post(url, content=b"{nope", headers=h, timeout=10)
+    r = httpx.post(url, content=b"{nope", headers={**h, "Content-Type": "application/json"}, timeout=10)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     assert httpx.get(served["url"] + "/models", headers=h, timeout=10).json()["data"][0]["id"] == "tiny"
     assert httpx.get(served["url"].replace("/v1", "/health"), timeout=10).json()["status"] == "ok"

@@ -34,6 +34,8 @@ __all__ = ["Message", "ChatBackend", "Completion", "GenerationParams", "BackendE
 
 Message = Dict[str, str]
 ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}
+"""OpenAI's newer names for a role this toolkit renders (the chat templates know ``system``)."""
 
 
 class BackendError(RuntimeError):
@@ -108,15 +110,32 @@ def check_messages(messages: Any) -> List[Message]:
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
             raise ValueError(f"messages[{i}]: expected a dict with 'role' and 'content', got {type(m).__name__}")
-        if m.get("role") not in ROLES:
-            raise ValueError(f"messages[{i}].role={m.get('role')!r}: valid roles are {', '.join(ROLES)}")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}].content: expected a string, got {type(m.get('content')).__name__}")
+        role = ROLE_ALIASES.get(m.get("role"), m.get("role"))
+        if role not in ROLES:
+            raise ValueError(f"messages[{i}].role={m.get('role')!r}: valid roles are "
+                             f"{', '.join(ROLES + tuple(ROLE_ALIASES))}")
         extra = sorted(set(m) - {"role", "content", "name"})
         if extra:
             raise ValueError(unknown_key_message(extra[0], ["role", "content", "name"], f"messages[{i}]"))
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": role, "content": _content_text(m.get("content"), f"messages[{i}].content")})
     return out
+
+
+def _content_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or OpenAI's list of parts ``[{"type": "text", "text": ...}]``
+    (concatenated; any other part type is refused, naming it)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ValueError(f"{where}[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are served, "
+                                 f"got {kind!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError(f"{where}: expected a string or a list of text parts, got {type(content).__name__}")
 
 
 def apply_stop(text: str, stop: Sequence[str]) -> tuple:

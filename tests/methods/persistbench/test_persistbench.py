@@ -233,7 +233,7 @@ def test_llm_judge_end_to_end_and_a_kill_resumes_without_repeating_calls(tmp_pat
 def test_served_model_under_test_keeps_the_key_out_of_the_run(tmp_path, monkeypatch):
     from lightning_modules.llm.serving.chat import LocalChatBackend
     from lightning_modules.llm.serving.chat_server import build_app, start_server
-    from tests.llm.test_chat import free_port
+    from conftest import free_port
 
     key = "sk-persist-9f8e7d6c5b4a"
     monkeypatch.setenv("LITCTX_PB_KEY", key)
