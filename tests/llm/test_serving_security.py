@@ -153,3 +153,24 @@ def test_a_full_queue_answers_503_with_retry_after():
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_client_that_disconnects_frees_the_model():
+    """Issue 54: a client gone mid-generation left the backend lock held (the next 1-token request waited 30 s);
+    now the server cancels the generation (a decoder stopping criterion) when the client disconnects."""
+    from lightning_modules.llm.serving.chat import LocalChatBackend
+
+    backend = LocalChatBackend("tiny-llama")
+    long = backend.chat(USER, max_tokens=200)  # warm up, and check this model does not stop early
+    assert long.completion_tokens == 200
+    url, server, thread = _serve(backend)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 6000}, timeout=0.5)
+        started = time.perf_counter()
+        r = _post(url, {"messages": USER, "max_tokens": 1})
+        waited = time.perf_counter() - started
+        assert r.status_code == 200 and waited < 5.0, waited  # 6000 tokens would take about 18 s
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -34,7 +34,7 @@ import torch
 from lightning_modules.llm.decoding.sampling import SamplingConfig, make_generator, pick_tokens
 
 __all__ = ["DecodeHook", "DecodeState", "DecodeResult", "StepDecoder", "StoppingCriterion", "StopOnTokens",
-           "MaxNewTokens", "StopOnPattern", "stopping_criteria"]
+           "MaxNewTokens", "StopOnPattern", "StopOnEvent", "stopping_criteria"]
 
 
 class DecodeHook:
@@ -99,6 +99,18 @@ class StopOnPattern(StoppingCriterion):
             if not bool(state.done[b]) and self.pattern.search(self.tok.decode(tokens, skip_special_tokens=True)):
                 self.hit[b] = True
                 state.done[b] = True
+
+
+class StopOnEvent(StoppingCriterion):
+    """Every row ends at the next commit once ``event`` (a ``threading.Event``) is set: a request whose client went
+    away (the chat server sets it), a user's interrupt."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def after_commit(self, state: "DecodeState") -> None:
+        if self.event.is_set():
+            state.done[:] = True
 
 
 def stopping_criteria(max_new_tokens: int, stop_ids: Iterable[int] = (),

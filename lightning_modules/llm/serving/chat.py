@@ -163,9 +163,15 @@ class _Base:
     """``complete`` and argument checks over a backend's ``_chat(messages, params) -> Completion``."""
 
     identity: str = "backend"
+    cancellable: bool = False  # whether _chat takes ``cancel`` (a decoder of its own)
 
-    def chat(self, messages: Sequence[Message], **generation: Any) -> Completion:
-        return self._chat(check_messages(messages), GenerationParams.of(generation))
+    def chat(self, messages: Sequence[Message], cancel: Any = None, **generation: Any) -> Completion:
+        """The reply to ``messages``. ``cancel``: a ``threading.Event``; once set, a backend that decodes here stops
+        at its next token (the chat server sets it when the client disconnects); others ignore it."""
+        params = GenerationParams.of(generation)
+        if cancel is not None and self.cancellable:
+            return self._chat(check_messages(messages), params, cancel=cancel)
+        return self._chat(check_messages(messages), params)
 
     def complete(self, messages: Sequence[Message], **generation: Any) -> str:
         return self.chat(messages, **generation).text
@@ -219,10 +225,12 @@ class LocalChatBackend(_Base):
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _chat(self, messages: List[Message], params: GenerationParams) -> Completion:
+    cancellable = True
+
+    def _chat(self, messages: List[Message], params: GenerationParams, cancel: Any = None) -> Completion:
         import torch
 
-        from lightning_modules.llm.decoding.step import StepDecoder
+        from lightning_modules.llm.decoding.step import StepDecoder, StopOnEvent
         from lightning_modules.llm.runtime.cached_lm import prefill
         from lightning_modules.llm.decoding.sampling import SamplingConfig
 
@@ -236,7 +244,11 @@ class LocalChatBackend(_Base):
         with self._lock, torch.no_grad():
             device = next(self.model.parameters()).device
             start = prefill(self.model, torch.tensor([ids], device=device))
-            result = StepDecoder(start.lm, sampling).run(start.first_logits, params.max_tokens, self.stop_ids)
+            stopping = [StopOnEvent(cancel)] if cancel is not None else []
+            if cancel is not None and cancel.is_set():  # the client left while this request waited for the lock
+                raise BackendError(f"{self.identity}: the request was cancelled before it started")
+            result = StepDecoder(start.lm, sampling).run(start.first_logits, params.max_tokens, self.stop_ids,
+                                                         stopping)
         tokens = result.tokens[0]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         text, stopped = apply_stop(text, params.stop)

@@ -21,6 +21,7 @@ security model (what is safe with and without a key, on which address): :class:`
 from __future__ import annotations
 
 import hmac
+import inspect
 import json
 import logging
 import os
@@ -190,6 +191,30 @@ def _check_request(body: Dict[str, Any], model_name: str) -> Tuple[Optional[Tupl
     return (messages, gen), None
 
 
+async def _generate(request: Any, backend: Any, messages: Any, gen: Dict[str, Any]) -> Any:
+    """The backend's reply, generated in a worker thread; when the client disconnects first, the generation is
+    cancelled (a decoder stopping criterion, for backends that decode here) and None is returned."""
+    import asyncio
+    import functools
+
+    from starlette.concurrency import run_in_threadpool
+
+    cancel = threading.Event()
+    takes_cancel = "cancel" in inspect.signature(backend.chat).parameters
+    call = functools.partial(backend.chat, messages, **gen, **({"cancel": cancel} if takes_cancel else {}))
+    task = asyncio.ensure_future(run_in_threadpool(call))
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.1)
+        if not task.done() and await request.is_disconnected():
+            cancel.set()
+            try:
+                await task
+            except Exception:  # noqa: BLE001 - nobody is waiting for this reply
+                pass
+            return None
+    return task.result()
+
+
 def _completion(model_name: str, out: Any) -> Dict[str, Any]:
     return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
             "model": model_name,
@@ -205,7 +230,6 @@ def build_app(backend: Any, model_name: str, api_key_env: Optional[str] = None,
     non-empty), every request must carry ``Authorization: Bearer <that key>``. ``limits``: hosts, origins, body
     size, JSON depth and queue (:class:`ServingLimits`; the defaults suit a loopback server)."""
     from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
@@ -261,7 +285,9 @@ def build_app(backend: Any, model_name: str, api_key_env: Optional[str] = None,
         state["active"] += 1
         started = time.perf_counter()
         try:
-            out = await run_in_threadpool(backend.chat, checked[0], **checked[1])
+            out = await _generate(request, backend, checked[0], checked[1])
+            if out is None:  # the client went away: nobody reads a reply
+                return _error(499, "the client closed the request", "client_closed")
         except ValueError as err:  # e.g. the prompt exceeds the context
             return _error(400, str(err))
         except Exception as err:  # noqa: BLE001 - the client gets the reason, the server keeps running
