@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from litctx_common.io import jsonl_lines
+from litctx_common.io import jsonl_lines, read_text_file
 from datamodules.base import EvalDataModule
 from datamodules.documents import pydoc_documents, read_records
 from litctx_common.sentences import split_sentences
@@ -96,6 +96,8 @@ class RAGDataConfig:
         questions: the questions file of ``folder``.
         retrieve_k: chunks retrieved per question on ``folder``.
         text_field: the text field of JSONL documents.
+        encoding: the text encoding of the documents and questions files (strict: a byte that is not this encoding
+            is an error naming the file and offset; ``latin-1`` for such a collection).
         batch_size, num_workers: the loaders'.
     """
 
@@ -112,6 +114,7 @@ class RAGDataConfig:
     questions: Optional[str] = None
     retrieve_k: int = 4
     text_field: str = "text"
+    encoding: str = "utf-8"
     batch_size: int = 1
     num_workers: int = 0
 
@@ -323,38 +326,65 @@ def load_longbench_cite(path: str) -> List[Dict[str, Any]]:
     p = Path(os.path.expanduser(path))
     if not p.is_file():
         raise FileNotFoundError(f"data.path={path!r}: no such LongBench-Cite file (a JSON list or JSONL)")
-    text = p.read_text(encoding="utf-8")
-    try:
-        records = json.loads(text) if text.lstrip().startswith("[") else [
-            json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{p}: not valid JSON / JSONL ({err.msg} at line {err.lineno})") from None
+    text = read_text_file(p)
+    head = text.lstrip()
+    if head.startswith("["):
+        try:
+            records = list(enumerate(json.loads(text), 1))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{p}: not valid JSON ({err.msg} at line {err.lineno})") from None
+        where = "record"
+    else:
+        try:
+            records = [(1, json.loads(text))] if head.startswith("{") and "\n" in head.strip() else None
+        except json.JSONDecodeError:
+            records = None  # not one pretty-printed object: JSONL, line by line
+        records = records or list(jsonl_lines(p))
+        where = "line"
     out = []
-    for n, rec in enumerate(records):
+    for n, rec in records:
+        if not isinstance(rec, dict):
+            raise ValueError(f"{p}:{where} {n}: expected a JSON object (idx, dataset, query, context, answer), got "
+                             f"{type(rec).__name__} {rec!r:.40}")
         missing = [k for k in ("query", "context") if k not in rec]
         if missing:
-            raise ValueError(f"{p}: record {n} lacks {missing} (a LongBench-Cite record has idx, dataset, query, "
+            raise ValueError(f"{p}:{where} {n}: lacks {missing} (a LongBench-Cite record has idx, dataset, query, "
                              f"context, answer)")
-        answer = rec.get("answer", [])
-        answers = [str(a) for a in answer] if isinstance(answer, list) else [str(answer)]
-        out.append({"id": f"lbc-{rec.get('dataset', 'x')}-{rec.get('idx', n)}", "task": str(rec.get("dataset", "lbc")),
+        for k in ("query", "context"):
+            if not isinstance(rec[k], str):
+                raise ValueError(f"{p}:{where} {n}:{k}: expected a string, got {type(rec[k]).__name__}")
+        answers = _answers(rec.get("answer", []), f"{p}:{where} {n}:answer")
+        out.append({"id": f"lbc-{rec.get('dataset', 'x')}-{rec.get('idx', n - 1)}", "task": str(rec.get("dataset", "lbc")),
                     "question": str(rec["query"]), "answers": answers,
                     "documents": [_text_document("context", str(rec["context"]))], "gold": [], "corpus": None,
                     "answer_mode": "any"})
     return out
 
 
-def load_questions(path: str) -> List[Dict[str, Any]]:
-    """The questions of a JSONL file (``question``; optional ``answers`` list or ``answer``, ``id``)."""
+def _answers(value: Any, where: str) -> List[str]:
+    """A record's answers: a string or number, or a list of them (anything else names ``where``)."""
+    items = value if isinstance(value, list) else [value]
+    for a in items:
+        if not isinstance(a, (str, int, float)) or isinstance(a, bool):
+            raise ValueError(f"{where}: expected a string or a list of strings, got {type(a).__name__} {a!r:.60}")
+    return [str(a) for a in items]
+
+
+def load_questions(path: str, encoding: str = "utf-8") -> List[Dict[str, Any]]:
+    """The questions of a JSONL file (``question``: a non-empty string; optional ``answers`` (a list of strings)
+    or ``answer``, and ``id``). A wrong type names ``file:line:field``."""
     p = Path(os.path.expanduser(path))
     if not p.is_file():
         raise FileNotFoundError(f"data.questions={path!r}: no such file (JSONL lines with a 'question' field)")
     out = []
-    for line_no, rec in jsonl_lines(p):
+    for line_no, rec in jsonl_lines(p, encoding=encoding):
         if not isinstance(rec, dict) or "question" not in rec:
             raise ValueError(f"{p}:{line_no}: no field 'question'")
-        answers = rec.get("answers", rec.get("answer", []))
-        answers = [str(a) for a in answers] if isinstance(answers, list) else [str(answers)]
+        if not isinstance(rec["question"], str) or not rec["question"].strip():
+            raise ValueError(f"{p}:{line_no}:question: expected a non-empty string, got "
+                             f"{type(rec['question']).__name__} {rec['question']!r:.60}")
+        field = "answers" if "answers" in rec else "answer"
+        answers = _answers(rec.get(field, []), f"{p}:{line_no}:{field}")
         out.append({"id": str(rec.get("id", f"q{line_no}")), "task": "folder", "question": str(rec["question"]),
                     "answers": answers, "documents": None, "gold": [], "answer_mode": "any"})
     if not out:
@@ -374,9 +404,9 @@ class RAGDataset:
             if cfg.source == "longbench_cite":
                 self._fixed = load_longbench_cite(cfg.path)
             elif cfg.source == "folder":
-                read_records(cfg.path, cfg.text_field, key="data.path")  # fail now on a bad folder
-                self._fixed = [dict(q, corpus=str(cfg.path), retrieve_k=cfg.retrieve_k)
-                               for q in load_questions(cfg.questions)]
+                read_records(cfg.path, cfg.text_field, key="data.path", encoding=cfg.encoding)  # fail now on a bad folder
+                self._fixed = [dict(q, corpus=str(cfg.path), corpus_encoding=cfg.encoding, retrieve_k=cfg.retrieve_k)
+                               for q in load_questions(cfg.questions, cfg.encoding)]
         except (FileNotFoundError, ValueError) as err:  # the user's files: a one-line "fix the data"
             raise DataError(str(err)) from None
         if self._fixed is not None and cfg.samples is not None:

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
-__all__ = ["atomic_path", "atomic_open", "atomic_write_text", "atomic_write_bytes", "append_jsonl", "read_jsonl",
+__all__ = ["read_text_file", "looks_binary", "TextFileError", "atomic_path", "atomic_open", "atomic_write_text", "atomic_write_bytes", "append_jsonl", "read_jsonl",
            "jsonl_lines"]
 
 
@@ -151,17 +151,65 @@ def read_jsonl(path: Any, key: Optional[Callable[[Dict[str, Any]], Hashable]] = 
     return list({key(r): r for r in records}.values())
 
 
-def jsonl_lines(path: Any, error: Callable[[str], Exception] = ValueError) -> Iterator[Tuple[int, Any]]:
+_TEXT_CONTROLS = set(range(32)) - {9, 10, 12, 13}  # control bytes that plain text does not hold (tab, newlines, form feed do)
+
+
+def looks_binary(data: bytes) -> bool:
+    """Whether ``data`` (a file's first bytes) is binary rather than text: a NUL byte, or more than 10% control
+    bytes other than tab, newlines and form feed."""
+    head = data[:8192]
+    if b"\x00" in head:
+        return True
+    return bool(head) and sum(b in _TEXT_CONTROLS for b in head) > 0.1 * len(head)
+
+
+class TextFileError(ValueError):
+    """A file that is not the text it should be (binary, or not in the expected encoding); the message names the
+    file and, for a decoding error, the byte offset and the way out."""
+
+
+def read_text_file(path: Any, encoding: str = "utf-8", binary: str = "refuse") -> Optional[str]:
+    """The text of a file someone gave (documents, questions, samples): decoded strictly in ``encoding``.
+
+    Args:
+        binary: what a binary file (:func:`looks_binary`) gets: ``refuse`` (:class:`TextFileError`) or ``skip``
+            (None, and the caller warns: a folder of documents may hold a stray binary file).
+
+    Raises:
+        TextFileError: binary content (with ``binary="refuse"``), or bytes that are not ``encoding``: the message
+            names the file, the byte and its offset, and the ``encoding`` option (e.g. ``latin-1``).
+    """
+    target = Path(os.fspath(path))
+    data = target.read_bytes()
+    if looks_binary(data):
+        if binary == "skip":
+            return None
+        raise TextFileError(f"{target}: binary content, not text (a NUL or control bytes in its first 8 KiB)")
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as err:
+        raise TextFileError(f"{target}: not {encoding} text: byte 0x{data[err.start]:02x} at offset {err.start} "
+                            f"({err.reason}); if the collection is in another encoding, set encoding (e.g. "
+                            f"latin-1)") from None
+    except LookupError:
+        raise TextFileError(f"{target}: unknown encoding {encoding!r} (e.g. utf-8, latin-1, cp1252)") from None
+
+
+def jsonl_lines(path: Any, error: Callable[[str], Exception] = ValueError,
+                encoding: str = "utf-8") -> Iterator[Tuple[int, Any]]:
     """``(line number, value)`` of every non-blank line of a JSONL file someone wrote (data, questions, samples):
-    the strict reader. A line that is not JSON raises ``error("<path>:<line>: not valid JSON (<why>)")`` (a result
+    the strict reader. Binary content or bytes not in ``encoding`` raise :class:`TextFileError` naming the file and
+    the byte offset; a line that is not JSON raises ``error("<path>:<line>: not valid JSON (<why>)")`` (a result
     file this package appends to is read with :func:`read_jsonl`, which skips a line cut by a kill instead)."""
     target = Path(os.fspath(path))
-    with open(target, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as err:
-                raise error(f"{target}:{line_no}: not valid JSON ({err.msg})") from None
+    text = read_text_file(target, encoding)
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield line_no, json.loads(line)
+        except json.JSONDecodeError as err:
+            raise error(f"{target}:{line_no}: not valid JSON ({err.msg})") from None
+        except RecursionError:
+            raise error(f"{target}:{line_no}: not valid JSON (nested too deeply)") from None
 

@@ -166,12 +166,13 @@ class RAGEvalModule(RecordEvalModule):
             self._judge = build_judge(self.cfg.judge, **dict(self.cfg.judge_args))
         return self._judge
 
-    def retriever(self, corpus: str) -> Any:
+    def retriever(self, corpus: str, encoding: str = "utf-8") -> Any:
         if corpus not in self._retrievers:
             from lightning_modules.retrieval.store import DocumentStore, Retriever
 
             r = self.cfg.retrieval
-            store = DocumentStore.from_folder(corpus, max_tokens=r.max_tokens, tokenizer=self.tokenizer)
+            store = DocumentStore.from_folder(corpus, encoding=encoding, max_tokens=r.max_tokens,
+                                              tokenizer=self.tokenizer)
             self._retrievers[corpus] = Retriever(store, method=r.method, embedder=r.embedder, backend=r.backend)
         return self._retrievers[corpus]
 
@@ -196,7 +197,7 @@ class RAGEvalModule(RecordEvalModule):
             corpus = sample.get("corpus")
             if not corpus:
                 raise ValueError(f"sample {sample.get('id')!r} has neither documents nor a corpus folder to retrieve from")
-            retriever = self.retriever(corpus)
+            retriever = self.retriever(corpus, sample.get("corpus_encoding", "utf-8"))
             k = self.cfg.retrieval.k or int(sample.get("retrieve_k", 4))
             docs = retrieved_documents(retriever.store, retriever.search(sample["question"], k))
         fmt = self.prompt_format(sample)

@@ -52,9 +52,10 @@ class DocumentStore:
         return cls(docs, sentences, chunks)
 
     @classmethod
-    def from_folder(cls, path: str, text_field: str = "text", **kwargs: Any) -> "DocumentStore":
-        """The documents of a folder (or one file) of ``.txt`` / ``.md`` / ``.jsonl``."""
-        return cls.from_documents(read_records(path, text_field, key="documents"), **kwargs)
+    def from_folder(cls, path: str, text_field: str = "text", encoding: str = "utf-8", **kwargs: Any) -> "DocumentStore":
+        """The documents of a folder (or one file) of ``.txt`` / ``.md`` / ``.jsonl``, decoded strictly in
+        ``encoding`` (:func:`litctx_common.documents.read_records`)."""
+        return cls.from_documents(read_records(path, text_field, key="documents", encoding=encoding), **kwargs)
 
     def document(self, doc_id: str) -> Document:
         for d in self.documents:
