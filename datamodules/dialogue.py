@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from torch.utils.data import DataLoader
 
-from litctx_common.io import jsonl_lines
+from litctx_common.io import jsonl_lines, read_text_file
 from datamodules.base import StreamDataModule
 from litctx_common.errors import DataError
 
@@ -172,12 +172,25 @@ def _pair_turns(session: Sequence[Any], where: str, session_index: int) -> List[
     return turns
 
 
+def _list_field(raw: Dict[str, Any], key: str, where: str) -> List[Any]:
+    """``raw[key]`` (absent: empty), which must be a list; anything else names ``where.key`` and its type."""
+    value = raw.get(key, [])
+    if not isinstance(value, list):
+        raise DataError(f"{where}.{key}: expected a list, got {type(value).__name__} {value!r:.40}")
+    return value
+
+
 def _qa_turn(q: Any, where: str, session: int) -> Dict[str, Any]:
     if not isinstance(q, dict) or "question" not in q:
         raise DataError(f"{where}: a question item needs a 'question' (and an 'answer'); got {q!r:.80}")
+    if not isinstance(q["question"], str) or not q["question"].strip():
+        raise DataError(f"{where}.question: expected a non-empty string, got {type(q['question']).__name__} "
+                        f"{q['question']!r:.40}")
     answer = q.get("answer", q.get("answers"))
     if isinstance(answer, list):
         answer = answer[0] if answer else None
+    if answer is not None and (not isinstance(answer, (str, int, float)) or isinstance(answer, bool)):
+        raise DataError(f"{where}.answer: expected a string or number, got {type(answer).__name__} {answer!r:.40}")
     answer = None if answer is None else str(answer)
     return {"user": str(q["question"]), "assistant": answer or "", "session": session, "thread": None,
             "kind": "recall" if answer else "chat", "answer": answer, "answer_start": 0 if answer else None,
@@ -200,21 +213,26 @@ def normalise_dialogue(raw: Any, where: str) -> Dict[str, Any]:
     questions: List[Any] = []
     if "turns" in raw:
         turns = []
-        for j, t in enumerate(raw["turns"]):
+        for j, t in enumerate(_list_field(raw, "turns", where)):
             if not isinstance(t, dict) or "user" not in t or "assistant" not in t:
                 raise DataError(f"{where}.turns[{j}]: a turn needs 'user' and 'assistant' strings")
+            for side in ("user", "assistant"):
+                if not isinstance(t[side], str):
+                    raise DataError(f"{where}.turns[{j}].{side}: expected a string, got {type(t[side]).__name__} "
+                                    f"{t[side]!r:.40}")
             turns.append({"session": 0, "thread": None, "kind": "chat", "answer": None, "answer_start": None,
                           "fact_turn": None, "distance": None, "revised": None, **t})
         return {"id": did, "turns": turns}
     if "sessions" in raw:
-        sessions, questions = list(raw["sessions"]), list(raw.get("questions", raw.get("qa", [])))
+        sessions = _list_field(raw, "sessions", where)
+        questions = _list_field(raw, "questions" if "questions" in raw else "qa", where)
     elif "conversation" in raw and isinstance(raw["conversation"], dict):
         conv = raw["conversation"]
         keys = sorted((k for k in conv if k.startswith("session_") and isinstance(conv[k], list)),
                       key=lambda k: int(k.split("_")[1]) if k.split("_")[1].isdigit() else 0)
-        sessions, questions = [conv[k] for k in keys], list(raw.get("qa", []))
+        sessions, questions = [conv[k] for k in keys], _list_field(raw, "qa", where)
     elif "haystack_sessions" in raw:
-        sessions = list(raw["haystack_sessions"])
+        sessions = _list_field(raw, "haystack_sessions", where)
         if "question" in raw:
             questions = [{"question": raw["question"], "answer": raw.get("answer")}]
     elif "dialog" in raw:
@@ -252,7 +270,10 @@ def read_dialogue_file(path: str) -> List[Dict[str, Any]]:
         if f.suffix == ".jsonl":
             out.extend(normalise_dialogue(raw, f"{f.name}:{n}") for n, raw in jsonl_lines(f, DataError))
             continue
-        text = f.read_text(encoding="utf-8")
+        try:
+            text = read_text_file(f)
+        except ValueError as err:
+            raise DataError(str(err)) from None
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:

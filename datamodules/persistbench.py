@@ -51,7 +51,8 @@ def check_sample(rec: Any, where: str) -> Dict[str, Any]:
         raise ValueError(f"{where}: failure_type={failure!r}; valid types are {', '.join(FAILURE_TYPES)}")
     active = rec.get("active")
     if active is not None and (not isinstance(active, list) or
-                               not all(isinstance(i, int) and 0 <= i < len(mem) for i in active)):
+                               not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(mem)
+                                       for i in active)):
         raise ValueError(f"{where}: 'active' must be a list of memory indices in 0..{len(mem) - 1}")
     hints = rec.get("hints") or {}
     if not isinstance(hints, dict) or any(k not in HINT_KEYS for k in hints) or \

@@ -106,3 +106,28 @@ def test_the_reader_detects_binary_and_keeps_text(tmp_path):
     assert read_text_file(f).startswith("# Title")
     f.write_bytes(b"text\x00with a NUL")
     assert read_text_file(f, binary="skip") is None
+
+
+@pytest.mark.parametrize("dialogue, where", [
+    ({"id": "d", "sessions": [[{"speaker": "a", "text": "hi"}]], "qa": 5}, "qa: expected a list, got int"),
+    ({"id": "d", "turns": [{"user": None, "assistant": "ok"}]}, "turns[0].user: expected a string, got NoneType"),
+    ({"id": "d", "sessions": "not a list"}, "sessions: expected a list, got str"),
+    ({"id": "d", "sessions": [[{"speaker": "a", "text": "hi"}]], "qa": [{"question": None, "answer": "x"}]},
+     "questions[0].question: expected a non-empty string"),
+])
+def test_a_dialogue_field_of_the_wrong_type_names_file_line_and_field(tmp_path, dialogue, where):
+    from datamodules.dialogue import read_dialogue_file
+
+    f = tmp_path / "dialogues.jsonl"
+    f.write_text(json.dumps({"id": "ok", "turns": [{"user": "a", "assistant": "b"}]}) + "\n" + json.dumps(dialogue))
+    with pytest.raises(DataError, match=r"dialogues\.jsonl:2\." + where.replace("[", r"\[").replace("]", r"\]")):
+        read_dialogue_file(str(f))
+
+
+def test_persistbench_active_flags_are_not_indices(tmp_path):
+    from datamodules.persistbench import check_sample
+
+    rec = {"memories": ["I live in Oslo.", "I like tea."], "query": "Where should I travel?", "active": [True, False]}
+    with pytest.raises(ValueError, match=r"s\.jsonl:1: 'active' must be a list of memory indices"):
+        check_sample(rec, "s.jsonl:1")
+    assert check_sample(dict(rec, active=[0]), "s.jsonl:1")["active"] == [0]
