@@ -174,3 +174,18 @@ def test_a_client_that_disconnects_frees_the_model():
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def test_the_official_openai_client_gets_replies_and_clean_errors(keyless):
+    openai = pytest.importorskip("openai")
+    url, _ = keyless
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused-on-a-keyless-server", max_retries=0, timeout=20)
+    out = client.chat.completions.create(model="tiny", messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert out.choices[0].message.content == "ok" and out.usage.total_tokens >= 1
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.chat.completions.create(model="tiny", messages=USER, stream=True)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=USER)
