@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
+from litctx_common.errors import DataError
+
 __all__ = ["read_text_file", "looks_binary", "TextFileError", "atomic_path", "atomic_open", "atomic_write_text", "atomic_write_bytes", "append_jsonl", "read_jsonl",
            "jsonl_lines"]
 
@@ -163,9 +165,10 @@ def looks_binary(data: bytes) -> bool:
     return bool(head) and sum(b in _TEXT_CONTROLS for b in head) > 0.1 * len(head)
 
 
-class TextFileError(ValueError):
+class TextFileError(DataError):
     """A file that is not the text it should be (binary, or not in the expected encoding); the message names the
-    file and, for a decoding error, the byte offset and the way out."""
+    file and, for a decoding error, the byte offset and the way out (a :class:`~litctx_common.errors.DataError`:
+    the command line prints it in one line with "fix the data")."""
 
 
 def read_text_file(path: Any, encoding: str = "utf-8", binary: str = "refuse") -> Optional[str]:

@@ -46,3 +46,25 @@ def test_a_killed_evaluation_resumes_and_a_changed_setting_is_refused(recipe, re
     assert "ProvenanceError" not in err  # a message, not a traceback (a logging handler of an earlier in-process
     # run may print its own "Logging error" traceback into the captured stream: not the refusal's)
     assert (folder / "FAILED").is_file() and path.read_text() == before
+
+
+def test_an_evaluation_on_bad_data_fails_in_one_line_and_leaves_no_records(isolated_runs, tmp_path, capsys):
+    """Issue 54: a documents folder in latin-1 (or a binary file given as the questions) ends the evaluation with the
+    file and byte offset in one line ("fix the data"), a FAILED marker where a run folder exists, and no records
+    a later run would reuse."""
+    from recipes.evaluate import main as evaluate
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "fr.txt").write_bytes("Le café du coin sert des crêpes.".encode("latin-1"))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question": "Que sert le café ?", "answers": ["des crêpes"]}) + "\n")
+    args = ["--recipe", "rag_smollm2", "--profile", "tiny", "data.args.source=folder", f"data.args.path={docs}",
+            f"data.args.questions={questions}"]
+    capsys.readouterr()
+    assert evaluate(args) == 1
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "fr.txt" in ln]
+    assert len(lines) == 1 and "byte 0xe9 at offset 6" in lines[0] and "Traceback" not in err, err
+    for folder in (isolated_runs / "rag_smollm2").glob("*") if (isolated_runs / "rag_smollm2").exists() else ():
+        assert (folder / "FAILED").is_file() and not (folder / "rag_records.jsonl").exists()
