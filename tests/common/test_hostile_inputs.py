@@ -94,3 +94,44 @@ def test_the_config_layer_answers_or_refuses_in_one_line(pairs):
         load_config("rag_smollm2", overrides)
     except ConfigError as err:
         assert "\n" not in str(err) and str(err).strip(), overrides
+
+
+document_records = st.fixed_dictionaries({}, optional={"text": json_values, "id": json_values, "doc_id": json_values,
+                                                       "title": json_values}) | json_values
+
+
+@FIXED
+@given(st.lists(document_records, min_size=1, max_size=4))
+def test_the_documents_loader_returns_strings_or_names_the_line(tmp_path_factory, records):
+    from litctx_common.documents import read_records
+
+    folder = tmp_path_factory.mktemp("docs")
+    (folder / "docs.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    try:
+        docs = read_records(folder)
+    except ValueError as err:
+        assert "\n" not in str(err) and ("docs.jsonl" in str(err) or "data.path" in str(err)), str(err)
+        return
+    assert all(isinstance(d.text, str) and d.text.strip() for d in docs)
+    assert all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in records)
+
+
+lbc_records = st.fixed_dictionaries({}, optional={"query": json_values, "context": json_values, "answer": json_values,
+                                                  "idx": json_values, "dataset": json_values}) | json_values
+
+
+@FIXED
+@given(st.lists(lbc_records, min_size=1, max_size=3), st.booleans())
+def test_the_longbench_cite_loader_returns_strings_or_names_the_record(tmp_path_factory, records, as_list):
+    from datamodules.rag_tasks import load_longbench_cite
+
+    path = tmp_path_factory.mktemp("lbc") / "lbc.json"
+    path.write_text(json.dumps(records) if as_list else "\n".join(json.dumps(r) for r in records))
+    try:
+        out = load_longbench_cite(str(path))
+    except ValueError as err:
+        assert "\n" not in str(err) and "lbc.json" in str(err), str(err)
+        return
+    for s in out:
+        assert isinstance(s["question"], str) and all(isinstance(a, str) for a in s["answers"])
+        assert isinstance(s["documents"][0]["text"], str)
