@@ -27,11 +27,13 @@ def _jsonl_documents(path: Path, field: str) -> List[str]:
     return [d.text for d in jsonl_records(path, field, path.name)]
 
 
-def read_documents(path: Optional[str | os.PathLike], text_field: str = "text") -> List[str]:
-    """Documents of a folder/file of ``.txt``/``.jsonl`` (see the module docstring), or pydoc's topics."""
+def read_documents(path: Optional[str | os.PathLike], text_field: str = "text", encoding: str = "utf-8") -> List[str]:
+    """Documents of a folder/file of ``.txt``/``.jsonl`` read strictly in ``encoding`` (see the module docstring),
+    or pydoc's topics."""
     if path is None:
         return pydoc_documents()
-    return [d.text for d in read_records(path, text_field, suffixes=(".txt", ".jsonl"), unique_ids=False)]
+    return [d.text for d in read_records(path, text_field, suffixes=(".txt", ".jsonl"), unique_ids=False,
+                                         encoding=encoding)]
 
 
 def load_tokenizer_folder(name: str) -> Any:

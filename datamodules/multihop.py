@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 
 from datamodules.base import EvalDataModule
 from litctx_common.errors import DataError
-from litctx_common.io import atomic_path, jsonl_lines
+from litctx_common.io import atomic_path, encoding_problem, jsonl_lines
 from litctx_common.paths import default_cache_dir
 
 __all__ = ["MultiHopDataConfig", "MultiHopDataModule", "build_corpus", "SOURCES"]
@@ -42,6 +42,8 @@ class MultiHopDataConfig:
         filler: sentences without a relation per document.
         paths: indices into ``datamodules.synth.multihop.PATHS`` to ask (empty: all, round robin).
         path, questions, text_field: the ``folder`` source.
+        encoding: the text encoding of the ``folder`` source's documents and questions (strict: a byte that is not
+            this encoding is refused naming the file and offset; ``latin-1`` for such collections).
         batch_size, num_workers: the loaders'.
     """
 
@@ -59,6 +61,7 @@ class MultiHopDataConfig:
     path: Optional[str] = None
     questions: Optional[str] = None
     text_field: str = "text"
+    encoding: str = "utf-8"
     batch_size: int = 1
     num_workers: int = 0
 
@@ -84,6 +87,9 @@ class MultiHopDataConfig:
         if self.source == "folder" and (not self.path or not self.questions):
             problems.append("data.path (a folder of documents) and data.questions (a JSONL of questions) are required "
                             "with source=folder")
+        bad_encoding = encoding_problem(self.encoding, "data.encoding")
+        if bad_encoding:
+            problems.append(bad_encoding)
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -126,9 +132,10 @@ class MultiHopDataModule(EvalDataModule):
             from datamodules.rag_tasks import load_questions
 
             try:
-                read_records(self.cfg.path, self.cfg.text_field, key="data.path")
-                items = [dict(q, task="folder", corpus=str(Path(self.cfg.path).expanduser()), hops=None)
-                         for q in load_questions(self.cfg.questions)]
+                read_records(self.cfg.path, self.cfg.text_field, key="data.path", encoding=self.cfg.encoding)
+                items = [dict(q, task="folder", corpus=str(Path(self.cfg.path).expanduser()),
+                              corpus_encoding=self.cfg.encoding, hops=None)
+                         for q in load_questions(self.cfg.questions, self.cfg.encoding)]
             except (FileNotFoundError, ValueError) as err:
                 raise DataError(str(err)) from None
             return items[:self.cfg.samples] if self.cfg.samples else items

@@ -58,7 +58,13 @@ def check_sample(rec: Any, where: str) -> Dict[str, Any]:
     if not isinstance(hints, dict) or any(k not in HINT_KEYS for k in hints) or \
             not all(isinstance(v, list) and all(isinstance(t, str) for t in v) for v in hints.values()):
         raise ValueError(f"{where}: 'hints' must map some of {', '.join(HINT_KEYS)} to lists of strings")
-    return {"id": str(rec.get("id", where)), "memories": list(mem), "query": rec["query"], "failure_type": failure,
+    ident = rec.get("id", where)
+    if isinstance(ident, bool) or not isinstance(ident, (str, int)) or not str(ident).strip():
+        raise ValueError(f"{where}: 'id' must be a non-empty string or an integer, got {ident!r}")
+    for name in ("query_domain", "memory_domain"):
+        if not isinstance(rec.get(name, ""), str):
+            raise ValueError(f"{where}: {name!r} must be a string, got {rec[name]!r}")
+    return {"id": str(ident), "memories": list(mem), "query": rec["query"], "failure_type": failure,
             "query_domain": str(rec.get("query_domain", "")), "memory_domain": str(rec.get("memory_domain", "")),
             "active": list(active) if active is not None else None, "hints": dict(hints)}
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from litctx_common.io import jsonl_lines, read_text_file
+from litctx_common.io import encoding_problem, jsonl_lines, read_text_file
 from datamodules.base import EvalDataModule
 from datamodules.documents import pydoc_documents, read_records
 from litctx_common.sentences import split_sentences
@@ -147,6 +147,9 @@ class RAGDataConfig:
                             "\"answers\": [...]} lines)")
         if not isinstance(self.retrieve_k, int) or self.retrieve_k < 1:
             problems.append(f"data.retrieve_k={self.retrieve_k!r}: must be an integer >= 1")
+        bad_encoding = encoding_problem(self.encoding, "data.encoding")
+        if bad_encoding:
+            problems.append(bad_encoding)
         if problems:
             raise ValueError("; ".join(problems))
 

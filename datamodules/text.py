@@ -48,7 +48,7 @@ from torch.utils.data import Dataset
 
 from datamodules.base import LoaderConfig, SplitsDataModule
 from datamodules.documents import load_tokenizer_folder, pydoc_documents, read_documents
-from litctx_common.io import atomic_path
+from litctx_common.io import atomic_path, encoding_problem
 from litctx_common.paths import default_cache_dir
 from litctx_common.seeding import stable_seed
 
@@ -65,6 +65,8 @@ class TextDataConfig(LoaderConfig):
         seq_len: tokens per block.
         val_fraction, test_fraction: fractions of the documents held out (at least one document each).
         text_field: the field of ``.jsonl`` records that holds the text.
+        encoding: the text encoding of the ``path`` documents (strict: a byte that is not this encoding is refused
+            naming the file and offset; ``latin-1`` for such a collection).
         max_documents: read at most this many documents (None = all).
         eval_seq_lens: validation/test block lengths (one loader each; None = ``[seq_len]``); ``seq_len`` is
             always evaluated and comes first.
@@ -86,6 +88,7 @@ class TextDataConfig(LoaderConfig):
     val_fraction: float = 0.1
     test_fraction: float = 0.1
     text_field: str = "text"
+    encoding: str = "utf-8"
     max_documents: Optional[int] = None
     eval_seq_lens: Optional[List[int]] = None
     mix: Dict[str, float] = field(default_factory=dict)
@@ -103,6 +106,9 @@ class TextDataConfig(LoaderConfig):
         problems = self.loader_problems()
         if self.corpus not in CORPORA:
             problems.append(f"corpus={self.corpus!r}: valid corpora are {', '.join(CORPORA)}")
+        bad_encoding = encoding_problem(self.encoding, "encoding")
+        if bad_encoding:
+            problems.append(bad_encoding)
         if self.eval_seq_lens is not None and (not self.eval_seq_lens or any(
                 not isinstance(n, int) or isinstance(n, bool) or n < 2 for n in self.eval_seq_lens)):
             problems.append(f"eval_seq_lens={self.eval_seq_lens}: expected null or a list of integers >= 2")
@@ -292,7 +298,7 @@ class TextDataModule(SplitsDataModule):
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer_folder(self.cfg.tokenizer)
         if self.cfg.path is not None:
-            docs = read_documents(self.cfg.path, self.cfg.text_field)
+            docs = read_documents(self.cfg.path, self.cfg.text_field, self.cfg.encoding)
         else:
             from datamodules.corpus import corpus_documents
 

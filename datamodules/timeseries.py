@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from datamodules.base import LoaderConfig, SplitsDataModule
+from litctx_common.io import read_text_file
 from litctx_common.seeding import stable_seed
 
 __all__ = ["read_ts", "resample", "TimeSeriesConfig", "TimeSeriesDataModule", "shipped_dataset_dir"]
@@ -34,7 +35,7 @@ def read_ts(path: Path) -> Tuple[np.ndarray, np.ndarray, List[str]]:
     labels: Optional[List[str]] = None
     rows, names = [], []
     in_data = False
-    for line_no, raw in enumerate(path.read_text().splitlines(), 1):
+    for line_no, raw in enumerate(read_text_file(path).splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue

@@ -20,7 +20,7 @@ from typing import IO, Any, Callable, Dict, Hashable, Iterable, Iterator, List, 
 
 from litctx_common.errors import DataError
 
-__all__ = ["read_text_file", "looks_binary", "TextFileError", "atomic_path", "atomic_open", "atomic_write_text", "atomic_write_bytes", "append_jsonl", "read_jsonl",
+__all__ = ["read_text_file", "looks_binary", "TextFileError", "encoding_problem", "atomic_path", "atomic_open", "atomic_write_text", "atomic_write_bytes", "append_jsonl", "read_jsonl",
            "jsonl_lines"]
 
 
@@ -169,6 +169,19 @@ class TextFileError(DataError):
     """A file that is not the text it should be (binary, or not in the expected encoding); the message names the
     file and, for a decoding error, the byte offset and the way out (a :class:`~litctx_common.errors.DataError`:
     the command line prints it in one line with "fix the data")."""
+
+
+def encoding_problem(encoding: Any, key: str) -> Optional[str]:
+    """A config check of a text ``encoding`` setting: None when Python knows it, else a line naming ``key`` (for a
+    config's problem list, so a typo stops the run before any model loads)."""
+    import codecs
+
+    try:
+        if isinstance(encoding, str) and codecs.lookup(encoding):
+            return None
+    except LookupError:
+        pass
+    return f"{key}={encoding!r}: not a text encoding Python knows (e.g. utf-8, latin-1, cp1252)"
 
 
 def read_text_file(path: Any, encoding: str = "utf-8", binary: str = "refuse") -> Optional[str]:

@@ -119,9 +119,10 @@ def _corpus_signature(folder: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def load_index(corpus: str, settings: Dict[str, Any], backend: Any = None, progress: bool = True) -> Any:
+def load_index(corpus: str, settings: Dict[str, Any], backend: Any = None, progress: bool = True,
+               encoding: str = "utf-8") -> Any:
     """The corpus's :class:`~lightning_modules.hgmem.index.KnowledgeIndex`, built once and cached (an LLM extractor
-    without its own backend uses ``backend``)."""
+    without its own backend uses ``backend``; the documents are read strictly in ``encoding``)."""
     from lightning_modules.hgmem.index import KnowledgeIndex, build_extractor
     from lightning_modules.retrieval.embedders import build_embedder
     from litctx_common.documents import read_records
@@ -134,7 +135,7 @@ def load_index(corpus: str, settings: Dict[str, Any], backend: Any = None, progr
         ext_key["backend"] = getattr(backend, "identity", "local")
     key = json.dumps({"corpus": str(folder.resolve()), "sig": _corpus_signature(docs_path), "extractor": ext_key,
                       "embedder": settings["embedder"], "chunk_tokens": settings["chunk_tokens"],
-                      "overlap": settings["overlap"], "version": 1}, sort_keys=True, default=str)
+                      "overlap": settings["overlap"], "encoding": encoding, "version": 1}, sort_keys=True, default=str)
     cache = default_cache_dir() / "hgmem_index" / hashlib.sha1(key.encode()).hexdigest()[:16]
     embedder = build_embedder(settings["embedder"])
     if (cache / "index.json").is_file():
@@ -142,7 +143,7 @@ def load_index(corpus: str, settings: Dict[str, Any], backend: Any = None, progr
     if ext.get("name") == "llm" and ext.get("backend") is None and backend is not None:
         ext["backend"] = backend
     extractor = build_extractor(ext, folder if folder.is_dir() else folder.parent)
-    docs = read_records(str(docs_path), "text", key="data.path")
+    docs = read_records(str(docs_path), "text", key="data.path", encoding=encoding)
     index = KnowledgeIndex.build(docs, extractor, embedder, int(settings["chunk_tokens"]), int(settings["overlap"]),
                                  progress=progress)
     index.save(cache)
@@ -177,9 +178,9 @@ class HGMemEvalModule(RecordEvalModule):
             self._backend = RecordedBackend(self.chat_backend, run_path(self, self.cfg.calls_file))
         return self._backend
 
-    def index_for(self, corpus: str) -> Any:
+    def index_for(self, corpus: str, encoding: str = "utf-8") -> Any:
         if corpus not in self._indexes:
-            self._indexes[corpus] = load_index(corpus, self.cfg.index_settings(), self.backend)
+            self._indexes[corpus] = load_index(corpus, self.cfg.index_settings(), self.backend, encoding=encoding)
         return self._indexes[corpus]
 
     def provenance(self) -> Dict[str, Any]:
@@ -196,7 +197,7 @@ class HGMemEvalModule(RecordEvalModule):
         rec = self.recorded(id=sample["id"])
         if rec is not None:
             return [rec]
-        index = self.index_for(sample["corpus"])
+        index = self.index_for(sample["corpus"], sample.get("corpus_encoding", "utf-8"))
         counter = getattr(self.chat_backend, "count_tokens", None)
         pipe = self.cfg.loop_config().build(index, self.backend, counter)
         before = dict(self.backend.stats)

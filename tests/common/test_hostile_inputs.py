@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-hypothesis = pytest.importorskip("hypothesis")
+hypothesis = pytest.importorskip("hypothesis", reason="property tests need hypothesis: pip install -e .[dev]")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 FIXED = settings(max_examples=60, derandomize=True, deadline=None,
@@ -20,6 +20,25 @@ json_values = st.recursive(
     | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8)
+
+
+def loaded_or_refused(tmp_path_factory, name, text, load, error=ValueError, where=None):
+    """``load(path)`` of ``text`` written to a file ``name``; None when it was refused with a one-line ``error``
+    naming the file (or ``where``). Any other exception, or a multi-line message, fails the test."""
+    path = tmp_path_factory.mktemp("in") / name
+    path.write_text(text)
+    try:
+        return load(path)
+    except error as err:
+        message = str(err)
+        assert "\n" not in message and (name in message or (where and where in message)), message
+        return None
+
+
+def jsonl(records):
+    return "\n".join(json.dumps(r) for r in records) + "\n"
+
+
 question_records = st.fixed_dictionaries({}, optional={"question": json_values, "answers": json_values,
                                                        "answer": json_values, "id": json_values}) | json_values
 
@@ -29,13 +48,8 @@ question_records = st.fixed_dictionaries({}, optional={"question": json_values, 
 def test_questions_loader_returns_strings_or_names_the_line(tmp_path_factory, records):
     from datamodules.rag_tasks import load_questions
 
-    path = tmp_path_factory.mktemp("q") / "q.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    try:
-        out = load_questions(str(path))
-    except ValueError as err:
-        message = str(err)
-        assert "\n" not in message and "q.jsonl" in message, message
+    out = loaded_or_refused(tmp_path_factory, "q.jsonl", jsonl(records), lambda p: load_questions(str(p)))
+    if out is None:
         return
     for q in out:  # accepted: every field has the type it claims, nothing coerced from a container or null
         assert isinstance(q["question"], str) and q["question"].strip()
@@ -51,12 +65,9 @@ def test_dialogue_reader_answers_or_names_the_line(tmp_path_factory, dialogues):
     from datamodules.dialogue import read_dialogue_file
     from litctx_common.errors import DataError
 
-    path = tmp_path_factory.mktemp("d") / "d.jsonl"
-    path.write_text("\n".join(json.dumps(d) for d in dialogues) + "\n")
-    try:
-        out = read_dialogue_file(str(path))
-    except DataError as err:
-        assert "\n" not in str(err) and "d.jsonl" in str(err), str(err)
+    out = loaded_or_refused(tmp_path_factory, "d.jsonl", jsonl(dialogues), lambda p: read_dialogue_file(str(p)),
+                            DataError)
+    if out is None:
         return
     for d in out:
         assert all(isinstance(t["user"], str) and isinstance(t["assistant"], str) for t in d["turns"])
@@ -105,12 +116,9 @@ document_records = st.fixed_dictionaries({}, optional={"text": json_values, "id"
 def test_the_documents_loader_returns_strings_or_names_the_line(tmp_path_factory, records):
     from litctx_common.documents import read_records
 
-    folder = tmp_path_factory.mktemp("docs")
-    (folder / "docs.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    try:
-        docs = read_records(folder)
-    except ValueError as err:
-        assert "\n" not in str(err) and ("docs.jsonl" in str(err) or "data.path" in str(err)), str(err)
+    docs = loaded_or_refused(tmp_path_factory, "docs.jsonl", jsonl(records), lambda p: read_records(p.parent),
+                             where="data.path")
+    if docs is None:
         return
     assert all(isinstance(d.text, str) and d.text.strip() for d in docs)
     assert all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in records)
@@ -125,13 +133,50 @@ lbc_records = st.fixed_dictionaries({}, optional={"query": json_values, "context
 def test_the_longbench_cite_loader_returns_strings_or_names_the_record(tmp_path_factory, records, as_list):
     from datamodules.rag_tasks import load_longbench_cite
 
-    path = tmp_path_factory.mktemp("lbc") / "lbc.json"
-    path.write_text(json.dumps(records) if as_list else "\n".join(json.dumps(r) for r in records))
-    try:
-        out = load_longbench_cite(str(path))
-    except ValueError as err:
-        assert "\n" not in str(err) and "lbc.json" in str(err), str(err)
+    text = json.dumps(records) if as_list else jsonl(records)
+    out = loaded_or_refused(tmp_path_factory, "lbc.json", text, lambda p: load_longbench_cite(str(p)))
+    if out is None:
         return
     for s in out:
         assert isinstance(s["question"], str) and all(isinstance(a, str) for a in s["answers"])
         assert isinstance(s["documents"][0]["text"], str)
+
+
+words = st.text(st.characters(categories=["L"]), min_size=1, max_size=6)
+
+
+def mostly(valid, hostile):
+    """``valid`` three times in four: a record must get past its first fields for the later ones to be tried."""
+    return st.one_of(valid, valid, valid, hostile)
+
+
+persistbench_records = mostly(st.fixed_dictionaries(
+    {"memories": mostly(st.lists(words, min_size=1, max_size=3), json_values), "query": mostly(words, json_values)},
+    optional={"failure_type": mostly(st.sampled_from(["cross_domain", "sycophancy", "beneficial_memory_usage"]),
+                                     json_values),
+              "active": mostly(st.lists(st.integers(0, 1), max_size=2), st.lists(st.integers(-1, 3) | st.booleans(),
+                                                                                max_size=3) | json_values),
+              "hints": mostly(st.dictionaries(st.sampled_from(["leak_terms", "use_terms"]), st.lists(words)),
+                              json_values),
+              "id": json_values, "query_domain": json_values}), json_values)
+
+
+@FIXED
+@given(st.lists(persistbench_records, min_size=1, max_size=2))
+def test_the_persistbench_loader_returns_samples_or_names_the_line(tmp_path_factory, records):
+    from datamodules.persistbench import FAILURE_TYPES, HINT_KEYS, load_samples
+
+    out = loaded_or_refused(tmp_path_factory, "pb.jsonl", jsonl(records), lambda p: load_samples(str(p)))
+    if out is None:
+        return
+    for s, r in zip(out, records):  # accepted: each field had the type the sample claims, nothing coerced
+        assert isinstance(r, dict)
+        assert s["memories"] == r["memories"] and all(isinstance(m, str) and m.strip() for m in s["memories"])
+        assert isinstance(r["query"], str) and s["query"] == r["query"]
+        assert s["failure_type"] in FAILURE_TYPES
+        if r.get("active") is not None:  # indices, never booleans read as 0/1
+            assert all(type(i) is int and 0 <= i < len(s["memories"]) for i in r["active"])
+        assert all(k in HINT_KEYS for k in s["hints"])
+        if "id" in r:
+            assert type(r["id"]) in (str, int) and s["id"] == str(r["id"])
+        assert isinstance(r.get("query_domain", ""), str)

@@ -131,3 +131,34 @@ def test_persistbench_active_flags_are_not_indices(tmp_path):
     with pytest.raises(ValueError, match=r"s\.jsonl:1: 'active' must be a list of memory indices"):
         check_sample(rec, "s.jsonl:1")
     assert check_sample(dict(rec, active=[0]), "s.jsonl:1")["active"] == [0]
+
+
+def test_hgmem_reads_a_latin1_folder_through_the_multihop_source_and_config_refuses_an_unknown_encoding(
+        tmp_path, monkeypatch):
+    from datamodules.multihop import MultiHopDataConfig, MultiHopDataModule
+    from datamodules.text import TextDataConfig
+    from lightning_modules.hgmem.module import load_index
+
+    monkeypatch.setenv("LITCTX_CACHE_DIR", str(tmp_path / "cache"))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "fr.txt").write_bytes("Amélie works at Crêperie Bleue. Amélie lives in Nîmes.".encode("latin-1"))
+    (docs / "patterns.json").write_text(json.dumps([{"relation": "works_at", "head_type": "person",
+                                                     "tail_type": "organisation",
+                                                     "pattern": r"(?P<head>\w+) works at (?P<tail>[\w ]+?)\."}]))
+    q = _questions(tmp_path, [{"question": "Where does Amélie work?", "answers": ["Crêperie Bleue"]}])
+    cfg = dict(source="folder", path=str(docs), questions=str(q))
+    with pytest.raises(DataError, match=r"fr\.txt: not utf-8 text: byte 0xe9 at offset 2"):
+        MultiHopDataModule(MultiHopDataConfig(**cfg)).load_samples()
+    (sample,) = MultiHopDataModule(MultiHopDataConfig(**cfg, encoding="latin-1")).load_samples()
+    assert sample["corpus_encoding"] == "latin-1" and sample["question"] == "Where does Amélie work?"
+    settings = {"extractor": {"name": "rule"}, "embedder": "hashing", "chunk_tokens": 200, "overlap": 1}
+    with pytest.raises(TextFileError, match=r"fr\.txt: not utf-8"):
+        load_index(sample["corpus"], settings, progress=False)
+    index = load_index(sample["corpus"], settings, progress=False, encoding=sample["corpus_encoding"])
+    text = " ".join(c.text for c in index.chunks.values())
+    assert "Crêperie Bleue" in text and "\ufffd" not in text
+    for make in (lambda: MultiHopDataConfig(**cfg, encoding="latin-9x"), lambda: RAGDataConfig(encoding="utf8x"),
+                 lambda: TextDataConfig(encoding=None)):
+        with pytest.raises(ValueError, match=r"encoding=.*not a text encoding Python knows"):
+            make()

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import free_port
 
-httpx = pytest.importorskip("httpx")
+httpx = pytest.importorskip("httpx", reason="the serving tests need httpx: pip install -e .[dev]")
 
 
 class Slow:
@@ -177,7 +177,7 @@ def test_a_client_that_disconnects_frees_the_model():
 
 
 def test_the_official_openai_client_gets_replies_and_clean_errors(keyless):
-    openai = pytest.importorskip("openai")
+    openai = pytest.importorskip("openai", reason="the official client test needs openai: pip install -e .[dev]")
     url, _ = keyless
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused-on-a-keyless-server", max_retries=0, timeout=20)
     out = client.chat.completions.create(model="tiny", messages=[

@@ -73,8 +73,8 @@ _FINGERPRINTS: "weakref.WeakKeyDictionary[torch.nn.Module, Tuple[Tuple[Any, ...]
 def weights_identity(model: torch.nn.Module) -> Tuple[Any, ...]:
     """What changes when any weight of ``model`` changes: each tensor's name, storage address, shape, dtype and
     version counter (bumped by every in-place edit: ``copy_``, ``load_state_dict``, an optimizer step)."""
-    return tuple((name, t.data_ptr(), tuple(t.shape), str(t.dtype), t._version)
-                 for name, t in model.state_dict(keep_vars=True).items())
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    return tuple((name, t.data_ptr(), tuple(t.shape), str(t.dtype), t._version) for name, t in tensors)
 
 
 def tensor_digest(tensors: Sequence[torch.Tensor], names: Sequence[str] = ()) -> str:

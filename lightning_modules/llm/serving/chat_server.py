@@ -191,7 +191,15 @@ def _check_request(body: Dict[str, Any], model_name: str) -> Tuple[Optional[Tupl
     return (messages, gen), None
 
 
-async def _generate(request: Any, backend: Any, messages: Any, gen: Dict[str, Any]) -> Any:
+def takes_cancel(backend: Any) -> bool:
+    """Whether ``backend.chat`` accepts ``cancel=`` (a ``threading.Event`` that stops its decoding)."""
+    try:
+        return "cancel" in inspect.signature(backend.chat).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+
+
+async def _generate(request: Any, backend: Any, messages: Any, gen: Dict[str, Any], cancellable: bool) -> Any:
     """The backend's reply, generated in a worker thread; when the client disconnects first, the generation is
     cancelled (a decoder stopping criterion, for backends that decode here) and None is returned."""
     import asyncio
@@ -200,8 +208,7 @@ async def _generate(request: Any, backend: Any, messages: Any, gen: Dict[str, An
     from starlette.concurrency import run_in_threadpool
 
     cancel = threading.Event()
-    takes_cancel = "cancel" in inspect.signature(backend.chat).parameters
-    call = functools.partial(backend.chat, messages, **gen, **({"cancel": cancel} if takes_cancel else {}))
+    call = functools.partial(backend.chat, messages, **gen, **({"cancel": cancel} if cancellable else {}))
     task = asyncio.ensure_future(run_in_threadpool(call))
     while not task.done():
         await asyncio.wait({task}, timeout=0.1)
@@ -236,6 +243,7 @@ def build_app(backend: Any, model_name: str, api_key_env: Optional[str] = None,
 
     limits = limits or ServingLimits()
     body_limit = limits.body_limit(backend)
+    cancellable = takes_cancel(backend)
     state = {"active": 0}
 
     def refused(request: Request) -> Optional[Any]:
@@ -285,7 +293,7 @@ def build_app(backend: Any, model_name: str, api_key_env: Optional[str] = None,
         state["active"] += 1
         started = time.perf_counter()
         try:
-            out = await _generate(request, backend, checked[0], checked[1])
+            out = await _generate(request, backend, checked[0], checked[1], cancellable)
             if out is None:  # the client went away: nobody reads a reply
                 return _error(499, "the client closed the request", "client_closed")
         except ValueError as err:  # e.g. the prompt exceeds the context

@@ -89,6 +89,43 @@ def test_both_recipes_run_through_evaluate_with_reuse_and_guidance(tmp_path):
 
 
 @needs_tokenizer
+def test_a_damaged_kv_store_never_changes_an_evaluation(tmp_path, caplog):
+    """Issue 54's end-to-end case: every 97th float of every stored segment flipped between two runs of the recipe.
+    The second run warns about each damaged file, recomputes it, and answers exactly as the first run did (the
+    damaged KV would turn the answers to noise); a third run is served from the rewritten, good files."""
+    import logging
+
+    from recipes.evaluate import main as evaluate_main
+
+    store = tmp_path / "kv"
+    reuse = f"callbacks.reuse={{name: kv_reuse, args: {{selector: cacheblend, ratio: 0.4, store_dir: {store}}}}}"
+
+    def run(name):
+        run_dir = tmp_path / name
+        assert evaluate_main(["--recipe", "rag_smollm2", "--profile", "tiny", f"run_dir={run_dir}", reuse]) == 0
+        recs = [json.loads(x) for x in (run_dir / "rag_records.jsonl").read_text().splitlines()]
+        return [(r["id"], r["prediction"], r["recomputed"]) for r in recs]
+
+    first = run("a")
+    files = sorted(store.rglob("*.safetensors"))
+    assert files
+    for path in files:
+        raw = bytearray(path.read_bytes())
+        start = 8 + int.from_bytes(raw[:8], "little")
+        for at in range(start + 3, len(raw), 97 * 4):
+            raw[at] ^= 0x40
+        path.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="litctx.llm"):
+        second = run("b")
+    assert second == first
+    assert sum(str(f) in caplog.text for f in files) == len(files) and "checksum" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="litctx.llm"):
+        assert run("c") == first
+    assert "KV store" not in caplog.text
+
+
+@needs_tokenizer
 def test_rag_eval_retrieves_from_a_users_folder_of_documents(tmp_path, capsys):
     from recipes.evaluate import main as evaluate_main
 
