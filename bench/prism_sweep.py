@@ -14,7 +14,7 @@ SmolLM2-135M-Instruct, query-aware prompts (context and question in one prefill)
 * **heldout**: sample indices from ``HELDOUT_START`` (100) on, never in dev; tasks ``niah_single``,
   ``niah_multikey``, ``qa_facts`` and ``passkey`` (another needle wording: "The pass key is N"), half on the pydoc
   haystack and half on **another haystack**, the docstrings of a fixed list of standard-library modules
-  (:func:`stdlib_documents`).
+  (:func:`datamodules.documents.stdlib_documents`).
 
 ``screen`` records, per grid setting, the density and the CPU time of estimate + block-sparse attention against
 ``F.scaled_dot_product_attention`` over every layer of one dense-recorded dev prompt (cheap: no generation);
@@ -35,6 +35,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from bench._report import REPO, write_section
 
+from datamodules.documents import HAYSTACKS, STDLIB_MODULES
 from litctx_common.io import append_jsonl, read_jsonl
 
 RECORDS = REPO / "results" / "prism_sweep.jsonl"
@@ -49,11 +50,6 @@ GRID_BLOCK = (64, 128)
 GRID_BANDS = ((0.5, 0.75), (0.25, 0.75), (0.5, 0.5))
 #: reference methods by their ``bench.sparse_prefill`` suite names (documented settings)
 REFERENCES = ("prism@0.95", "mean_pool@0.9", "flexprefill@0.8", "flexprefill@0.9")
-STDLIB_MODULES = ("argparse", "asyncio", "collections", "configparser", "contextlib", "csv", "dataclasses",
-                  "datetime", "decimal", "difflib", "email", "enum", "fractions", "functools", "heapq", "http.client",
-                  "inspect", "ipaddress", "itertools", "json", "logging", "mailbox", "pathlib", "pickle", "pprint",
-                  "random", "re", "shutil", "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile",
-                  "textwrap", "threading", "typing", "unittest", "urllib.request", "uuid", "zipfile")
 
 _SETTING = re.compile(r"^p(?P<p>[0-9.]+)-b(?P<b>\d+)-h(?P<h>[0-9.]+)-l(?P<l>[0-9.]+)(?P<nocal>-nocal)?$")
 
@@ -113,26 +109,6 @@ def split_samples(split: str, length: int, dev_samples: int = 6, heldout_per_cel
 
 def sample_id(haystack: str, task: str, length: int, index: int) -> str:
     return f"{haystack}:{task}-{length}-{index}"
-
-
-def stdlib_documents() -> List[str]:
-    """The other haystack: the docstrings of :data:`STDLIB_MODULES` and of their public classes and functions
-    (deterministic for one Python version)."""
-    import importlib
-    import inspect
-
-    docs = []
-    for name in STDLIB_MODULES:
-        mod = importlib.import_module(name)
-        parts = [inspect.getdoc(mod) or ""]
-        for attr in sorted(getattr(mod, "__all__", None) or [a for a in dir(mod) if not a.startswith("_")]):
-            obj = getattr(mod, attr, None)
-            if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", "") == mod.__name__:
-                parts.append(inspect.getdoc(obj) or "")
-        text = "\n\n".join(p for p in parts if p)
-        if text:
-            docs.append(text)
-    return docs
 
 
 # ---------------------------------------------------------------------------------------------- summaries
@@ -219,11 +195,9 @@ def frozen_choice(length: int) -> Optional[Dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------- runs
 def _haystacks(tok, names: Iterable[str]):
-    from datamodules.documents import pydoc_documents
     from datamodules.longctx_tasks import Haystack
 
-    docs = {"pydoc": pydoc_documents, "stdlib": stdlib_documents}
-    return {h: Haystack(docs[h](), tok) for h in set(names)}
+    return {h: Haystack(HAYSTACKS[h](), tok) for h in set(names)}
 
 
 def run_samples(part: str, samples: Sequence[Tuple[str, str, int]], length: int, methods: Sequence[str], model,

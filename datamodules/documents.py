@@ -13,7 +13,15 @@ from typing import Any, List, Optional
 
 from litctx_common.documents import Document, jsonl_records, read_records
 
-__all__ = ["Document", "pydoc_documents", "read_documents", "read_records", "load_tokenizer_folder"]
+__all__ = ["Document", "pydoc_documents", "stdlib_documents", "STDLIB_MODULES", "HAYSTACKS", "read_documents", "read_records",
+           "load_tokenizer_folder"]
+
+#: the modules of :func:`stdlib_documents`, a second offline haystack beside pydoc's topics
+STDLIB_MODULES = ("argparse", "asyncio", "collections", "configparser", "contextlib", "csv", "dataclasses",
+                  "datetime", "decimal", "difflib", "email", "enum", "fractions", "functools", "heapq", "http.client",
+                  "inspect", "ipaddress", "itertools", "json", "logging", "mailbox", "pathlib", "pickle", "pprint",
+                  "random", "re", "shutil", "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile",
+                  "textwrap", "threading", "typing", "unittest", "urllib.request", "uuid", "zipfile")
 
 
 def pydoc_documents() -> List[str]:
@@ -21,6 +29,30 @@ def pydoc_documents() -> List[str]:
     from pydoc_data.topics import topics
 
     return [topics[k] for k in sorted(topics)]
+
+
+def stdlib_documents() -> List[str]:
+    """The other haystack: the docstrings of :data:`STDLIB_MODULES` and of their public classes and functions
+    (deterministic for one Python version)."""
+    import importlib
+    import inspect
+
+    docs = []
+    for name in STDLIB_MODULES:
+        mod = importlib.import_module(name)
+        parts = [inspect.getdoc(mod) or ""]
+        for attr in sorted(getattr(mod, "__all__", None) or [a for a in dir(mod) if not a.startswith("_")]):
+            obj = getattr(mod, attr, None)
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", "") == mod.__name__:
+                parts.append(inspect.getdoc(obj) or "")
+        text = "\n\n".join(p for p in parts if p)
+        if text:
+            docs.append(text)
+    return docs
+
+
+#: the offline haystacks by name (long-context samples, claims): name -> a function returning the documents
+HAYSTACKS = {"pydoc": pydoc_documents, "stdlib": stdlib_documents}
 
 
 def _jsonl_documents(path: Path, field: str) -> List[str]:

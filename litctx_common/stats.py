@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Dict, Iterable, NamedTuple, Sequence
 
-__all__ = ["MeanSD", "mean_sd", "mean_of"]
+__all__ = ["MeanSD", "mean_sd", "mean_of", "paired_bootstrap"]
 
 
 class MeanSD(NamedTuple):
@@ -42,3 +42,22 @@ def mean_of(values: Iterable[Any], empty: Any = float("nan")) -> Any:
     vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return statistics.fmean(vals) if vals else empty
 
+
+def paired_bootstrap(a: Sequence[float], b: Sequence[float], n_boot: int = 2000, level: float = 0.95,
+                     seed: int = 0) -> Dict[str, float]:
+    """Mean of the paired differences ``a_i - b_i`` and its percentile bootstrap interval (samples resampled
+    with replacement, pairs kept together). Returns ``{"diff", "lo", "hi", "n"}``. (torch's generator, imported
+    here: this module stays torch-free at import.)"""
+    import torch
+
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_bootstrap needs two equally long, non-empty lists; got {len(a)} and {len(b)}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    d = torch.tensor([float(x) - float(y) for x, y in zip(a, b)], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, d.numel(), (n_boot, d.numel()), generator=gen)
+    means = d[idx].mean(1)
+    tail = (1.0 - level) / 2
+    lo, hi = torch.quantile(means, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+    return {"diff": float(d.mean()), "lo": lo, "hi": hi, "n": d.numel()}

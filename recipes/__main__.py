@@ -1,4 +1,4 @@
-"""``litctx COMMAND ...`` (or ``python -m recipes COMMAND ...``): fit, evaluate, ls, show, serve."""
+"""``litctx COMMAND ...`` (or ``python -m recipes COMMAND ...``): fit, evaluate, ls, show, serve, claim."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ COMMANDS = {
     "ls": ("recipes.ls", "list methods, datamodules, callbacks and recipes"),
     "show": ("recipes.show", "print a recipe's resolved config with provenance"),
     "serve": ("recipes.serve", "serve a local model on an OpenAI-compatible endpoint"),
+    "claim": ("recipes.claim", "judge a paper's claim with gated cells and paired intervals"),
 }
 
 

@@ -24,7 +24,7 @@ import re
 from collections import defaultdict
 from typing import Any, Dict, List, Mapping, Sequence
 
-from litctx_common.stats import mean_sd
+from litctx_common.stats import mean_sd, paired_bootstrap  # noqa: F401 - re-exported: the suite's users import it here
 
 __all__ = ["METRICS", "score_prediction", "ordered_prefix", "summarise", "markdown_table", "depth_grid",
            "paired_bootstrap", "mean_prefill_seconds"]
@@ -134,25 +134,6 @@ def markdown_table(summary: Mapping[str, Any], percent: bool = True) -> str:
     rows.append("| **mean** | " + " | ".join(cell(summary["lengths"][n]) for n in lengths)
                 + f" | {cell(summary['overall'])} |")
     return "\n".join(rows)
-
-
-def paired_bootstrap(a: Sequence[float], b: Sequence[float], n_boot: int = 2000, level: float = 0.95,
-                     seed: int = 0) -> Dict[str, float]:
-    """Mean of the paired differences ``a_i - b_i`` and its percentile bootstrap interval (samples resampled
-    with replacement, pairs kept together). Returns ``{"diff", "lo", "hi", "n"}``."""
-    import torch
-
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired_bootstrap needs two equally long, non-empty lists; got {len(a)} and {len(b)}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-    d = torch.tensor([float(x) - float(y) for x, y in zip(a, b)], dtype=torch.float64)
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, d.numel(), (n_boot, d.numel()), generator=gen)
-    means = d[idx].mean(1)
-    tail = (1.0 - level) / 2
-    lo, hi = torch.quantile(means, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
-    return {"diff": float(d.mean()), "lo": lo, "hi": hi, "n": d.numel()}
 
 
 def mean_prefill_seconds(records: Sequence[Mapping[str, Any]]) -> str:

@@ -1,0 +1,58 @@
+"""The samples of a claim (:mod:`litctx_common.claims`): which suite samples each cell of a split gets, and
+those samples built once per id for every arm to share.
+
+Every cell (the claim's ``dims``, e.g. task x length x protocol) gets ``n`` samples of the split, indices
+``start .. start + n - 1``, spread round robin over the claim's haystacks (:data:`datamodules.documents.HAYSTACKS`);
+sample-major order (every cell's first sample, then every cell's second ...), so a partial run covers every cell.
+A sample's id is ``<haystack>:<task>-<length>-<index>`` (unique within its cell).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional
+
+from litctx_common.claims import ClaimSpec, cells_of
+
+__all__ = ["claim_samples", "SuiteSamples"]
+
+
+def claim_samples(spec: ClaimSpec, split: str, limit: Optional[int] = None) -> List[Dict[str, Any]]:
+    """The split's samples of every cell (see the module docstring); ``limit``: at most this many per cell."""
+    sp = spec.splits[split]
+    n = sp.n or spec.cells.n
+    n = min(n, limit) if limit else n
+    hays = spec.cells.haystacks
+    out = []
+    for i in range(n):
+        for cell in cells_of(spec):
+            hay, index = hays[i % len(hays)], sp.start + i
+            out.append({**cell, "haystack": hay, "index": index,
+                        "id": f"{hay}:{cell.get('task')}-{cell.get('length')}-{index}"})
+    return out
+
+
+class SuiteSamples:
+    """Long-context suite samples of a claim, built once per id (:func:`datamodules.longctx_tasks.build_sample`,
+    suite seed 0) with the claim sample's own fields (``protocol`` ...) added."""
+
+    def __init__(self, spec: ClaimSpec, tokenizer: Any) -> None:
+        from datamodules.documents import HAYSTACKS
+        from datamodules.longctx_tasks import Haystack
+
+        unknown = [h for h in spec.cells.haystacks if h not in HAYSTACKS]
+        if unknown:
+            raise ValueError(f"claim {spec.name}: cells.haystacks {unknown}: valid haystacks are "
+                             f"{', '.join(HAYSTACKS)}")
+        self.tok = tokenizer
+        self.haystacks = {h: Haystack(HAYSTACKS[h](), tokenizer) for h in spec.cells.haystacks}
+        self._last: Dict[str, Any] = {}
+
+    def built(self, sample: Mapping[str, Any]) -> Dict[str, Any]:
+        from datamodules.longctx_tasks import build_sample
+
+        if self._last.get("key") != sample["id"]:
+            s = build_sample(sample["task"], int(sample["length"]), int(sample["index"]),
+                             self.haystacks[sample["haystack"]], self.tok, 0)
+            extra = {k: v for k, v in sample.items() if k not in s}
+            self._last = {"key": sample["id"], "s": {**s, **extra}}
+        return self._last["s"]

@@ -1,0 +1,94 @@
+"""What the claim harness's kinds share (:mod:`litctx_common.claims` holds the spec, the gates, the verdicts and the
+table of kinds; :mod:`datamodules.claims` the samples; :mod:`recipes.claim` runs a claim into its records): the
+base of the suite kinds and the claim figure.
+
+A kind evaluates the arms still to run on one built sample (every arm of a sample shares its prompt) and gives
+each arm's complete config (``settings``: every default written out; the records freeze it, so a changed value
+under the same arm name is refused once the held-out run has started). The kinds live with their methods:
+``suite_prefill`` in :mod:`lightning_modules.sparse_prefill.claims`, ``suite_eviction`` in
+:mod:`lightning_modules.kv_eviction.claims`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Mapping
+
+import torch
+
+from litctx_common.claims import ClaimSpec
+
+__all__ = ["SuiteKind", "plot_claim"]
+
+
+class SuiteKind:
+    """What the suite kinds share: the stop ids and the scoring of an answer. ``evaluate(built, arms)`` takes a
+    built suite sample (:func:`datamodules.longctx_tasks.build_sample`: ``context_ids``, ``question_ids``,
+    ``answers``, ``metric``, ``max_new_tokens``) and the arms still to run on it."""
+
+    def __init__(self, spec: ClaimSpec, model: Any, tok: Any) -> None:
+        from lightning_modules.llm.decoding.stopping import stop_token_ids
+
+        self.spec, self.model, self.tok = spec, model, tok
+        self.stops = stop_token_ids(tok, model)
+
+    def scored(self, s: Mapping[str, Any], tokens: torch.Tensor) -> Dict[str, Any]:
+        from lightning_modules.llm.eval.suite_metrics import score_prediction
+
+        text = self.tok.decode(tokens[0], skip_special_tokens=True)
+        return {"score": score_prediction(text, s["answers"], s["metric"]), "prediction": text,
+                "depth": s["depth"], "n_tokens": s["n_tokens"]}
+
+
+def plot_claim(spec: ClaimSpec, judged: Mapping[str, Any], path: Path) -> bool:
+    """Per cell: each arm's accuracy (bars; a void or pending cell hatched) and each comparison's paired difference
+    with its 95% interval; saved atomically at ``path``. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    from litctx_common.io import atomic_path
+
+    cells = [c for c in judged["cells"] if c["n"]]
+    if not cells:
+        return False
+    arms = [a.name for a in spec.arms]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(4 + 1.2 * len(cells), 3.6), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / len(arms)
+    for j, arm in enumerate(arms):
+        xs = [i + j * width for i in range(len(cells))]
+        ys = [100 * c["arms"][arm]["mean"] for c in cells]
+        hatch = ["//" if not c["verdict"].startswith(("reproduces", "does not")) else "" for c in cells]
+        bars = ax.bar(xs, ys, width, label=arm)
+        for b, h in zip(bars, hatch):
+            b.set_hatch(h)
+    ax.axhline(100 * spec.capability, color="grey", lw=0.8, ls="--")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))],
+                  [c["name"].replace(", ", "\n") + f"\nn {c['n']}" for c in cells], fontsize=7)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{spec.name}: arms per cell (hatched: void or pending)", fontsize=8)
+    comps = [f"{c.arm} - {c.against}" for c in spec.comparisons]
+    for j, name in enumerate(comps):
+        for i, c in enumerate(cells):
+            x = next((x for x in c["comparisons"] if f"{x['arm']} - {x['against']}" == name), None)
+            if x is None:
+                continue
+            y = i + j / (len(comps) + 1)
+            bx.errorbar(100 * x["diff"], y, xerr=[[100 * (x["diff"] - x["lo"])], [100 * (x["hi"] - x["diff"])]],
+                        fmt="o", color=f"C{j}", label=name if i == 0 else None)
+    bx.axvline(0, color="black", lw=0.8)
+    if any(c.test == "non_inferiority" for c in spec.comparisons):
+        bx.axvline(-5, color="grey", lw=0.8, ls="--")
+    bx.set_yticks(range(len(cells)), [c["name"] for c in cells], fontsize=7)
+    bx.set_xlabel("paired difference (points, 95% interval)")
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    return True

@@ -1,0 +1,398 @@
+"""A paper's claim as a test that could have shown it: the claim's typed spec, its gates and its verdicts.
+
+A claim (``configs/claims/<name>.yaml``, frozen in git) names the paper and the sentence it claims, the arms
+(method settings at the paper's defaults), the **reference** arm (full cache, dense, full prefill), an optional
+**control** arm that shows the phenomenon the method fixes (naive reuse, a static selection, a cruder estimator),
+the cells (task x length x protocol ...), the samples per cell and the comparisons in the paper's own terms.
+Each cell is judged in order (:func:`judge_cell`):
+
+1. **complete**: every arm has ``n`` paired samples in the cell, else the verdict is ``pending (k/n)``;
+2. **capability**: the reference arm scores >= ``capability`` (0.7) on the cell, else ``void (capability)``;
+3. **phenomenon** (when a control is named): reference minus control >= ``phenomenon_margin``, else
+   ``void (phenomenon)``;
+4. **comparisons**: each is ``non_inferiority`` (the arm's paired difference to ``against`` is >= ``-margin``
+   (2 points) and its 95% lower bound >= ``lower`` (-5 points)) or ``superiority`` (the paired interval excludes 0
+   on the arm's side). All hold: ``reproduces``; otherwise ``does not reproduce``.
+
+A cell that fails a gate is void: it never reads as "does not reproduce". The pooled verdict (:func:`judge_claim`)
+pools the samples of every cell that passed both gates (paired by sample); with none it is
+``void (no cell passed its gates)``. A claim that cannot be tested on this machine says so
+(``untestable: {reason, would_test}``); a paper judged elsewhere (a bench, a later issue) carries its current
+verdict and command (``recorded: {verdict, command, source}``), so ``docs/claims.md`` has one row per paper.
+
+Torch-free at import (the bootstrap imports torch when it runs); the runner that makes the records is
+:mod:`lightning_modules.llm.eval.claims`, the command ``litctx claim`` (:mod:`recipes.claim`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from litctx_common.stats import paired_bootstrap
+
+__all__ = ["ArmSpec", "Comparison", "CellSpec", "SplitSpec", "ClaimSpec", "ClaimError", "judge_cell", "judge_claim",
+           "cells_of", "TESTS", "VERDICTS", "KINDS"]
+
+TESTS = ("non_inferiority", "superiority")
+#: kind name -> ``"module:Class"`` built with ``(spec, model, tokenizer)``: ``evaluate(built sample, arms)`` gives each
+#: arm's record, ``settings(arm spec)`` the arm's complete config (the kinds live with their methods)
+KINDS = {"suite_prefill": "lightning_modules.sparse_prefill.claims:SuitePrefill",
+         "suite_eviction": "lightning_modules.kv_eviction.claims:SuiteEviction"}
+VERDICTS = ("reproduces", "does not reproduce", "void (capability)", "void (phenomenon)", "pending",
+            "untestable here", "void (no cell passed its gates)")
+
+
+class ClaimError(ValueError):
+    """A claim file that cannot be run as written (one line naming the file and the key)."""
+
+
+def _unknown(cls: type, raw: Mapping[str, Any], where: str) -> None:
+    names = {f.name for f in fields(cls)}
+    bad = sorted(set(raw) - names)
+    if bad:
+        raise ClaimError(f"{where}: unknown key(s) {bad}; valid keys: {', '.join(sorted(names))}")
+
+
+@dataclass
+class ArmSpec:
+    """One arm: ``method`` (a name of the claim's kind: ``dense_prefill``, ``prism``, ``snapkv`` ...) with ``args``
+    at the paper's defaults; ``tuned`` records where any value not at the paper's default came from (the dev
+    split and its records)."""
+
+    name: str
+    method: str
+    args: Dict[str, Any] = field(default_factory=dict)
+    tuned: Optional[str] = None
+
+
+@dataclass
+class Comparison:
+    """The paper's bar for ``arm`` against ``against`` (see the module docstring for the two tests)."""
+
+    arm: str
+    against: str
+    test: str = "non_inferiority"
+    margin: float = 0.02
+    lower: float = -0.05
+
+    def holds(self, diff: float, lo: float, hi: float) -> bool:
+        if self.test == "non_inferiority":
+            return diff >= -self.margin - 1e-12 and lo >= self.lower - 1e-12
+        return lo > 0.0
+
+    def bar(self) -> str:
+        if self.test == "non_inferiority":
+            return (f"{self.arm} - {self.against} >= {-100 * self.margin:+.0f} points, "
+                    f"95% lower bound >= {100 * self.lower:+.0f}")
+        return f"{self.arm} > {self.against} (paired 95% interval above 0)"
+
+
+@dataclass
+class CellSpec:
+    """The cells: every combination of the values of ``dims`` (``{task: [...], length: [...]}``; each value a
+    field of the samples); ``n`` samples per cell, spread round robin over ``haystacks``."""
+
+    dims: Dict[str, List[Any]]
+    n: int
+    haystacks: List[str] = field(default_factory=lambda: ["pydoc"])
+
+
+@dataclass
+class SplitSpec:
+    """Sample indices of a split: ``start`` on (dev and held-out never overlap); ``n``: per cell (None: the
+    cells' ``n``)."""
+
+    start: int
+    n: Optional[int] = None
+
+
+@dataclass
+class ClaimSpec:
+    """A claim (see the module docstring). ``kind`` names how an arm evaluates a sample (the runner's table:
+    ``suite_prefill``, ``suite_eviction`` ...); ``report`` lists record fields averaged per arm beside the
+    metric (density, bytes, seconds: reported, never gated)."""
+
+    name: str
+    paper: str
+    claim: str
+    method: str = ""
+    kind: Optional[str] = None
+    model: str = "smollm2-135m"
+    arms: List[ArmSpec] = field(default_factory=list)
+    reference: Optional[str] = None
+    control: Optional[str] = None
+    capability: float = 0.7
+    phenomenon_margin: float = 0.15
+    comparisons: List[Comparison] = field(default_factory=list)
+    cells: Optional[CellSpec] = None
+    splits: Dict[str, SplitSpec] = field(default_factory=lambda: {"dev": SplitSpec(0, 10), "heldout": SplitSpec(100)})
+    metric: str = "score"
+    report: List[str] = field(default_factory=list)
+    untestable: Optional[Dict[str, str]] = None
+    recorded: Optional[Dict[str, str]] = None
+    notes: str = ""
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], where: str) -> "ClaimSpec":
+        """The spec of a parsed claim file; a wrong key or value is a :class:`ClaimError` naming ``where``."""
+        if not isinstance(raw, Mapping):
+            raise ClaimError(f"{where}: expected a mapping of claim keys, got {type(raw).__name__}")
+        _unknown(cls, raw, where)
+        data = dict(raw)
+        try:
+            arms = []
+            for name, arm in dict(data.pop("arms", {}) or {}).items():
+                _unknown(ArmSpec, {"name": name, **arm}, f"{where}: arms.{name}")
+                arms.append(ArmSpec(name=name, **arm))
+            comps = []
+            for i, c in enumerate(data.pop("comparisons", []) or []):
+                _unknown(Comparison, c, f"{where}: comparisons[{i}]")
+                comps.append(Comparison(**c))
+            cells = data.pop("cells", None)
+            if cells is not None:
+                _unknown(CellSpec, cells, f"{where}: cells")
+                cells = CellSpec(**cells)
+            splits = {}
+            default_splits = {"dev": {"start": 0, "n": 10}, "heldout": {"start": 100}}
+            for k, v in dict(data.pop("splits", None) or default_splits).items():
+                _unknown(SplitSpec, v, f"{where}: splits.{k}")
+                splits[k] = SplitSpec(**v)
+            spec = cls(arms=arms, comparisons=comps, cells=cells, splits=splits, **data)
+        except TypeError as err:
+            raise ClaimError(f"{where}: {err}") from None
+        spec.check(where)
+        return spec
+
+    @property
+    def status(self) -> str:
+        """``run`` (the harness runs it), ``untestable`` or ``recorded``."""
+        return "untestable" if self.untestable else "recorded" if self.recorded else "run"
+
+    def arm(self, name: str) -> ArmSpec:
+        return next(a for a in self.arms if a.name == name)
+
+    def check(self, where: str) -> None:
+        """Every name refers to an arm, every value in range (one line per problem, joined)."""
+        problems = []
+        if self.untestable is not None:
+            missing = {"reason", "would_test"} - set(self.untestable)
+            if missing:
+                problems.append(f"untestable needs {sorted(missing)}")
+        elif self.recorded is not None:
+            missing = {"verdict", "command"} - set(self.recorded)
+            if missing:
+                problems.append(f"recorded needs {sorted(missing)}")
+        else:
+            names = [a.name for a in self.arms]
+            if len(set(names)) != len(names):
+                problems.append(f"arms repeat a name: {names}")
+            if self.kind not in KINDS:
+                problems.append(f"kind={self.kind!r}: valid kinds are {', '.join(KINDS)}")
+            if self.reference not in names:
+                problems.append(f"reference={self.reference!r}: not an arm ({', '.join(names)})")
+            if self.control is not None and self.control not in names:
+                problems.append(f"control={self.control!r}: not an arm ({', '.join(names)})")
+            if not self.comparisons:
+                problems.append("comparisons: at least one (the paper's bar) is required")
+            for i, c in enumerate(self.comparisons):
+                for k in ("arm", "against"):
+                    if getattr(c, k) not in names:
+                        problems.append(f"comparisons[{i}].{k}={getattr(c, k)!r}: not an arm ({', '.join(names)})")
+                if c.test not in TESTS:
+                    problems.append(f"comparisons[{i}].test={c.test!r}: valid tests are {', '.join(TESTS)}")
+            if self.cells is None or not self.cells.dims or self.cells.n < 1:
+                problems.append("cells: dims (a mapping of sample fields to values) and n >= 1 are required")
+            if not 0.0 < self.capability <= 1.0:
+                problems.append(f"capability={self.capability!r}: must be in (0, 1]")
+            starts = sorted((s.start, k) for k, s in self.splits.items())
+            if "heldout" not in self.splits:
+                problems.append("splits: a heldout split is required")
+            for (a, ka), (b, kb) in zip(starts, starts[1:]):
+                n = self.splits[ka].n or (self.cells.n if self.cells else 0)
+                if a + n > b:
+                    problems.append(f"splits {ka} and {kb} overlap (indices {a}..{a + n - 1} and {b}..)")
+        if problems:
+            raise ClaimError(f"{where}: " + "; ".join(problems))
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def cells_of(spec: ClaimSpec) -> List[Dict[str, Any]]:
+    """Every cell of ``spec`` as ``{dim: value}``, in the order of the dims' values."""
+    dims = spec.cells.dims
+    return [dict(zip(dims, values)) for values in itertools.product(*dims.values())]
+
+
+def _cell_key(cell: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in cell.items())
+
+
+def _paired(records: Sequence[Mapping[str, Any]], metric: str) -> Dict[str, Dict[str, float]]:
+    """``{arm: {sample id: metric}}``."""
+    out: Dict[str, Dict[str, float]] = {}
+    for r in records:
+        out.setdefault(r["arm"], {})[r["id"]] = float(r[metric])
+    return out
+
+
+def _compare(spec: ClaimSpec, by: Mapping[str, Mapping[str, float]], ids: Sequence[str]) -> List[Dict[str, Any]]:
+    rows = []
+    for c in spec.comparisons:
+        a = [by[c.arm][i] for i in ids]
+        b = [by[c.against][i] for i in ids]
+        bs = paired_bootstrap(a, b, seed=1)
+        rows.append({"arm": c.arm, "against": c.against, "test": c.test, "diff": bs["diff"], "lo": bs["lo"],
+                     "hi": bs["hi"], "holds": c.holds(bs["diff"], bs["lo"], bs["hi"]), "bar": c.bar()})
+    return rows
+
+
+def judge_cell(spec: ClaimSpec, cell: Mapping[str, Any], records: Sequence[Mapping[str, Any]],
+               n: Optional[int] = None) -> Dict[str, Any]:
+    """The verdict of one cell from its records (each with ``id``, ``arm`` and the metric; ``n``: the samples
+    the split asks for, default the cells' ``n``). Returns the cell, ``n`` (paired samples), each arm's mean
+    metric and reported fields, the gates, the comparisons and ``verdict``."""
+    want = n if n is not None else spec.cells.n
+    by = _paired(records, spec.metric)
+    arms = [a.name for a in spec.arms]
+    ids = sorted(set.intersection(*(set(by.get(a, {})) for a in arms))) if arms else []
+    out: Dict[str, Any] = {"cell": dict(cell), "name": _cell_key(cell), "n": len(ids), "want": want,
+                           "arms": {}, "gates": {}, "comparisons": []}
+    if not ids:
+        out["verdict"] = f"pending (0/{want})"
+        return out
+    extra: Dict[str, Dict[str, List[float]]] = {}
+    for r in records:
+        if r["id"] in ids:
+            for k in spec.report:
+                if isinstance(r.get(k), (int, float)):
+                    extra.setdefault(r["arm"], {}).setdefault(k, []).append(float(r[k]))
+    for a in arms:
+        vals = [by[a][i] for i in ids]
+        out["arms"][a] = {"mean": sum(vals) / len(vals),
+                          **{k: sum(v) / len(v) for k, v in extra.get(a, {}).items()}}
+    ref = out["arms"][spec.reference]["mean"]
+    out["gates"]["capability"] = {"reference": ref, "bar": spec.capability, "passed": ref >= spec.capability - 1e-12}
+    if spec.control is not None:
+        gap = ref - out["arms"][spec.control]["mean"]
+        out["gates"]["phenomenon"] = {"gap": gap, "bar": spec.phenomenon_margin,
+                                      "passed": gap >= spec.phenomenon_margin - 1e-12}
+    out["comparisons"] = _compare(spec, by, ids)
+    out["verdict"] = _verdict(out, len(ids) >= want, want)
+    out["ids"] = ids
+    return out
+
+
+def _verdict(out: Mapping[str, Any], complete: bool, want: int) -> str:
+    if not complete:
+        return f"pending ({out['n']}/{want})"
+    if not out["gates"]["capability"]["passed"]:
+        return "void (capability)"
+    if not out["gates"].get("phenomenon", {"passed": True})["passed"]:
+        return "void (phenomenon)"
+    return "reproduces" if all(c["holds"] for c in out["comparisons"]) else "does not reproduce"
+
+
+def judge_claim(spec: ClaimSpec, records: Sequence[Mapping[str, Any]], n: Optional[int] = None) -> Dict[str, Any]:
+    """Every cell judged (:func:`judge_cell`) and the pooled verdict over the cells that passed both gates.
+
+    ``records`` carry the cells' dims as fields; a record whose cell is not in the spec is ignored. Returns
+    ``{"cells": [...], "pooled": {...}, "verdict": str}``."""
+    if spec.status == "untestable":
+        v = f"untestable here ({spec.untestable['reason']})"
+        return {"cells": [], "pooled": None, "verdict": v}
+    if spec.status == "recorded":
+        return {"cells": [], "pooled": None, "verdict": spec.recorded["verdict"]}
+    cells = []
+    for cell in cells_of(spec):
+        mine = [r for r in records if all(r.get(k) == v for k, v in cell.items())]
+        cells.append(judge_cell(spec, cell, mine, n))
+    passed = [c for c in cells if c["verdict"] in ("reproduces", "does not reproduce")]
+    pending = [c for c in cells if c["verdict"].startswith("pending")]
+    if not passed:
+        verdict = (f"pending ({len(pending)} of {len(cells)} cells)" if pending
+                   else "void (no cell passed its gates)")
+        return {"cells": cells, "pooled": None, "verdict": verdict}
+    by: Dict[str, Dict[str, float]] = {}
+    for c in passed:  # pool the passing cells' samples, paired: an id is unique within its cell
+        mine = [r for r in records if all(r.get(k) == v for k, v in c["cell"].items()) and r["id"] in c["ids"]]
+        for arm, vals in _paired(mine, spec.metric).items():
+            by.setdefault(arm, {}).update({f"{c['name']}|{i}": v for i, v in vals.items()})
+    ids = sorted(set.intersection(*(set(v) for v in by.values())))
+    comps = _compare(spec, by, ids)
+    pooled = {"n": len(ids), "cells": [c["name"] for c in passed], "comparisons": comps,
+              "arms": {a: sum(by[a][i] for i in ids) / len(ids) for a in by}}
+    verdict = "reproduces" if all(c["holds"] for c in comps) else "does not reproduce"
+    if pending:
+        verdict += f" (so far; {len(pending)} of {len(cells)} cells pending)"
+    return {"cells": cells, "pooled": pooled, "verdict": verdict}
+
+
+def interval_text(diff: float, lo: float, hi: float) -> str:
+    """``+1.2 [-3.4, +5.6]`` in points."""
+    if any(math.isnan(x) for x in (diff, lo, hi)):
+        return "-"
+    return f"{100 * diff:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
+def verdict_table(spec: ClaimSpec, judged: Mapping[str, Any]) -> List[str]:
+    """The markdown table of a judged claim: one row per cell and the pooled row (n, each arm, the gates, the
+    paired differences with 95% intervals, the verdict)."""
+    arms = [a.name for a in spec.arms]
+    comps = [f"{c.arm} - {c.against}" for c in spec.comparisons]
+    head = ["cell", "n"] + [f"{a} %" for a in arms] + ["capability", "phenomenon"] + comps + ["verdict"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def row(name: str, c: Mapping[str, Any], gates: Mapping[str, Any]) -> str:
+        vals = [name, str(c["n"])]
+        vals += [f"{100 * c['arms'][a]['mean']:.1f}" if a in c.get("arms", {}) else "-" for a in arms]
+        cap = gates.get("capability")
+        vals.append("-" if cap is None else f"{100 * cap['reference']:.0f} {'pass' if cap['passed'] else 'FAIL'}")
+        ph = gates.get("phenomenon")
+        vals.append("-" if ph is None else f"{100 * ph['gap']:+.0f} {'pass' if ph['passed'] else 'FAIL'}")
+        by = {f"{x['arm']} - {x['against']}": x for x in c.get("comparisons", [])}
+        vals += [interval_text(by[k]["diff"], by[k]["lo"], by[k]["hi"]) + (" ok" if by[k]["holds"] else "")
+                 if k in by else "-" for k in comps]
+        vals.append(c["verdict"])
+        return "| " + " | ".join(vals) + " |"
+
+    for c in judged["cells"]:
+        lines.append(row(c["name"], c, c["gates"]))
+    p = judged.get("pooled")
+    if p:
+        arms_row = {a: {"mean": m} for a, m in p["arms"].items()}
+        lines.append(row("**pooled** (" + "; ".join(p["cells"]) + ")",
+                         {"n": p["n"], "arms": arms_row, "comparisons": p["comparisons"], "verdict": judged["verdict"]},
+                         {}))
+    return lines
+
+
+def bars(spec: ClaimSpec) -> List[str]:
+    """The claim's bars in words (the gates and each comparison)."""
+    out = [f"capability: {spec.reference} >= {100 * spec.capability:.0f}% on the cell"]
+    if spec.control:
+        out.append(f"phenomenon: {spec.reference} - {spec.control} >= {100 * spec.phenomenon_margin:.0f} points")
+    out += [c.bar() for c in spec.comparisons]
+    return out
+
+
+def summary_row(spec: ClaimSpec, judged: Optional[Mapping[str, Any]]) -> Tuple[str, str]:
+    """``(verdict, detail)`` for the one-row-per-paper table."""
+    if spec.status == "untestable":
+        return "untestable here", f"{spec.untestable['reason']}; would test it: {spec.untestable['would_test']}"
+    if spec.status == "recorded":
+        return spec.recorded["verdict"], spec.recorded.get("source", "")
+    if judged is None:
+        return "not run yet", ""
+    p = judged.get("pooled")
+    detail = ""
+    if p:
+        detail = "; ".join(f"{c['arm']} - {c['against']} {interval_text(c['diff'], c['lo'], c['hi'])}"
+                           for c in p["comparisons"]) + f" (n {p['n']} over {len(p['cells'])} cells)"
+    void = sum(c["verdict"].startswith("void") for c in judged["cells"])
+    if void:
+        detail += f"{'; ' if detail else ''}{void} of {len(judged['cells'])} cells void"
+    return judged["verdict"], detail

