@@ -28,8 +28,9 @@ from litctx_common.records import Arm, RecordStore, evaluate_arms
 from recipes.configio import ConfigError, config_dir, read_yaml
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "results" / "claims"
-DOCS = REPO / "docs" / "claims.md"
+_HOME = REPO if (REPO / "configs").is_dir() else Path.cwd()  # a checkout, else (an installed wheel) here
+RESULTS = _HOME / "results" / "claims"
+DOCS = _HOME / "docs" / "claims.md"
 
 
 def claims_dir() -> Path:
