@@ -40,7 +40,8 @@ TESTS = ("non_inferiority", "superiority")
 #: kind name -> ``"module:Class"`` built with ``(spec, model, tokenizer)``: ``evaluate(built sample, arms)`` gives each
 #: arm's record, ``settings(arm spec)`` the arm's complete config (the kinds live with their methods)
 KINDS = {"suite_prefill": "lightning_modules.sparse_prefill.claims:SuitePrefill",
-         "suite_eviction": "lightning_modules.kv_eviction.claims:SuiteEviction"}
+         "suite_eviction": "lightning_modules.kv_eviction.claims:SuiteEviction",
+         "suite_speculative": "lightning_modules.speculative.claims:SuiteSpeculative"}
 VERDICTS = ("reproduces", "does not reproduce", "void (capability)", "void (phenomenon)", "pending",
             "untestable here", "void (no cell passed its gates)")
 
@@ -93,11 +94,13 @@ class Comparison:
 @dataclass
 class CellSpec:
     """The cells: every combination of the values of ``dims`` (``{task: [...], length: [...]}``; each value a
-    field of the samples); ``n`` samples per cell, spread round robin over ``haystacks``."""
+    field of the samples), then the ``extra`` cells (each a mapping of every dim to one value: a cell outside the
+    product, e.g. the one 4K task the reference passes); ``n`` samples per cell, round robin over ``haystacks``."""
 
     dims: Dict[str, List[Any]]
     n: int
     haystacks: List[str] = field(default_factory=lambda: ["pydoc"])
+    extra: List[Dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -111,15 +114,17 @@ class SplitSpec:
 
 @dataclass
 class ClaimSpec:
-    """A claim (see the module docstring). ``kind`` names how an arm evaluates a sample (the runner's table:
-    ``suite_prefill``, ``suite_eviction`` ...); ``report`` lists record fields averaged per arm beside the
-    metric (density, bytes, seconds: reported, never gated)."""
+    """A claim (see the module docstring). ``kind`` names how an arm evaluates a sample (:data:`KINDS`);
+    ``kind_args`` the settings every arm of the kind shares (the speculative kind's draft, gamma and calibration);
+    ``report`` lists record fields averaged per arm beside the metric (density, bytes, seconds: reported, never
+    gated)."""
 
     name: str
     paper: str
     claim: str
     method: str = ""
     kind: Optional[str] = None
+    kind_args: Dict[str, Any] = field(default_factory=dict)
     model: str = "smollm2-135m"
     arms: List[ArmSpec] = field(default_factory=list)
     reference: Optional[str] = None
@@ -205,6 +210,11 @@ class ClaimSpec:
                     problems.append(f"comparisons[{i}].test={c.test!r}: valid tests are {', '.join(TESTS)}")
             if self.cells is None or not self.cells.dims or self.cells.n < 1:
                 problems.append("cells: dims (a mapping of sample fields to values) and n >= 1 are required")
+            else:
+                for i, cell in enumerate(self.cells.extra):
+                    if not isinstance(cell, Mapping) or set(cell) != set(self.cells.dims):
+                        problems.append(f"cells.extra[{i}]={cell!r}: needs one value for each of "
+                                        f"{', '.join(self.cells.dims)}")
             if not 0.0 < self.capability <= 1.0:
                 problems.append(f"capability={self.capability!r}: must be in (0, 1]")
             starts = sorted((s.start, k) for k, s in self.splits.items())
@@ -222,9 +232,11 @@ class ClaimSpec:
 
 
 def cells_of(spec: ClaimSpec) -> List[Dict[str, Any]]:
-    """Every cell of ``spec`` as ``{dim: value}``, in the order of the dims' values."""
+    """Every cell of ``spec`` as ``{dim: value}``: the product in the order of the dims' values, then the extra
+    cells."""
     dims = spec.cells.dims
-    return [dict(zip(dims, values)) for values in itertools.product(*dims.values())]
+    cells = [dict(zip(dims, values)) for values in itertools.product(*dims.values())]
+    return cells + [{k: c[k] for k in dims} for c in spec.cells.extra if {k: c[k] for k in dims} not in cells]
 
 
 def _cell_key(cell: Mapping[str, Any]) -> str:

@@ -99,6 +99,11 @@ def run_claim(spec: ClaimSpec, out: Path, split: str = "heldout", limit: Optiona
     module, _, cls = KINDS[spec.kind].partition(":")
     kind = getattr(importlib.import_module(module), cls)(spec, model, tok)
     built = SuiteSamples(spec, tok).built
+    if hasattr(kind, "prepare"):  # a kind that calibrates first does so on the dev split, once
+        dev = claim_samples(spec, "dev") if "dev" in spec.splits else []
+        path = kind.prepare((built(x) for x in dev), Path(out) / spec.name)
+        if path is not None:
+            log(f"[{spec.name}] calibration: {path}")
     arms = [Arm(a.name, settings=kind.settings(a)) for a in spec.arms]
     samples = claim_samples(spec, split, limit)
     store = _store(spec, out, split).load()

@@ -43,7 +43,7 @@ from lightning_modules.speculative.config import SpeculativeSettings
 from litctx_common.io import atomic_open
 from litctx_common.options import nested_config
 
-__all__ = ["DustinCalibrationConfig", "DustinCalibrationCallback", "choose_configuration", "StepRecord"]
+__all__ = ["DustinCalibrationConfig", "DustinCalibrationCallback", "choose_configuration", "StepRecord", "calibrate"]
 
 
 @dataclass
@@ -293,15 +293,19 @@ class DustinCalibrationCallback(EvalStageSwitch):
         draft.requires_grad_(False)
         self._plug(pl_module, "generation", _CalibrationGeneration(self, draft.eval()), "dustin_calibration")
 
+    def choose(self) -> Dict[str, Any]:
+        """The configuration chosen on the steps recorded so far (:func:`choose_configuration`), with the
+        calibration's own config and the batch count."""
+        c = self.cfg
+        result = choose_configuration(self.steps, c.budget, c.sink, c.window, c.target_heads, c.draft_heads,
+                                      c.max_draft_layers, c.m_grid)
+        return {**result, "config": asdict(c), "batches": self.batches}
+
     def output_path(self, trainer) -> Path:
         return run_path(trainer, self.cfg.output)
 
     def _report(self, trainer, pl_module, stage):
-        c = self.cfg
-        self.result = choose_configuration(self.steps, c.budget, c.sink, c.window, c.target_heads, c.draft_heads,
-                                           c.max_draft_layers, c.m_grid)
-        self.result["config"] = asdict(c)
-        self.result["batches"] = self.batches
+        self.result = self.choose()
         path = self.output_path(trainer)
         if getattr(trainer, "is_global_zero", True):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -311,3 +315,18 @@ class DustinCalibrationCallback(EvalStageSwitch):
         print(f"[litctx] dustin_calibration: {r['steps']} steps from {self.batches} batches; target layer "
               f"{r['target_layers']} heads {r['target_heads']}, draft layers {r['draft_layers']}, m={r['m']} "
               f"(ARR {r['arr']:.3f}, history-only {r['arr_history_only']:.3f}) -> {path}", flush=True)
+
+
+def calibrate(model: torch.nn.Module, prompts: Any, cfg: DustinCalibrationConfig, stop_ids: Any = (),
+              max_new_tokens: int = 32, tokenizer: Any = None) -> Dict[str, Any]:
+    """The calibration without a Lightning run: dense speculative decoding of each prompt (``ids [1, n]``, context
+    and question in one prefill) with the recorders on, then :func:`choose_configuration`. Returns the dict the
+    callback writes (``dustin``'s ``calibration`` reads it from a JSON file)."""
+    owner = DustinCalibrationCallback(cfg)
+    draft, _ = cfg.draft.build(model, tokenizer)
+    draft.requires_grad_(False)
+    gen = _CalibrationGeneration(owner, draft.eval())
+    with torch.no_grad():
+        for ids in prompts:
+            gen.generate(model, ids, None, max_new_tokens, stop_ids)
+    return owner.choose()

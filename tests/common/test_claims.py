@@ -113,3 +113,7 @@ def test_claim_files_are_checked_in_one_line_and_other_statuses_carry_their_reas
     assert judge_claim(u, [])["verdict"].startswith("untestable here (the 135M")
     assert "7B" in summary_row(u, None)[1]
     assert len(cells_of(spec(cells={"dims": {"task": ["a", "b"], "length": [1, 2, 3]}, "n": 2}))) == 6
+    extra = spec(cells={"dims": {"task": ["a", "b"], "length": [1]}, "n": 2, "extra": [{"task": "a", "length": 4}]})
+    assert cells_of(extra)[-1] == {"task": "a", "length": 4} and len(cells_of(extra)) == 3
+    with pytest.raises(ClaimError, match=r"cells\.extra\[0\]"):
+        spec(cells={"dims": {"task": ["a"], "length": [1]}, "n": 2, "extra": [{"task": "a"}]})

@@ -40,12 +40,14 @@ def test_a_sparse_prefill_claim_runs_resumes_and_refuses_a_changed_arm(tmp_path,
     model, tok = tiny_lm
     arms = {"dense": {"method": "dense_prefill"}, "prism": {"method": "prism", "args": {"block": 64, "top_p": 0.95}}}
     spec = tiny_claim("suite_prefill", arms, [{"arm": "prism", "against": "dense"}])
-    assert [s["id"] for s in claim_samples(spec, "heldout")] == ["pydoc:niah_single-512-100", "pydoc:niah_single-512-101"]
+    ids = [s["id"] for s in claim_samples(spec, "heldout")]
+    assert ids == ["pydoc:niah_single-512-100", "pydoc:niah_single-512-101"]
     judged = run_claim(spec, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)
     path = records_path(spec, tmp_path, "heldout")
     recs = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(recs) == 4 and {r["arm"] for r in recs} == {"dense", "prism"}
-    assert all(r["arm_settings"]["args"]["high_fraction"] == 0.5 for r in recs if r["arm"] == "prism")  # defaults frozen
+    prism = [r for r in recs if r["arm"] == "prism"]
+    assert all(r["arm_settings"]["args"]["high_fraction"] == 0.5 for r in prism)  # the defaults frozen too
     assert all(0 < r["density"] <= 1 for r in recs)
     cell = judged["cells"][0]
     assert cell["n"] == 2 and cell["verdict"] != "pending (0/2)"
@@ -92,3 +94,30 @@ def test_every_claim_file_loads_and_the_docs_table_has_one_row_per_paper(capsys)
     assert sum(line.startswith("| ") for line in table.splitlines()) == len(names) + 1
     assert main(["--list"]) == 0 and "prism" in capsys.readouterr().out
     assert main(["nope"]) == 2 and "claim 'nope': no" in capsys.readouterr().err
+
+
+@needs_tokenizer
+def test_a_speculative_claim_calibrates_once_on_dev_and_freezes_the_calibration(tmp_path, tiny_lm):
+    from recipes.claim import records_path, run_claim
+
+    model, tok = tiny_lm
+    arms = {"dense": {"method": "dense", "args": {"measure_arr": True}},
+            "dustin": {"method": "dustin", "args": {"budget": 64, "calibration": "claim", "measure_arr": True}},
+            "history_only": {"method": "history_only", "args": {"budget": 64, "calibration": "claim"}},
+            "snapkv": {"method": "snapkv", "args": {"budget": 64}}, "plain": {"method": "plain"}}
+    spec = tiny_claim("suite_speculative", arms, [{"arm": "dustin", "against": "dense"}],
+                      kind_args={"draft": {"kind": "early_exit", "num_layers": 1}, "gamma": 2, "max_new_tokens": 8,
+                                 "calibration": {"budget": 64, "samples": 1, "target_heads": 1, "draft_heads": 1}},
+                      cells={"dims": {"task": ["niah_single"], "length": [512]}, "n": 1})
+    judged = run_claim(spec, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)
+    cal = json.loads((tmp_path / "tiny" / "calibration.json").read_text())
+    assert cal["budget"] == 64 and cal["dev_samples"] == 1 and cal["target_layers"]
+    recs = {r["arm"]: r for r in map(json.loads, records_path(spec, tmp_path, "heldout").read_text().splitlines())}
+    assert set(recs) == set(arms) and judged["cells"][0]["n"] == 1
+    assert recs["dustin"]["arm_settings"]["args"]["budget"] == 64 and recs["dustin"]["arm_settings"]["calibration_sha1"]
+    assert recs["dustin"]["read_fraction"] < 1.0 and recs["dense"]["read_fraction"] == pytest.approx(1.0)
+    assert recs["plain"]["acceptance"] is None
+    stamp = (tmp_path / "tiny" / "calibration.json").stat().st_mtime_ns
+    run_claim(spec, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)  # calibrated once, resumed
+    assert (tmp_path / "tiny" / "calibration.json").stat().st_mtime_ns == stamp
+    assert len(records_path(spec, tmp_path, "heldout").read_text().splitlines()) == len(arms)
