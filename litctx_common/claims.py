@@ -20,8 +20,9 @@ pools the samples of every cell that passed both gates (paired by sample); with 
 (``untestable: {reason, would_test}``); a paper judged elsewhere (a bench, a later issue) carries its current
 verdict and command (``recorded: {verdict, command, source}``), so ``docs/claims.md`` has one row per paper.
 
-Torch-free at import (the bootstrap imports torch when it runs); the runner that makes the records is
-:mod:`lightning_modules.llm.eval.claims`, the command ``litctx claim`` (:mod:`recipes.claim`).
+Torch-free at import (the bootstrap imports torch when it runs); the samples are :mod:`datamodules.claims`, the
+kinds live with their methods (:data:`KINDS`), and :mod:`recipes.claim` (``litctx claim``) runs a claim into its
+records.
 """
 
 from __future__ import annotations
