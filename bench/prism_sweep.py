@@ -206,10 +206,9 @@ def run_samples(part: str, samples: Sequence[Tuple[str, str, int]], length: int,
     import torch
 
     from datamodules.longctx_tasks import build_sample
-    from lightning_modules.llm.decoding.generate import greedy_generate
     from lightning_modules.llm.decoding.stopping import stop_token_ids
     from lightning_modules.llm.eval.suite_metrics import score_prediction
-    from lightning_modules.sparse_prefill.session import install_sparse_prefill
+    from lightning_modules.sparse_prefill.claims import answer_under_prefill
 
     from litctx_common.records import Arm, RecordStore, evaluate_arms
 
@@ -227,17 +226,12 @@ def run_samples(part: str, samples: Sequence[Tuple[str, str, int]], length: int,
     def arm(m):
         def run(sample):
             s, prompt = prompt_of(sample)
-            cfg = method_config(m)
-            with install_sparse_prefill(model, cfg.build(), min_length=cfg.min_length, layers=cfg.layers) as sess:
-                res = greedy_generate(model, prompt, None, s["max_new_tokens"], stops)
-            text = tok.decode(res.tokens[0], skip_special_tokens=True)
-            summ = sess.summary()
+            tokens, stats = answer_under_prefill(model, prompt, method_config(m), s["max_new_tokens"], stops)
+            text = tok.decode(tokens[0], skip_special_tokens=True)
             rec = {"haystack": sample["haystack"], "task": sample["task"], "index": sample["index"],
                    "depth": s["depth"], "n_tokens": s["n_tokens"],
                    "score": score_prediction(text, s["answers"], s["metric"]), "prediction": text,
-                   "density": summ.get("density", 1.0), "estimate_s": summ.get("estimate_seconds", 0.0),
-                   "attention_s": summ.get("attention_seconds", 0.0), "prefill_s": res.prefill_seconds,
-                   "threads": torch.get_num_threads()}
+                   **stats, "threads": torch.get_num_threads()}
             print(f"{part} {sample['id']} {m}: score {rec['score']:.2f} density {rec['density']:.2f} "
                   f"est+att {rec['estimate_s'] + rec['attention_s']:.2f} s", flush=True)
             return rec

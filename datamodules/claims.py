@@ -4,7 +4,8 @@ those samples built once per id for every arm to share.
 Every cell (the claim's ``dims``, e.g. task x length x protocol) gets ``n`` samples of the split, indices
 ``start .. start + n - 1``, spread round robin over the claim's haystacks (:data:`datamodules.documents.HAYSTACKS`);
 sample-major order (every cell's first sample, then every cell's second ...), so a partial run covers every cell.
-A sample's id is ``<haystack>:<task>-<length>-<index>`` (unique within its cell).
+A sample's id is ``<haystack>:<task>-<length>-<index>`` (unique within its cell); cells without a task and a
+length (a RAG claim's ``setting``) get ``<haystack>:<their values>-<index>``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from litctx_common.claims import ClaimSpec, cells_of
 
-__all__ = ["claim_samples", "SuiteSamples"]
+__all__ = ["claim_samples", "SuiteSamples", "sample_id"]
 
 
 def claim_samples(spec: ClaimSpec, split: str, limit: Optional[int] = None) -> List[Dict[str, Any]]:
@@ -26,9 +27,15 @@ def claim_samples(spec: ClaimSpec, split: str, limit: Optional[int] = None) -> L
     for i in range(n):
         for cell in cells_of(spec):
             hay, index = hays[i % len(hays)], sp.start + i
-            out.append({**cell, "haystack": hay, "index": index,
-                        "id": f"{hay}:{cell.get('task')}-{cell.get('length')}-{index}"})
+            out.append({**cell, "haystack": hay, "index": index, "id": sample_id(hay, cell, index)})
     return out
+
+
+def sample_id(haystack: str, cell: Mapping[str, Any], index: int) -> str:
+    """See the module docstring."""
+    if "task" in cell and "length" in cell:
+        return f"{haystack}:{cell['task']}-{cell['length']}-{index}"
+    return f"{haystack}:" + "-".join(str(v) for v in cell.values()) + f"-{index}"
 
 
 class SuiteSamples:

@@ -4,7 +4,14 @@ sentences), LongBench-Cite JSON files, and a user's folder of documents with a q
 Every sample is a plain dict (the model side builds prompts from it)::
 
     {"id", "task", "question", "answers": [str], "documents": [{"doc_id", "title", "text",
-     "sentences": [{"text", "start", "end"}]}] | None, "gold": [{"doc": i, "sentence": j}], "corpus": path | None}
+     "sentences": [{"text", "start", "end"}]}] | None, "gold": [{"doc": i, "sentence": j}], "corpus": path | None,
+     "candidates": [str], "answer_prefix": str, "answer_text": str}
+
+``candidates`` (generated sources): every value in the context that answers the question's form for some entity
+(each chain's code, each person's prize ...): an answer among them that is wrong picked the wrong entity. With
+``answer_prefix`` on, a generated sample carries the start of its answer sentence ("Ada Brandt files the ledger
+under code"), which the prompt puts after the assistant header so a small model answers with the value, and
+``answer_text``, the gold continuation (" 4821"; a teacher-forced log-probability scores it).
 
 Sources (:class:`RAGDataConfig.source`):
 
@@ -91,6 +98,7 @@ class RAGDataConfig:
             profiles).
         facts: facts asked per ``cite`` question (1 or 2).
         chunk_words: filler words per generated document.
+        answer_prefix: generated samples carry ``answer_prefix`` (see the module docstring).
         filler: ``pydoc`` (the standard library's documentation) or ``none``.
         path: the LongBench-Cite file or the documents folder.
         questions: the questions file of ``folder``.
@@ -109,6 +117,7 @@ class RAGDataConfig:
     distractors: int = 4
     facts: int = 1
     chunk_words: int = 120
+    answer_prefix: bool = False
     filler: str = "pydoc"
     path: Optional[str] = None
     questions: Optional[str] = None
@@ -221,7 +230,7 @@ def _bindings_sample(cfg: RAGDataConfig, index: int, filler: _Filler) -> Dict[st
     chains = cfg.distractors + 1
     codes = _codes(rng, chains)
     groups: List[List[List[str]]] = []  # per chain, per document, the fact sentences
-    question, answer = "", codes[0]
+    question, answer, prefix = "", codes[0], ""
     if cfg.style == "coref":
         people = _people(rng, chains)
         posts = [rng.choice(POSTS) for _ in range(chains)]
@@ -229,6 +238,7 @@ def _bindings_sample(cfg: RAGDataConfig, index: int, filler: _Filler) -> Dict[st
             groups.append([[f"These days {post} is kept by {name}."],
                            [f"{PRONOUNS[sex][0]} files the ledger under code {code}."]])
         question = f"Under which code does {people[0][0]} file the ledger?"
+        prefix = f"{people[0][0]} files the ledger under code"
     elif cfg.style == "alias":
         people = _people(rng, chains)
         pool = rng.sample(ALIASES, min(len(ALIASES), chains * cfg.hops))
@@ -241,6 +251,7 @@ def _bindings_sample(cfg: RAGDataConfig, index: int, filler: _Filler) -> Dict[st
             docs += [[f"{names[-1]} files the ledger under code {code}."]]
             groups.append(docs)
         question = f"Under which code does {people[0][0]} file the ledger?"
+        prefix = f"{people[0][0]} files the ledger under code"
     else:
         letters = "ABCDEFGHJKLMNPQRSTUVWXYZ"
         names = set()
@@ -253,6 +264,7 @@ def _bindings_sample(cfg: RAGDataConfig, index: int, filler: _Filler) -> Dict[st
             docs = [[f"Let {var[0]} be {code}."]] + [[f"Let {var[h + 1]} be {var[h]}."] for h in range(cfg.hops)]
             groups.append(docs)
         question = f"What number is {names[cfg.hops]} in the end?"
+        prefix = f"In the end, {names[cfg.hops]} is"
     # lay the documents out: chains interleaved, each chain's documents in order (coref: adjacent pairs)
     slots: List[tuple] = []
     if cfg.style == "coref":
@@ -281,8 +293,12 @@ def _bindings_sample(cfg: RAGDataConfig, index: int, filler: _Filler) -> Dict[st
             fact_idx = [i for i, s in enumerate(doc["sentences"]) if s["text"] in facts]
             gold += [{"doc": j, "sentence": i} for i in fact_idx]
         documents.append(doc)
-    return {"id": f"bindings-{cfg.style}-h{cfg.hops}-d{cfg.distractors}-{index}", "task": f"bindings_{cfg.style}",
-            "question": question, "answers": [answer], "documents": documents, "gold": gold, "corpus": None}
+    out = {"id": f"bindings-{cfg.style}-h{cfg.hops}-d{cfg.distractors}-{index}", "task": f"bindings_{cfg.style}",
+           "question": question, "answers": [answer], "documents": documents, "gold": gold, "corpus": None,
+           "candidates": list(codes)}
+    if cfg.answer_prefix:
+        out.update(answer_prefix=prefix, answer_text=f" {answer}")
+    return out
 
 
 def _cite_sample(cfg: RAGDataConfig, index: int, filler: _Filler) -> Dict[str, Any]:
@@ -294,6 +310,7 @@ def _cite_sample(cfg: RAGDataConfig, index: int, filler: _Filler) -> Dict[str, A
     documents: List[Dict[str, Any]] = []
     gold: List[Dict[str, int]] = []
     answers: List[str] = []
+    candidates: List[str] = []
     for j, p in enumerate(order):
         name, sex = people[p]
         he, his = PRONOUNS[sex]
@@ -309,7 +326,10 @@ def _cite_sample(cfg: RAGDataConfig, index: int, filler: _Filler) -> Dict[str, A
         sentences = [facts["born"][0], facts["work"][0]] + body[:half] + [facts["prize"][0]] + body[half:]
         doc = make_document(f"profile{j}", sentences, title=name)
         documents.append(doc)
+        candidates += [facts[key][1][0] for key in asked if facts[key][1][0] not in candidates]
         if p == 0:
+            said = {"born": f" {city} in {year}", "work": f" {'an' if job[0] in 'aeiou' else 'a'} {job}",
+                    "prize": f" {prize}"}
             texts = [x["text"] for x in doc["sentences"]]
             for key in asked:
                 gold.append({"doc": j, "sentence": texts.index(" ".join(facts[key][0].split()))})
@@ -318,9 +338,14 @@ def _cite_sample(cfg: RAGDataConfig, index: int, filler: _Filler) -> Dict[str, A
     phrases = {"born": f"where and in which year was {name} born", "work": f"what did {name} work as",
                "prize": f"which prize did {name} receive"}
     question = " and ".join(phrases[k] for k in asked)
-    return {"id": f"cite-f{cfg.facts}-d{cfg.distractors}-{index}", "task": "cite",
-            "question": question[0].upper() + question[1:] + "?", "answers": answers, "documents": documents,
-            "gold": gold, "corpus": None, "answer_mode": "all"}
+    out = {"id": f"cite-f{cfg.facts}-d{cfg.distractors}-{index}", "task": "cite",
+           "question": question[0].upper() + question[1:] + "?", "answers": answers, "documents": documents,
+           "gold": gold, "corpus": None, "answer_mode": "all", "candidates": candidates}
+    if cfg.answer_prefix and cfg.facts == 1:  # two facts: no one sentence start fits both
+        out["answer_prefix"] = {"born": f"{name} was born in", "work": f"{name} worked as",
+                                "prize": f"{name} received"}[asked[0]]
+        out["answer_text"] = said[asked[0]]
+    return out
 
 
 def load_longbench_cite(path: str) -> List[Dict[str, Any]]:

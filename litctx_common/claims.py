@@ -8,16 +8,23 @@ Each cell is judged in order (:func:`judge_cell`):
 
 1. **complete**: every arm has ``n`` paired samples in the cell, else the verdict is ``pending (k/n)``;
 2. **capability**: the reference arm scores >= ``capability`` (0.7) on the cell, else ``void (capability)``;
-3. **phenomenon** (when a control is named): reference minus control >= ``phenomenon_margin``, else
+3. **discrimination** (when ``discrimination`` is set): where the answer is one of several in-context candidates
+   (each chain's code, each person's prize), the reference's accuracy among the answers that name a candidate
+   minus chance (the mean of ``1 / candidates``) >= ``discrimination``, else ``void (discrimination)``: a model
+   that copies *some* candidate is not answering the question (records carry ``candidate`` 0/1 and ``chance``);
+4. **phenomenon** (when a control is named): reference minus control >= ``phenomenon_margin``, else
    ``void (phenomenon)``;
-4. **comparisons**: each is ``non_inferiority`` (the arm's paired difference to ``against`` is >= ``-margin``
+5. **comparisons**: each is ``non_inferiority`` (the arm's paired difference to ``against`` is >= ``-margin``
    (2 points) and its 95% lower bound >= ``lower`` (-5 points)) or ``superiority`` (the paired interval excludes 0
    on the arm's side). All hold: ``reproduces``; otherwise ``does not reproduce``.
 
 A cell that fails a gate is void: it never reads as "does not reproduce". The pooled verdict (:func:`judge_claim`)
 pools the samples of every cell that passed both gates (paired by sample); with none it is
 ``void (no cell passed its gates)``. A claim that cannot be tested on this machine says so
-(``untestable: {reason, would_test}``); a paper judged elsewhere (a bench, a later issue) carries its current
+(``untestable: {reason, would_test}``). A **screen** (``screens: <claim>``) has gates and no comparisons: it runs
+the reference and control arms on candidate cells before the claim it screens is frozen, and a cell that passes
+every gate reads ``passes its gates`` (the screened claim then lists only those cells; with none it is
+untestable here, citing the screen's table). A paper judged elsewhere (a bench, a later issue) carries its current
 verdict and command (``recorded: {verdict, command, source}``), so ``docs/claims.md`` has one row per paper.
 
 Torch-free at import (the bootstrap imports torch when it runs); the samples are :mod:`datamodules.claims`, the
@@ -35,16 +42,17 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from litctx_common.stats import paired_bootstrap
 
 __all__ = ["ArmSpec", "Comparison", "CellSpec", "SplitSpec", "ClaimSpec", "ClaimError", "judge_cell", "judge_claim",
-           "cells_of", "TESTS", "VERDICTS", "KINDS"]
+           "cells_of", "TESTS", "VERDICTS", "KINDS", "discrimination_gate"]
 
 TESTS = ("non_inferiority", "superiority")
 #: kind name -> ``"module:Class"`` built with ``(spec, model, tokenizer)``: ``evaluate(built sample, arms)`` gives each
 #: arm's record, ``settings(arm spec)`` the arm's complete config (the kinds live with their methods)
 KINDS = {"suite_prefill": "lightning_modules.sparse_prefill.claims:SuitePrefill",
          "suite_eviction": "lightning_modules.kv_eviction.claims:SuiteEviction",
-         "suite_speculative": "lightning_modules.speculative.claims:SuiteSpeculative"}
-VERDICTS = ("reproduces", "does not reproduce", "void (capability)", "void (phenomenon)", "pending",
-            "untestable here", "void (no cell passed its gates)")
+         "suite_speculative": "lightning_modules.speculative.claims:SuiteSpeculative",
+         "rag_reuse": "lightning_modules.prophetkv.claims:RagReuse"}
+VERDICTS = ("reproduces", "does not reproduce", "void (capability)", "void (discrimination)", "void (phenomenon)",
+            "pending", "untestable here", "void (no cell passed its gates)", "passes its gates")
 
 
 class ClaimError(ValueError):
@@ -72,24 +80,32 @@ class ArmSpec:
 
 @dataclass
 class Comparison:
-    """The paper's bar for ``arm`` against ``against`` (see the module docstring for the two tests)."""
+    """The paper's bar for ``arm`` against ``against`` (see the module docstring for the two tests).
+    ``fraction``: compare against that share of ``against`` (a paper's "keeps >= 90% of full prefill's accuracy":
+    ``non_inferiority`` with ``fraction: 0.9, margin: 0``; the paired differences are ``arm - fraction x
+    against``)."""
 
     arm: str
     against: str
     test: str = "non_inferiority"
     margin: float = 0.02
     lower: float = -0.05
+    fraction: float = 1.0
 
     def holds(self, diff: float, lo: float, hi: float) -> bool:
         if self.test == "non_inferiority":
             return diff >= -self.margin - 1e-12 and lo >= self.lower - 1e-12
         return lo > 0.0
 
+    @property
+    def against_text(self) -> str:
+        return self.against if self.fraction == 1.0 else f"{self.fraction:g} x {self.against}"
+
     def bar(self) -> str:
         if self.test == "non_inferiority":
-            return (f"{self.arm} - {self.against} >= {-100 * self.margin:+.0f} points, "
+            return (f"{self.arm} - {self.against_text} >= {-100 * self.margin:+.0f} points, "
                     f"95% lower bound >= {100 * self.lower:+.0f}")
-        return f"{self.arm} > {self.against} (paired 95% interval above 0)"
+        return f"{self.arm} > {self.against_text} (paired 95% interval above 0)"
 
 
 @dataclass
@@ -118,7 +134,8 @@ class ClaimSpec:
     """A claim (see the module docstring). ``kind`` names how an arm evaluates a sample (:data:`KINDS`);
     ``kind_args`` the settings every arm of the kind shares (the speculative kind's draft, gamma and calibration);
     ``report`` lists record fields averaged per arm beside the metric (density, bytes, seconds: reported, never
-    gated)."""
+    gated); ``discrimination`` the margin of the discrimination gate (None: no such gate); ``screens`` the claim
+    a screen screens (see the module docstring)."""
 
     name: str
     paper: str
@@ -137,6 +154,8 @@ class ClaimSpec:
     splits: Dict[str, SplitSpec] = field(default_factory=lambda: {"dev": SplitSpec(0, 10), "heldout": SplitSpec(100)})
     metric: str = "score"
     report: List[str] = field(default_factory=list)
+    discrimination: Optional[float] = None
+    screens: Optional[str] = None
     untestable: Optional[Dict[str, str]] = None
     recorded: Optional[Dict[str, str]] = None
     notes: str = ""
@@ -201,14 +220,20 @@ class ClaimSpec:
                 problems.append(f"reference={self.reference!r}: not an arm ({', '.join(names)})")
             if self.control is not None and self.control not in names:
                 problems.append(f"control={self.control!r}: not an arm ({', '.join(names)})")
-            if not self.comparisons:
+            if not self.comparisons and not self.screens:
                 problems.append("comparisons: at least one (the paper's bar) is required")
+            if self.screens and self.comparisons:
+                problems.append(f"screens={self.screens!r}: a screen has gates only (no comparisons)")
+            if self.discrimination is not None and not 0.0 <= self.discrimination < 1.0:
+                problems.append(f"discrimination={self.discrimination!r}: must be in [0, 1) (points above chance)")
             for i, c in enumerate(self.comparisons):
                 for k in ("arm", "against"):
                     if getattr(c, k) not in names:
                         problems.append(f"comparisons[{i}].{k}={getattr(c, k)!r}: not an arm ({', '.join(names)})")
                 if c.test not in TESTS:
                     problems.append(f"comparisons[{i}].test={c.test!r}: valid tests are {', '.join(TESTS)}")
+                if not 0.0 < c.fraction <= 1.0:
+                    problems.append(f"comparisons[{i}].fraction={c.fraction!r}: must be in (0, 1]")
             if self.cells is None or not self.cells.dims or self.cells.n < 1:
                 problems.append("cells: dims (a mapping of sample fields to values) and n >= 1 are required")
             else:
@@ -256,9 +281,9 @@ def _compare(spec: ClaimSpec, by: Mapping[str, Mapping[str, float]], ids: Sequen
     rows = []
     for c in spec.comparisons:
         a = [by[c.arm][i] for i in ids]
-        b = [by[c.against][i] for i in ids]
+        b = [c.fraction * by[c.against][i] for i in ids]
         bs = paired_bootstrap(a, b, seed=1)
-        rows.append({"arm": c.arm, "against": c.against, "test": c.test, "diff": bs["diff"], "lo": bs["lo"],
+        rows.append({"arm": c.arm, "against": c.against_text, "test": c.test, "diff": bs["diff"], "lo": bs["lo"],
                      "hi": bs["hi"], "holds": c.holds(bs["diff"], bs["lo"], bs["hi"]), "bar": c.bar()})
     return rows
 
@@ -289,6 +314,9 @@ def judge_cell(spec: ClaimSpec, cell: Mapping[str, Any], records: Sequence[Mappi
                           **{k: sum(v) / len(v) for k, v in extra.get(a, {}).items()}}
     ref = out["arms"][spec.reference]["mean"]
     out["gates"]["capability"] = {"reference": ref, "bar": spec.capability, "passed": ref >= spec.capability - 1e-12}
+    if spec.discrimination is not None:
+        out["gates"]["discrimination"] = discrimination_gate(
+            [r for r in records if r["arm"] == spec.reference and r["id"] in ids], spec.metric, spec.discrimination)
     if spec.control is not None:
         gap = ref - out["arms"][spec.control]["mean"]
         out["gates"]["phenomenon"] = {"gap": gap, "bar": spec.phenomenon_margin,
@@ -299,13 +327,25 @@ def judge_cell(spec: ClaimSpec, cell: Mapping[str, Any], records: Sequence[Mappi
     return out
 
 
+def discrimination_gate(records: Sequence[Mapping[str, Any]], metric: str, margin: float) -> Dict[str, Any]:
+    """The reference's accuracy among its answers that name a candidate (``candidate`` 1) against chance (the
+    mean ``chance``); passes when the difference is >= ``margin``. No candidate named at all: 0 given a
+    candidate (the gate fails)."""
+    named = [r for r in records if r.get("candidate")]
+    given = sum(float(r[metric]) for r in named) / len(named) if named else 0.0
+    chance = sum(float(r.get("chance", 0.0)) for r in records) / len(records) if records else 0.0
+    return {"given_candidate": given, "named": len(named), "chance": chance, "bar": margin,
+            "passed": given - chance >= margin - 1e-12}
+
+
 def _verdict(out: Mapping[str, Any], complete: bool, want: int) -> str:
     if not complete:
         return f"pending ({out['n']}/{want})"
-    if not out["gates"]["capability"]["passed"]:
-        return "void (capability)"
-    if not out["gates"].get("phenomenon", {"passed": True})["passed"]:
-        return "void (phenomenon)"
+    for gate in ("capability", "discrimination", "phenomenon"):
+        if not out["gates"].get(gate, {"passed": True})["passed"]:
+            return f"void ({gate})"
+    if not out["comparisons"]:  # a screen: gates only
+        return "passes its gates"
     return "reproduces" if all(c["holds"] for c in out["comparisons"]) else "does not reproduce"
 
 
@@ -323,8 +363,15 @@ def judge_claim(spec: ClaimSpec, records: Sequence[Mapping[str, Any]], n: Option
     for cell in cells_of(spec):
         mine = [r for r in records if all(r.get(k) == v for k, v in cell.items())]
         cells.append(judge_cell(spec, cell, mine, n))
-    passed = [c for c in cells if c["verdict"] in ("reproduces", "does not reproduce")]
     pending = [c for c in cells if c["verdict"].startswith("pending")]
+    if spec.screens:
+        ok = [c["name"] for c in cells if c["verdict"] == "passes its gates"]
+        verdict = (f"{len(ok)} of {len(cells)} cells pass ({'; '.join(ok)})" if ok else
+                   f"no cell passes: {spec.screens} is untestable here")
+        if pending:
+            verdict = f"pending ({len(pending)} of {len(cells)} cells); so far " + verdict
+        return {"cells": cells, "pooled": None, "verdict": verdict}
+    passed = [c for c in cells if c["verdict"] in ("reproduces", "does not reproduce")]
     if not passed:
         verdict = (f"pending ({len(pending)} of {len(cells)} cells)" if pending
                    else "void (no cell passed its gates)")
@@ -355,8 +402,9 @@ def verdict_table(spec: ClaimSpec, judged: Mapping[str, Any]) -> List[str]:
     """The markdown table of a judged claim: one row per cell and the pooled row (n, each arm, the gates, the
     paired differences with 95% intervals, the verdict)."""
     arms = [a.name for a in spec.arms]
-    comps = [f"{c.arm} - {c.against}" for c in spec.comparisons]
-    head = ["cell", "n"] + [f"{a} %" for a in arms] + ["capability", "phenomenon"] + comps + ["verdict"]
+    comps = [f"{c.arm} - {c.against_text}" for c in spec.comparisons]
+    disc = ["discrimination"] if spec.discrimination is not None else []
+    head = ["cell", "n"] + [f"{a} %" for a in arms] + ["capability"] + disc + ["phenomenon"] + comps + ["verdict"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def row(name: str, c: Mapping[str, Any], gates: Mapping[str, Any]) -> str:
@@ -364,6 +412,10 @@ def verdict_table(spec: ClaimSpec, judged: Mapping[str, Any]) -> List[str]:
         vals += [f"{100 * c['arms'][a]['mean']:.1f}" if a in c.get("arms", {}) else "-" for a in arms]
         cap = gates.get("capability")
         vals.append("-" if cap is None else f"{100 * cap['reference']:.0f} {'pass' if cap['passed'] else 'FAIL'}")
+        if disc:
+            d = gates.get("discrimination")
+            vals.append("-" if d is None else f"{100 * d['given_candidate']:.0f} vs chance {100 * d['chance']:.0f} "
+                        f"{'pass' if d['passed'] else 'FAIL'}")
         ph = gates.get("phenomenon")
         vals.append("-" if ph is None else f"{100 * ph['gap']:+.0f} {'pass' if ph['passed'] else 'FAIL'}")
         by = {f"{x['arm']} - {x['against']}": x for x in c.get("comparisons", [])}
@@ -386,6 +438,9 @@ def verdict_table(spec: ClaimSpec, judged: Mapping[str, Any]) -> List[str]:
 def bars(spec: ClaimSpec) -> List[str]:
     """The claim's bars in words (the gates and each comparison)."""
     out = [f"capability: {spec.reference} >= {100 * spec.capability:.0f}% on the cell"]
+    if spec.discrimination is not None:
+        out.append(f"discrimination: {spec.reference}'s accuracy given a candidate answer >= chance + "
+                   f"{100 * spec.discrimination:.0f} points")
     if spec.control:
         out.append(f"phenomenon: {spec.reference} - {spec.control} >= {100 * spec.phenomenon_margin:.0f} points")
     out += [c.bar() for c in spec.comparisons]

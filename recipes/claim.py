@@ -86,19 +86,17 @@ def run_claim(spec: ClaimSpec, out: Path, split: str = "heldout", limit: Optiona
     """
     import torch
 
-    import importlib
-
-    from datamodules.claims import SuiteSamples, claim_samples
+    from datamodules.claims import claim_samples
     from litctx_common.claims import KINDS
+    from litctx_common.plugins import import_object
 
     if model is None:
         from lightning_modules.llm.model.loading import load_causal_lm
 
         model, tok = load_causal_lm(spec.model)
     model.requires_grad_(False)
-    module, _, cls = KINDS[spec.kind].partition(":")
-    kind = getattr(importlib.import_module(module), cls)(spec, model, tok)
-    built = SuiteSamples(spec, tok).built
+    kind = import_object(KINDS[spec.kind])(spec, model, tok)
+    built = kind.built_samples()
     if hasattr(kind, "prepare"):  # a kind that calibrates first does so on the dev split, once
         dev = claim_samples(spec, "dev") if "dev" in spec.splits else []
         path = kind.prepare((built(x) for x in dev), Path(out) / spec.name)
@@ -107,7 +105,7 @@ def run_claim(spec: ClaimSpec, out: Path, split: str = "heldout", limit: Optiona
     arms = [Arm(a.name, settings=kind.settings(a)) for a in spec.arms]
     samples = claim_samples(spec, split, limit)
     store = _store(spec, out, split).load()
-    t0, done = time.perf_counter(), {"n": 0}  # noqa: F841 - read by progress
+    t0, done = time.perf_counter(), {"n": 0}
 
     def progress(rec: Dict[str, Any]) -> None:
         done["n"] += 1
@@ -156,10 +154,13 @@ def latest(spec: ClaimSpec, out: Path) -> Optional[Dict[str, Any]]:
 
 
 def docs_table(out: Path = RESULTS) -> str:
-    """``docs/claims.md``: one row per claim file (one per paper)."""
+    """``docs/claims.md``: one row per claim file (one per paper; a screen has no row of its own: the claim it
+    screens cites it)."""
     rows = ["| paper | claim | verdict | detail | command |", "|---|---|---|---|---|"]
     for name in claim_names():
         spec = load_claim(name)
+        if spec.screens:
+            continue
         verdict, detail = summary_row(spec, latest(spec, out))
         cmd = spec.recorded.get("command", "") if spec.recorded else "" if spec.untestable else command_of(spec)
         rows.append(f"| {spec.paper} | {spec.claim} | **{verdict}** | {detail} | `{cmd}` |" if cmd else

@@ -48,7 +48,7 @@ class ReuseMethod(ReuseSettings):
 class ProphetKVReuseConfig(ReuseMethod, ProphetKVConfig):
     """ProphetKV: the question's attention over the stale cache (stage I, fused over layers) picks the ``ratio``
     share of chunk tokens to recompute (stage II). Attributes: ``ratio``, ``store_dir``, ``store_max_bytes``
-    (:class:`ReuseSettings`) and ``layer_fusion`` (:class:`ProphetKVConfig`)."""
+    (:class:`ReuseSettings`), ``layer_fusion`` and ``query_span`` (:class:`ProphetKVConfig`)."""
 
 
 @dataclass

@@ -7,8 +7,10 @@ result is a :class:`~lightning_modules.llm.runtime.cached_lm.CachedLM` ready to 
 :class:`ReuseConfig` is the one description (selector, its arguments, the ratio, the store) and builds the
 :class:`ReusePrefill` that runs. A prompt is ``prefix_ids`` (shared: the chat template's head and the
 instruction), the chunks of each row (token lists, one per retrieved document) and each row's question (the
-template's tail: what follows the documents). Full prefill (``selector: full``) feeds the same token sequence in
-one ordinary prefill, so every method sees identical tokens.
+template's tail: what follows the documents), with the span of the question's own tokens within it where known
+(:attr:`~lightning_modules.rag.prompts.RAGPrompt.question_span`; ProphetKV's Stage I reads those rows). Full
+prefill (``selector: full``) feeds the same token sequence in one ordinary prefill, so every method sees identical
+tokens.
 
 Every run's statistics (``ReuseResult.stats``): the time to the first token's logits and its parts (store,
 assembly, selection, recomputation), the chunk tokens, the tokens recomputed (per layer for CacheBlend), and the
@@ -18,7 +20,7 @@ store's hits and misses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -67,7 +69,7 @@ class ReuseConfig(ReuseSettings):
             (:data:`~lightning_modules.prophetkv.selectors.SELECTORS`).
         selector_args: the selector config's fields (``cacheblend``: ``check_layer``, ``filter_layers``,
             ``start_factor``; ``epic``: ``tokens_per_chunk``; ``random``: ``seed``; ``prophetkv``:
-            ``layer_fusion``).
+            ``layer_fusion``, ``query_span``).
         ratio, store_dir, store_max_bytes: see :class:`ReuseSettings`.
     """
 
@@ -93,6 +95,27 @@ class ReuseConfig(ReuseSettings):
 
     def build(self, model: torch.nn.Module, store: Optional[KVSegmentStore] = None) -> "ReusePrefill":
         return ReusePrefill(self, model, store)
+
+
+def question_focus(question_ids: Sequence[Sequence[int]], spans: Optional[Sequence[Optional[Tuple[int, int]]]],
+                   width: int) -> Optional[torch.Tensor]:
+    """``[B, width]`` float, 1 on each row's question tokens, laid out like ``left_pad(question_ids)``; None when
+    no row has a span. A span outside its row's tokens is an error naming the row."""
+    if spans is None or all(sp is None for sp in spans):
+        return None
+    if len(spans) != len(question_ids):
+        raise ValueError(f"reuse prefill: {len(spans)} question spans for {len(question_ids)} rows")
+    out = torch.zeros(len(question_ids), width)
+    for b, (q, sp) in enumerate(zip(question_ids, spans)):
+        if sp is None:
+            continue
+        start, end = int(sp[0]), int(sp[1])
+        if not 0 <= start < end <= len(q):
+            raise ValueError(f"reuse prefill: row {b}'s question span ({start}, {end}) is not within its "
+                             f"{len(q)} question tokens (0 <= start < end <= {len(q)})")
+        pad = width - len(q)
+        out[b, pad + start:pad + end] = 1.0
+    return out
 
 
 @dataclass
@@ -122,8 +145,11 @@ class ReusePrefill:
 
     @torch.no_grad()
     def prefill(self, prefix_ids: Sequence[int], rows: Sequence[Sequence[Sequence[int]]],
-                question_ids: Sequence[Sequence[int]]) -> ReuseResult:
-        """Prefill ``len(rows)`` prompts ``prefix + chunks + question``; returns the cache and the first logits."""
+                question_ids: Sequence[Sequence[int]],
+                question_spans: Optional[Sequence[Optional[Tuple[int, int]]]] = None) -> ReuseResult:
+        """Prefill ``len(rows)`` prompts ``prefix + chunks + question``; returns the cache and the first logits.
+        ``question_spans``: per row ``(start, end)`` of the question's own tokens within its ``question_ids``
+        (None, or a None entry: not known)."""
         if len(rows) != len(question_ids):
             raise ValueError(f"reuse prefill: {len(rows)} rows of chunks but {len(question_ids)} questions")
         if any(not q for q in question_ids):
@@ -131,6 +157,7 @@ class ReusePrefill:
         device = next(self.model.parameters()).device
         q_ids, q_mask = left_pad(question_ids)
         q_ids, q_mask = q_ids.to(device), q_mask.to(device)
+        focus = question_focus(question_ids, question_spans, q_ids.shape[1])
         chunk_tokens = [sum(len(c) for c in chunks) for chunks in rows]
         if self.selector is None:  # full prefill of the same tokens
             ids, mask = left_pad([list(prefix_ids) + [t for c in chunks for t in c] for chunks in rows])
@@ -147,7 +174,7 @@ class ReusePrefill:
         t1 = clock(device)
         ctx = assemble(self.model, segs, prefix_ids, prefix_kv)
         t2 = clock(device)
-        plan = self.selector.plan(ctx, self.cfg.ratio, q_ids, q_mask)
+        plan = self.selector.plan(ctx, self.cfg.ratio, q_ids, q_mask, None if focus is None else focus.to(device))
         t3 = clock(device)
         logits = selective_forward(ctx, plan.slots, q_ids, q_mask, layer_hook=plan.layer_hook)[:, -1]
         t4 = clock(device)

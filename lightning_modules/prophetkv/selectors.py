@@ -2,7 +2,9 @@
 per method (the method pattern: the config holds the defaults and ``build()`` returns the selector that runs).
 
 A selector turns an :class:`~lightning_modules.llm.runtime.cache_surgery.AssembledContext` (stale chunk KV at the final
-positions) and the question into a :class:`RecomputePlan`: the cache columns to recompute and, for CacheBlend, a
+positions) and the question (``question_ids [B, Lq]`` left padded by ``question_mask``: the whole tail after the
+documents; ``focus [B, Lq]``: 1 on the question's own tokens, None where they are not known) into a
+:class:`RecomputePlan`: the cache columns to recompute and, for CacheBlend, a
 per-layer hook that narrows them inside the forward. The budget is ``ceil(ratio * s)`` of a row's ``s`` chunk tokens
 (the shared prefix is exact and never recomputed).
 
@@ -15,12 +17,13 @@ per-layer hook that narrows them inside the forward. The budget is ``ceil(ratio 
   (``||V_fresh - V_stale||_2`` over heads) are kept (``start_factor x`` the budget), and the kept set is filtered
   again by the same deviation at each of the next ``filter_layers`` layers, shrinking linearly to the budget
   ("gradual filtering"). Layer 0's values do not depend on context (zero deviation), hence ``check_layer >= 1``.
-* ``prophetkv`` - ProphetKV: Stage I runs the question alone over the stale cache and records, per layer, its
-  attention to every context token (softmax probabilities averaged over query heads and question tokens);
-  Stage II fuses the layers (mean) and recomputes the top of the budget.
+* ``prophetkv`` - ProphetKV: Stage I runs the tail alone over the stale cache and records, per layer, the
+  attention of the question's own tokens (``query_span: question``, the paper's; ``tail``: every tail token,
+  template and answer prefix included, an ablation) to every context token (softmax probabilities averaged over
+  query heads and those rows); Stage II fuses the layers (mean) and recomputes the top of the budget.
 * ``oracle`` - a reference that needs the full prefill it is meant to avoid: the full prefill's question
-  attention (fused the same way) times the tokens' KV deviation (stale against full-prefill values, mean over
-  layers).
+  attention (the same rows, fused the same way) times the tokens' KV deviation (stale against full-prefill
+  values, mean over layers).
 
 ``full`` (:class:`FullPrefillConfig`) is no selector: the pipeline runs an ordinary prefill of the whole prompt.
 """
@@ -39,7 +42,7 @@ from lightning_modules.llm.runtime.cache_surgery import AssembledContext, LayerS
 
 __all__ = ["RecomputePlan", "FullPrefillConfig", "NaiveReuseConfig", "RandomReuseConfig", "EPICConfig",
            "CacheBlendConfig", "ProphetKVConfig", "OracleConfig", "SELECTORS", "budgets", "QueryAttentionRecorder",
-           "fuse_layers"]
+           "fuse_layers", "row_weights", "QUERY_SPANS"]
 
 
 @dataclass
@@ -108,7 +111,7 @@ class NaiveReuse:
     name = "naive"
 
     def plan(self, ctx: AssembledContext, ratio: float, question_ids: torch.Tensor,
-             question_mask: torch.Tensor) -> RecomputePlan:
+             question_mask: torch.Tensor, focus: Optional[torch.Tensor] = None) -> RecomputePlan:
         return RecomputePlan(torch.empty(ctx.token_ids.shape[0], 0, dtype=torch.long, device=ctx.token_ids.device))
 
 
@@ -134,7 +137,7 @@ class RandomReuse:
     def __init__(self, cfg: RandomReuseConfig) -> None:
         self.cfg = cfg
 
-    def plan(self, ctx, ratio, question_ids, question_mask) -> RecomputePlan:
+    def plan(self, ctx, ratio, question_ids, question_mask, focus=None) -> RecomputePlan:
         rows = []
         for b, (cols, k) in enumerate(zip(ctx.chunk_columns, budgets(ctx, ratio))):
             digest = hashlib.sha256(f"{self.cfg.seed}|{ctx.token_ids[b].tolist()}".encode()).digest()
@@ -168,7 +171,7 @@ class EPICSelector:
     def __init__(self, cfg: EPICConfig) -> None:
         self.cfg = cfg
 
-    def plan(self, ctx, ratio, question_ids, question_mask) -> RecomputePlan:
+    def plan(self, ctx, ratio, question_ids, question_mask, focus=None) -> RecomputePlan:
         rows = []
         for spans, k in zip(ctx.spans, budgets(ctx, ratio)):
             if self.cfg.tokens_per_chunk is not None:
@@ -229,7 +232,7 @@ class CacheBlendSelector:
     def __init__(self, cfg: CacheBlendConfig) -> None:
         self.cfg = cfg
 
-    def plan(self, ctx, ratio, question_ids, question_mask) -> RecomputePlan:
+    def plan(self, ctx, ratio, question_ids, question_mask, focus=None) -> RecomputePlan:
         cfg, k = self.cfg, budgets(ctx, ratio)
         if not any(k):  # nothing to recompute: not even the layers up to the check
             return NaiveReuse().plan(ctx, ratio, question_ids, question_mask)
@@ -307,34 +310,54 @@ def fuse_layers(alpha: Dict[int, torch.Tensor], width: int, fusion: str = "mean"
 FUSIONS = ("mean", "max")
 
 
+QUERY_SPANS = ("question", "tail")
+
+
 @dataclass
 class ProphetKVConfig:
     """Attributes:
         layer_fusion: how the per-layer query attention is fused (``mean``: the paper's uniform average;
             ``max``).
+        query_span: whose attention Stage I averages: ``question`` (the paper's: the user query's own tokens;
+            where a prompt does not mark them, the whole tail, and the plan's stats say so) or ``tail`` (every
+            token after the documents: template, question, answer prefix; an ablation).
     """
 
     method: ClassVar[str] = "prophetkv"
     layer_fusion: str = "mean"
+    query_span: str = "question"
 
     def __post_init__(self) -> None:
         check_field(self.layer_fusion in FUSIONS, "prophetkv", "layer_fusion", self.layer_fusion,
                     f"valid fusions are {', '.join(FUSIONS)}")
+        check_field(self.query_span in QUERY_SPANS, "prophetkv", "query_span", self.query_span,
+                    f"valid spans are {', '.join(QUERY_SPANS)}")
 
     def build(self) -> "ProphetKVSelector":
         return ProphetKVSelector(self)
 
 
-def question_attention(ctx: AssembledContext, question_ids: torch.Tensor,
-                       question_mask: torch.Tensor) -> Dict[int, torch.Tensor]:
-    """Stage I: the question run alone over the stale cache (then taken back); per layer its attention to every
-    cache column ``[B, T]``."""
+def row_weights(question_mask: torch.Tensor, focus: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[B, Lq]`` float: the rows Stage I averages (``focus`` within the real tokens; every real token where
+    ``focus`` is None or marks no token of a row)."""
+    live = question_mask.float()
+    if focus is None:
+        return live
+    w = focus.to(live.device).float() * live
+    empty = w.sum(1, keepdim=True) == 0
+    return torch.where(empty, live, w)
+
+
+def question_attention(ctx: AssembledContext, question_ids: torch.Tensor, question_mask: torch.Tensor,
+                       focus: Optional[torch.Tensor] = None) -> Dict[int, torch.Tensor]:
+    """Stage I: the tail ``question_ids [B, Lq]`` run alone over the stale cache (then taken back); per layer the
+    attention of the rows :func:`row_weights` picks to every cache column ``[B, T]``."""
     from lightning_modules.llm.runtime.stack import attach_runners
 
     lm = ctx.lm
     width = lm.mask.shape[1]
     alpha: Dict[int, torch.Tensor] = {}
-    weights = question_mask.to(lm.device).float()
+    weights = row_weights(question_mask.to(lm.device), focus)
     snap = lm.snapshot()
     try:
         with attach_runners(lm.model, lambda m: QueryAttentionRecorder(m, alpha, question_ids.shape[1], weights),
@@ -351,14 +374,16 @@ class ProphetKVSelector:
     def __init__(self, cfg: ProphetKVConfig) -> None:
         self.cfg = cfg
 
-    def plan(self, ctx, ratio, question_ids, question_mask) -> RecomputePlan:
+    def plan(self, ctx, ratio, question_ids, question_mask, focus=None) -> RecomputePlan:
         k = budgets(ctx, ratio)
         if not any(k):
             return NaiveReuse().plan(ctx, ratio, question_ids, question_mask)
-        alpha = question_attention(ctx, question_ids, question_mask)
+        use = focus if self.cfg.query_span == "question" else None
+        alpha = question_attention(ctx, question_ids, question_mask, use)
         scores = fuse_layers(alpha, ctx.lm.mask.shape[1], self.cfg.layer_fusion)
+        rows = "question" if use is not None else "tail"
         return RecomputePlan(_pad_rows(_top_columns(scores, ctx, k), ctx.token_ids.device),
-                             stats={"stage1_layers": len(alpha)})
+                             stats={"stage1_layers": len(alpha), "stage1_rows": rows})
 
 
 # ---------------------------------------------------------------------------------------------- oracle
@@ -375,7 +400,7 @@ class OracleConfig:
 class OracleSelector:
     name = "oracle"
 
-    def plan(self, ctx, ratio, question_ids, question_mask) -> RecomputePlan:
+    def plan(self, ctx, ratio, question_ids, question_mask, focus=None) -> RecomputePlan:
         from lightning_modules.llm.runtime.cached_lm import CachedLM
         from lightning_modules.llm.runtime.stack import attach_runners
 
@@ -385,10 +410,12 @@ class OracleSelector:
         for b in range(ctx.token_ids.shape[0]):
             live = lm.mask[b].bool()
             ids = ctx.token_ids[b][live]
-            q = question_ids[b][question_mask[b].bool()]
+            real = question_mask[b].bool()
+            q = question_ids[b][real]
+            w = row_weights(question_mask[b:b + 1], None if focus is None else focus[b:b + 1])[:, real]
             alpha: Dict[int, torch.Tensor] = {}
             full = CachedLM(lm.model)
-            with attach_runners(lm.model, lambda m: QueryAttentionRecorder(m, alpha, q.shape[0]),
+            with attach_runners(lm.model, lambda m: QueryAttentionRecorder(m, alpha, q.shape[0], w),
                                 what="the oracle's query-attention recorder", role="observe"):
                 full.feed(torch.cat([ids, q]).unsqueeze(0))
             n = ids.shape[0]

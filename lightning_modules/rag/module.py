@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from lightning_modules.base import check_field, is_int
-from lightning_modules.llm.decoding.stopping import stop_token_ids
+from lightning_modules.llm.decoding.stopping import line_stop_ids, stop_token_ids
 from lightning_modules.llm.model.loading import load_causal_lm
 from lightning_modules.llm.eval.records import RecordEvalModule
 from lightning_modules.llm.eval.suite_metrics import score_prediction
@@ -139,8 +139,7 @@ class RAGEvalModule(RecordEvalModule):
                                                     tiny=self.cfg.tiny or None)
         self.model.requires_grad_(False)
         self.stop_ids = stop_token_ids(self.tokenizer, self.model)
-        newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
-        self.answer_stop_ids = sorted(set(self.stop_ids) | set(newline[-1:]))
+        self.answer_stop_ids = line_stop_ids(self.tokenizer, self.model)
         self.reuse: Any = None
         self.decoder: Any = None
         self._full: Any = None
@@ -201,7 +200,8 @@ class RAGEvalModule(RecordEvalModule):
             k = self.cfg.retrieval.k or int(sample.get("retrieve_k", 4))
             docs = retrieved_documents(retriever.store, retriever.search(sample["question"], k))
         fmt = self.prompt_format(sample)
-        prompt = build_prompt(self.tokenizer, docs, sample["question"], fmt, chat=self.cfg.chat)
+        prompt = build_prompt(self.tokenizer, docs, sample["question"], fmt, chat=self.cfg.chat,
+                              answer_prefix=sample.get("answer_prefix") if fmt == "qa" else None)
         limit = self.cfg.max_new_tokens or (16 if fmt == "qa" else 192)
         stop = self.answer_stop_ids if fmt == "qa" else self.stop_ids
         decoder = self.decoder if fmt == "cite" else None

@@ -12,6 +12,9 @@ Two formats:
 
 With a chat template the whole user turn is rendered once around a marker and cut there, so the prefix ends
 where the first document starts and the tail holds the question, the end of the turn and the assistant header.
+An ``answer_prefix`` (e.g. ``"Ada Brandt files the ledger under code"``) is appended after the header: the answer
+continues it instead of opening with a sentence of its own. :attr:`RAGPrompt.question_span` locates the question's
+own tokens within the tail (ProphetKV's Stage I reads those rows, not the template around them).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class RAGPrompt:
         fmt: ``qa`` or ``cite``.
         sentences: ``cite``: per global sentence number ``(document index, sentence index, text)``.
         doc_ids: the documents' ids, in prompt order.
+        question_span: ``(start, end)``: the tokens ``question_ids[start:end]`` that spell the question itself
+            (None: not known; the whole tail stands for it).
     """
 
     prefix_ids: List[int]
@@ -49,6 +54,7 @@ class RAGPrompt:
     fmt: str = "qa"
     sentences: List[Tuple[int, int, str]] = field(default_factory=list)
     doc_ids: List[str] = field(default_factory=list)
+    question_span: Optional[Tuple[int, int]] = None
 
     @property
     def ids(self) -> List[int]:
@@ -73,16 +79,44 @@ def _encode(tokenizer: Any, text: str) -> List[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def _encode_with_span(tokenizer: Any, text: str, start: int, end: int) -> Tuple[List[int], Tuple[int, int]]:
+    """``text``'s tokens and the token span covering its characters ``[start, end)`` (the tokens are those of
+    ``text`` encoded whole: the span never changes them). Character offsets from a fast tokenizer; otherwise the
+    token counts of ``text[:start]`` (its trailing spaces left to the next token, as byte-level BPE and
+    SentencePiece attach them) and ``text[:end]``: exact where the span ends on a token boundary, as a question
+    before a newline does."""
+    ids = _encode(tokenizer, text)
+    try:
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    except (NotImplementedError, TypeError, ValueError, KeyError):
+        offsets = None
+    if offsets is not None and len(offsets) == len(ids):
+        inside = [i for i, (a, b) in enumerate(offsets) if b > start and a < end]
+        if inside:
+            return ids, (inside[0], inside[-1] + 1)
+    first = min(len(_encode(tokenizer, text[:start].rstrip(" "))), len(ids))
+    return ids, (first, max(first + 1, min(len(_encode(tokenizer, text[:end])), len(ids))))
+
+
 def build_prompt(tokenizer: Any, documents: Sequence[Dict[str, Any]], question: str, fmt: str = "qa",
-                 chat: bool = True, instruction: Optional[str] = None) -> RAGPrompt:
+                 chat: bool = True, instruction: Optional[str] = None,
+                 answer_prefix: Optional[str] = None) -> RAGPrompt:
     """The :class:`RAGPrompt` of ``question`` over ``documents`` (dicts with ``text`` and, for ``cite``,
-    ``sentences``: ``[{"text"}]``; see :mod:`datamodules.rag_tasks`)."""
+    ``sentences``: ``[{"text"}]``; see :mod:`datamodules.rag_tasks`); ``answer_prefix``: text the answer
+    continues, after the assistant header (a sample's ``answer_prefix``)."""
     if fmt not in FORMATS:
         raise ValueError(f"prompt format {fmt!r}: valid formats are {', '.join(FORMATS)}")
     if not documents:
         raise ValueError("build_prompt: no documents (retrieve some first, or check the sample's 'documents')")
     instruction = instruction or (QA_INSTRUCTION if fmt == "qa" else CITE_INSTRUCTION)
     head, tail = _split_template(tokenizer, f"{instruction}\n\n", f"Question: {question}", chat)
+    at = tail.find(f"Question: {question}")  # -1 where a template rewrote the text: no span
+    if answer_prefix:
+        tail += " ".join(str(answer_prefix).split())
+    tail_ids, span = _encode(tokenizer, tail), None
+    if at >= 0 and question:
+        at += len("Question: ")
+        tail_ids, span = _encode_with_span(tokenizer, tail, at, at + len(question))
     pieces: List[str] = []
     sentences: List[Tuple[int, int, str]] = []
     for d, doc in enumerate(documents):
@@ -96,5 +130,5 @@ def build_prompt(tokenizer: Any, documents: Sequence[Dict[str, Any]], question: 
             sentences.append((d, j, str(s["text"])))
         pieces.append(" ".join(parts) + "\n\n")
     return RAGPrompt(prefix_ids=_encode(tokenizer, head), chunk_ids=[_encode(tokenizer, p) for p in pieces],
-                     question_ids=_encode(tokenizer, tail), fmt=fmt, sentences=sentences,
-                     doc_ids=[str(doc.get("doc_id", i)) for i, doc in enumerate(documents)])
+                     question_ids=tail_ids, fmt=fmt, sentences=sentences,
+                     doc_ids=[str(doc.get("doc_id", i)) for i, doc in enumerate(documents)], question_span=span)

@@ -14,7 +14,29 @@ from lightning_modules.llm.eval.claims import SuiteKind
 from litctx_common.claims import ArmSpec
 from litctx_common.records import Arm
 
-__all__ = ["SuitePrefill"]
+__all__ = ["SuitePrefill", "answer_under_prefill"]
+
+
+def answer_under_prefill(model: Any, prompt: torch.Tensor, cfg: Any, max_new_tokens: int,
+                         stops: Sequence[int]) -> tuple[torch.Tensor, Dict[str, float]]:
+    """A greedy answer with ``cfg``'s sparse prefill installed (a
+    :func:`lightning_modules.sparse_prefill.config.prefill_config` config).
+
+    Args:
+        prompt: ``[1, T]`` token ids (context then question).
+
+    Returns:
+        the generated ids ``[1, n]`` and the run's ``density``, ``estimate_s``, ``attention_s`` (the session's
+        summary; dense: density 1) and ``prefill_s``.
+    """
+    from lightning_modules.llm.decoding.generate import greedy_generate
+    from lightning_modules.sparse_prefill.session import install_sparse_prefill
+
+    with install_sparse_prefill(model, cfg.build(), min_length=cfg.min_length, layers=cfg.layers) as sess:
+        res = greedy_generate(model, prompt, None, max_new_tokens, stops)
+    summ = sess.summary()
+    return res.tokens, {"density": summ.get("density", 1.0), "estimate_s": summ.get("estimate_seconds", 0.0),
+                        "attention_s": summ.get("attention_seconds", 0.0), "prefill_s": res.prefill_seconds}
 
 
 class SuitePrefill(SuiteKind):
@@ -28,19 +50,13 @@ class SuitePrefill(SuiteKind):
         return {"method": arm.method, "args": asdict(prefill_config(arm.method, arm.args))}
 
     def evaluate(self, s: Mapping[str, Any], todo: Sequence[Arm]) -> Dict[str, Dict[str, Any]]:
-        from lightning_modules.llm.decoding.generate import greedy_generate
         from lightning_modules.sparse_prefill.config import prefill_config
-        from lightning_modules.sparse_prefill.session import install_sparse_prefill
 
         prompt = torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0)
         out = {}
         for arm in todo:
             a = self.spec.arm(arm.name)
-            cfg = prefill_config(a.method, a.args)
-            with install_sparse_prefill(self.model, cfg.build(), min_length=cfg.min_length, layers=cfg.layers) as sess:
-                res = greedy_generate(self.model, prompt, None, s["max_new_tokens"], self.stops)
-            summ = sess.summary()
-            out[arm.name] = {**self.scored(s, res.tokens), "density": summ.get("density", 1.0),
-                             "estimate_s": summ.get("estimate_seconds", 0.0),
-                             "attention_s": summ.get("attention_seconds", 0.0), "prefill_s": res.prefill_seconds}
+            tokens, stats = answer_under_prefill(self.model, prompt, prefill_config(a.method, a.args),
+                                                 s["max_new_tokens"], self.stops)
+            out[arm.name] = {**self.scored(s, tokens), **stats}
         return out

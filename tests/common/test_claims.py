@@ -117,3 +117,63 @@ def test_claim_files_are_checked_in_one_line_and_other_statuses_carry_their_reas
     assert cells_of(extra)[-1] == {"task": "a", "length": 4} and len(cells_of(extra)) == 3
     with pytest.raises(ClaimError, match=r"cells\.extra\[0\]"):
         spec(cells={"dims": {"task": ["a"], "length": [1]}, "n": 2, "extra": [{"task": "a"}]})
+
+
+def cand_recs(task, scores, named, chance=0.25):
+    """Records with the discrimination gate's fields: ``named`` {arm: list of 0/1} (the answer names a candidate)."""
+    out = recs(task, scores)
+    for r in out:
+        r["candidate"] = named[r["arm"]][int(r["id"][1:])]
+        r["chance"] = chance
+    return out
+
+
+def test_copying_some_candidate_is_void_by_discrimination_not_a_verdict():
+    """A reference that names a candidate every time but the right one at chance fails the gate, whatever the
+    method scores; one that picks the asked entity passes it."""
+    s = spec(discrimination=0.25)
+    every = {"dense": [1] * 20, "m": [1] * 20, "crude": [1] * 20}
+    # 5 of 20 right while always naming a candidate (chance 25%): the capability gate fails first
+    low = judge_cell(s, {"task": "a"}, cand_recs("a", {"dense": ones(5), "m": ones(5), "crude": ones(0)}, every))
+    assert low["verdict"] == "void (capability)"
+    # right 15 of 20 when the chance is 0.7: 75% given a candidate, +5 over chance: void by discrimination
+    s70 = judge_cell(s, {"task": "a"}, cand_recs("a", {"dense": ones(15), "m": ones(15), "crude": ones(0)}, every,
+                                                 chance=0.7))
+    assert s70["verdict"] == "void (discrimination)"
+    assert s70["gates"]["discrimination"]["given_candidate"] == pytest.approx(0.75)
+    ok = judge_cell(s, {"task": "a"}, cand_recs("a", {"dense": ones(18), "m": ones(18), "crude": ones(2)}, every))
+    assert ok["verdict"] == "reproduces" and ok["gates"]["discrimination"]["passed"]
+    assert "discrimination" in verdict_table(s, judge_claim(s, cand_recs(
+        "a", {"dense": ones(18), "m": ones(18), "crude": ones(2)}, every)))[0]
+    with pytest.raises(ClaimError, match=r"discrimination=1\.5"):
+        spec(discrimination=1.5)
+
+
+def test_a_screen_has_gates_only_and_names_the_cells_that_pass():
+    s = spec(screens="t2", comparisons=[], arms={"dense": {"method": "d"}, "crude": {"method": "c"}})
+    records = (recs("a", {"dense": ones(18), "crude": ones(5)}) + recs("b", {"dense": ones(18), "crude": ones(17)}))
+    judged = judge_claim(s, records)
+    assert [c["verdict"] for c in judged["cells"]] == ["passes its gates", "void (phenomenon)"]
+    assert judged["verdict"] == "1 of 2 cells pass (task a)"
+    none = judge_claim(s, recs("a", {"dense": ones(3), "crude": ones(0)}) + recs("b", {"dense": ones(3),
+                                                                                       "crude": ones(0)}))
+    assert none["verdict"] == "no cell passes: t2 is untestable here"
+    with pytest.raises(ClaimError, match="a screen has gates only"):
+        spec(screens="t2")
+    with pytest.raises(ClaimError, match="comparisons: at least one"):
+        spec(comparisons=[])
+
+
+def test_a_fraction_of_the_reference_is_the_bar_when_the_paper_states_one():
+    """"Keeps >= 90% of full prefill": the paired differences are arm - 0.9 x reference."""
+    s = spec(control=None, comparisons=[{"arm": "m", "against": "dense", "test": "non_inferiority", "fraction": 0.9,
+                                         "margin": 0.0}], cells={"dims": {"task": ["a"]}, "n": 100})
+    keeps = judge_cell(s, {"task": "a"}, recs("a", {"dense": ones(100, 100), "m": ones(97, 100),
+                                                    "crude": ones(0, 100)}))
+    assert keeps["comparisons"][0]["diff"] == pytest.approx(0.97 - 0.9) and keeps["verdict"] == "reproduces"
+    assert keeps["comparisons"][0]["against"] == "0.9 x dense"
+    loses = judge_cell(s, {"task": "a"}, recs("a", {"dense": ones(100, 100), "m": ones(85, 100),
+                                                    "crude": ones(0, 100)}))
+    assert loses["comparisons"][0]["diff"] == pytest.approx(0.85 - 0.9) and loses["verdict"] == "does not reproduce"
+    with pytest.raises(ClaimError, match=r"fraction=0"):
+        spec(comparisons=[{"arm": "m", "against": "dense", "fraction": 0}])

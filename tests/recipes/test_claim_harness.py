@@ -87,11 +87,13 @@ def test_every_claim_file_loads_and_the_docs_table_has_one_row_per_paper(capsys)
     from recipes.claim import claim_names, docs_table, load_claim, main
 
     names = claim_names()
-    assert {"prism", "obcache"} <= set(names)
+    assert {"prism", "obcache", "prophetkv_screen"} <= set(names)
     specs = [load_claim(n) for n in names]
-    assert len({s.paper for s in specs}) == len(specs)
+    papers = [s for s in specs if not s.screens]  # a screen is cited by the claim it screens, no row of its own
+    assert len({s.paper for s in papers}) == len(papers) == 19
+    assert all(s.screens in names for s in specs if s.screens)
     table = docs_table()
-    assert sum(line.startswith("| ") for line in table.splitlines()) == len(names) + 1
+    assert sum(line.startswith("| ") for line in table.splitlines()) == len(papers) + 1
     assert main(["--list"]) == 0 and "prism" in capsys.readouterr().out
     assert main(["nope"]) == 2 and "claim 'nope': no" in capsys.readouterr().err
 
@@ -121,3 +123,59 @@ def test_a_speculative_claim_calibrates_once_on_dev_and_freezes_the_calibration(
     run_claim(spec, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)  # calibrated once, resumed
     assert (tmp_path / "tiny" / "calibration.json").stat().st_mtime_ns == stamp
     assert len(records_path(spec, tmp_path, "heldout").read_text().splitlines()) == len(arms)
+
+
+@needs_tokenizer
+def test_a_rag_reuse_claim_scores_every_arm_against_full_prefill(tmp_path, tiny_lm, monkeypatch):
+    """The ``rag_reuse`` kind: generated RAG samples with an answer prefix, full prefill once as the KL reference
+    (its KL 0, its gold log-probability equal to one forward over prompt + gold), ProphetKV's Stage I over the
+    question's own rows (``query_span: tail`` over every tail row), the share recomputed at the ratio, the
+    discrimination gate's fields, and a resumed run that computes nothing."""
+    import math
+
+    import torch
+
+    from lightning_modules.prophetkv.claims import RagReuse
+    from lightning_modules.rag.prompts import build_prompt
+    from recipes.claim import records_path, run_claim
+
+    monkeypatch.setenv("LITCTX_CACHE_DIR", str(tmp_path / "cache"))
+    model, tok = tiny_lm
+    arms = {"full": {"method": "full"}, "naive": {"method": "naive"},
+            "prophetkv": {"method": "prophetkv", "args": {"ratio": 0.5}},
+            "prophetkv_tail": {"method": "prophetkv", "args": {"ratio": 0.5, "query_span": "tail"}}}
+    setting = {"source": "bindings", "style": "variables", "hops": 1, "distractors": 1, "chunk_words": 12}
+    spec = tiny_claim("rag_reuse", arms, [{"arm": "prophetkv", "against": "full"}], control="naive",
+                      discrimination=0.25, kind_args={"settings": {"vars": setting}, "max_new_tokens": 4},
+                      cells={"dims": {"setting": ["vars"]}, "n": 2}, report=["kl", "candidate"])
+    judged = run_claim(spec, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)
+    path = records_path(spec, tmp_path, "heldout")
+    recs = {(r["id"], r["arm"]): r for r in map(json.loads, path.read_text().splitlines()) if "arm" in r}
+    assert len(recs) == 8 and {i for i, _ in recs} == {"pydoc:vars-100", "pydoc:vars-101"}
+    kind = RagReuse(spec, model, tok)
+    for sid, index in (("pydoc:vars-100", 100), ("pydoc:vars-101", 101)):
+        s = kind.built_samples()({"setting": "vars", "index": index, "id": sid})
+        assert s["answer_prefix"].startswith("In the end,") and len(s["candidates"]) == 2
+        full = recs[(sid, "full")]
+        assert full["kl"] == 0.0 and recs[(sid, "naive")]["kl"] > 0 and full["chance"] == 0.5
+        # the gold log-probability against one plain forward over prompt + gold
+        prompt = build_prompt(tok, s["documents"], s["question"], "qa", answer_prefix=s["answer_prefix"])
+        gold = tok(s["answer_text"], add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt.ids + gold])).logits[0].double()
+        logp = torch.log_softmax(logits, -1)
+        want = sum(float(logp[len(prompt.ids) - 1 + t, g]) for t, g in enumerate(gold))
+        assert math.isclose(full["gold_logprob"], want, rel_tol=1e-4, abs_tol=1e-3)
+        assert recs[(sid, "prophetkv")]["stage1_rows"] == "question"
+        assert recs[(sid, "prophetkv_tail")]["stage1_rows"] == "tail"
+        pk = recs[(sid, "prophetkv")]
+        assert pk["recomputed"] == math.ceil(0.5 * pk["chunk_tokens"]) and recs[(sid, "naive")]["recomputed"] == 0
+    cell = judged["cells"][0]
+    assert cell["n"] == 2 and "discrimination" in cell["gates"] and "kl" in cell["arms"]["naive"]
+    assert cell["verdict"].startswith("void") or cell["verdict"] in ("reproduces", "does not reproduce")
+    run_claim(spec, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)
+    assert len([x for x in path.read_text().splitlines() if '"arm"' in x]) == 8  # resumed
+    with pytest.raises(ValueError, match="kind_args.settings.vars: data.style='nope'"):
+        RagReuse(tiny_claim("rag_reuse", arms, [{"arm": "prophetkv", "against": "full"}],
+                            kind_args={"settings": {"vars": {**setting, "style": "nope"}}},
+                            cells={"dims": {"setting": ["vars"]}, "n": 2}), model, tok)

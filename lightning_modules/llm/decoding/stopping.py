@@ -8,7 +8,7 @@ from typing import Any, List
 
 
 
-__all__ = ["stop_token_ids"]
+__all__ = ["stop_token_ids", "line_stop_ids"]
 
 
 def _eos_ids(source: Any) -> List[int]:
@@ -63,3 +63,10 @@ def stop_token_ids(tokenizer: Any, model_or_generation_config: Any = None) -> Li
     ids.update(_turn_end_ids(tokenizer))
     return sorted(ids)
 
+
+
+def line_stop_ids(tokenizer: Any, model_or_generation_config: Any = None) -> List[int]:
+    """:func:`stop_token_ids` plus the newline token: a short answer ends with its line (RAG answers, a claim's
+    one-line answers)."""
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    return sorted(set(stop_token_ids(tokenizer, model_or_generation_config)) | {int(i) for i in newline[-1:]})

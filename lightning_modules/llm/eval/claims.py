@@ -6,13 +6,14 @@ A kind evaluates the arms still to run on one built sample (every arm of a sampl
 each arm's complete config (``settings``: every default written out; the records freeze it, so a changed value
 under the same arm name is refused once the held-out run has started). The kinds live with their methods:
 ``suite_prefill`` in :mod:`lightning_modules.sparse_prefill.claims`, ``suite_eviction`` in
-:mod:`lightning_modules.kv_eviction.claims`.
+:mod:`lightning_modules.kv_eviction.claims`, ``suite_speculative`` in :mod:`lightning_modules.speculative.claims`,
+``rag_reuse`` (its own samples: :meth:`SuiteKind.built_samples`) in :mod:`lightning_modules.prophetkv.claims`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Mapping
+from typing import Any, Callable, Dict, Mapping
 
 import torch
 
@@ -31,6 +32,13 @@ class SuiteKind:
 
         self.spec, self.model, self.tok = spec, model, tok
         self.stops = stop_token_ids(tok, model)
+
+    def built_samples(self) -> Callable[[Mapping[str, Any]], Dict[str, Any]]:
+        """``built(claim sample) -> built sample`` (:class:`datamodules.claims.SuiteSamples`: the long-context
+        suite's; a kind over other data overrides it)."""
+        from datamodules.claims import SuiteSamples
+
+        return SuiteSamples(self.spec, self.tok).built
 
     def scored(self, s: Mapping[str, Any], tokens: torch.Tensor) -> Dict[str, Any]:
         from lightning_modules.llm.eval.suite_metrics import score_prediction
@@ -72,7 +80,7 @@ def plot_claim(spec: ClaimSpec, judged: Mapping[str, Any], path: Path) -> bool:
     ax.set_ylim(0, 100)
     ax.legend(fontsize=7)
     ax.set_title(f"{spec.name}: arms per cell (hatched: void or pending)", fontsize=8)
-    comps = [f"{c.arm} - {c.against}" for c in spec.comparisons]
+    comps = [f"{c.arm} - {c.against_text}" for c in spec.comparisons]
     for j, name in enumerate(comps):
         for i, c in enumerate(cells):
             x = next((x for x in c["comparisons"] if f"{x['arm']} - {x['against']}" == name), None)

@@ -14,7 +14,7 @@ from lightning_modules.llm.runtime.cache_surgery import assemble, compute_segmen
 from lightning_modules.llm.runtime.cached_lm import CachedLM
 from lightning_modules.llm.runtime.kv_store import KVSegmentStore
 from lightning_modules.llm.model.loading import load_causal_lm
-from lightning_modules.prophetkv.reuse import ReuseConfig
+from lightning_modules.prophetkv.reuse import ReuseConfig, question_focus
 from lightning_modules.prophetkv.selectors import SELECTORS, budgets, question_attention, fuse_layers
 
 pytestmark = pytest.mark.usefixtures("torch_seed")
@@ -80,13 +80,9 @@ def test_full_prefill_matches_one_forward_and_a_ragged_batch(tmp_path):
     assert torch.allclose(got.first_logits, res.first_logits, atol=1e-4)
 
 
-def test_stage_one_scores_equal_transformers_eager_attentions():
-    model = tiny("llama")
-    prefix, chunks, question = prompt(2)
-    ctx = assemble(model, [compute_segments(model, chunks, prefix)], prefix)
-    q = torch.tensor([question])
-    alpha = question_attention(ctx, q, torch.ones_like(q))
-    # the reference: the same question over a copy of the stale cache, eager attention, attentions returned
+def eager_attentions(model, prefix, chunks, q):
+    """The reference of Stage I: the question ``q [1, n]`` over a fresh copy of the stale cache with eager attention,
+    transformers' attentions returned; ``(cache width, per-layer [1, H, n, width + n])``."""
     ref_ctx = assemble(model, [compute_segments(model, chunks, prefix)], prefix)
     width = ref_ctx.lm.mask.shape[1]
     model.set_attn_implementation("eager")
@@ -95,7 +91,17 @@ def test_stage_one_scores_equal_transformers_eager_attentions():
                     cache=ref_ctx.lm.cache, use_cache=True, output_attentions=True)
     finally:
         model.set_attn_implementation("litctx")
-    for layer, att in enumerate(out.attentions):
+    return width, out.attentions
+
+
+def test_stage_one_scores_equal_transformers_eager_attentions():
+    model = tiny("llama")
+    prefix, chunks, question = prompt(2)
+    ctx = assemble(model, [compute_segments(model, chunks, prefix)], prefix)
+    q = torch.tensor([question])
+    alpha = question_attention(ctx, q, torch.ones_like(q))
+    width, attentions = eager_attentions(model, prefix, chunks, q)
+    for layer, att in enumerate(attentions):
         want = att.float().mean(dim=(1, 2))[:, :width]  # heads, question tokens
         assert torch.allclose(alpha[layer], want, atol=1e-5), layer
     assert ctx.lm.mask.shape[1] == width  # Stage I was taken back
@@ -106,6 +112,60 @@ def test_stage_one_scores_equal_transformers_eager_attentions():
     top = sorted(sorted(cols, key=lambda c: (-float(fused[0, c]), c))[:k])
     plan = SELECTORS["prophetkv"]().build().plan(ctx, 0.3, q, torch.ones_like(q))
     assert plan.slots[0].tolist() == top
+
+
+def test_stage_one_reads_only_the_questions_own_rows_when_asked():
+    """``query_span: question`` averages the rows the focus marks (checked against eager attentions of those rows
+    alone); ``tail`` ignores the focus; a row without focus falls back to every real row."""
+    model = tiny("llama")
+    prefix, chunks, question = prompt(4)
+    q = torch.tensor([question])
+    focus = torch.zeros_like(q, dtype=torch.float)
+    focus[0, 1:3] = 1.0
+    ctx = assemble(model, [compute_segments(model, chunks, prefix)], prefix)
+    alpha = question_attention(ctx, q, torch.ones_like(q), focus)
+    width, attentions = eager_attentions(model, prefix, chunks, q)
+    for layer, att in enumerate(attentions):
+        want = att.float()[:, :, 1:3].mean(dim=(1, 2))[:, :width]
+        assert torch.allclose(alpha[layer], want, atol=1e-5), layer
+    every = question_attention(ctx, q, torch.ones_like(q))
+    assert any(not torch.allclose(every[i], alpha[i], atol=1e-4) for i in alpha)  # the rows matter
+    k = budgets(ctx, 0.3)[0]
+    top = lambda a: sorted(sorted(ctx.chunk_columns[0], key=lambda c: (-float(fuse_layers(a, width)[0, c]), c))[:k])
+    asked = SELECTORS["prophetkv"]().build().plan(ctx, 0.3, q, torch.ones_like(q), focus)
+    tail = SELECTORS["prophetkv"](query_span="tail").build().plan(ctx, 0.3, q, torch.ones_like(q), focus)
+    assert asked.slots[0].tolist() == top(alpha) and asked.stats["stage1_rows"] == "question"
+    assert tail.slots[0].tolist() == top(every) and tail.stats["stage1_rows"] == "tail"
+    unmarked = question_attention(ctx, q, torch.ones_like(q), torch.zeros_like(focus))
+    assert all(torch.allclose(unmarked[i], every[i]) for i in every)
+
+
+def test_question_spans_reach_stage_one_through_a_ragged_batch(tmp_path):
+    """Spans given to ``prefill`` land on each row's own tokens after left padding; a span outside its row is an
+    error naming the row."""
+    model = tiny("llama")
+    rows = [prompt(0, 2), (prompt(5, 3)[0], prompt(5, 3)[1], toks(8, 77))]
+    prefix = rows[0][0]
+    spans = [(1, 3), (2, 6)]
+    focus = question_focus([r[2] for r in rows], spans, 8)
+    assert focus.tolist() == [[0, 0, 0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 0, 0]]
+    assert question_focus([r[2] for r in rows], None, 8) is None
+    with pytest.raises(ValueError, match="row 1's question span \\(2, 9\\)"):
+        question_focus([r[2] for r in rows], [(1, 3), (2, 9)], 8)
+    seen = {}
+    real = SELECTORS["prophetkv"]().build()
+
+    class Spy:
+        def plan(self, ctx, ratio, q, mask, focus=None):
+            seen["focus"] = focus
+            return real.plan(ctx, ratio, q, mask, focus)
+
+    run = ReuseConfig(selector="prophetkv", ratio=0.5).build(model, KVSegmentStore(str(tmp_path)))
+    run.selector = Spy()
+    res = run.prefill(prefix, [r[1] for r in rows], [r[2] for r in rows], spans)
+    assert seen["focus"].tolist() == focus.tolist() and res.stats["stage1_rows"] == "question"
+    res = run.prefill(prefix, [r[1] for r in rows], [r[2] for r in rows])
+    assert seen["focus"] is None and res.stats["stage1_rows"] == "tail"
 
 
 def test_cacheblend_keeps_the_tokens_whose_values_deviate_most():
@@ -207,7 +267,8 @@ def test_each_papers_config_records_its_ratio_and_refuses_a_foreign_knob():
     from recipes.configio import ConfigError
 
     done = registry.complete_args(registry.callback_spec("prophetkv").config, "", {}, "callbacks.reuse.args")
-    assert done == {"layer_fusion": "mean", "ratio": 0.2, "store_dir": None, "store_max_bytes": None}
+    assert done == {"layer_fusion": "mean", "query_span": "question", "ratio": 0.2, "store_dir": None,
+                    "store_max_bytes": None}
     with pytest.raises(ConfigError, match="check_layer"):
         registry.create_callback("prophetkv", {"check_layer": 2})
     with pytest.raises(ConfigError, match=r"epic\.ratio"):

@@ -1,0 +1,131 @@
+"""The claim harness's ``rag_reuse`` kind (:mod:`litctx_common.claims`): a generated retrieval-augmented question
+(:mod:`datamodules.rag_tasks`, its answer prefix on) prefilled from stored chunk KV by each arm's reuse method
+(:class:`~lightning_modules.prophetkv.reuse.ReuseConfig`: ``full``, ``naive``, ``random``, ``epic``,
+``cacheblend``, ``prophetkv``, ``oracle``), a greedy one-line answer, and per arm:
+
+* ``score`` (the sample's answers found in the answer), ``candidate`` (the answer names one of the sample's
+  in-context candidates) and ``chance`` (1 / candidates): the discrimination gate's inputs;
+* ``kl``: ``KL(full || arm)`` of the first answer token's distribution (nats; full prefill runs once per sample as
+  the reference even when its arm is already on record);
+* ``gold_logprob``: the teacher-forced log-probability of the gold continuation (``answer_text``);
+* ``ttft_s``, ``recomputed`` and ``chunk_tokens`` (the share recomputed), ``stage1_rows`` (ProphetKV: whose
+  attention Stage I read).
+
+The claim's cells have one dim, ``setting``; ``kind_args.settings`` maps each setting to its
+:class:`~datamodules.rag_tasks.RAGDataConfig` fields (source, style, hops, distractors, chunk_words ...). Chunk KV
+lives in a size-bounded store of its own (``kind_args.store_max_bytes``, default 2 GiB, under the litctx cache
+folder), shared by every arm of a sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Mapping, Sequence
+
+from lightning_modules.llm.eval.claims import SuiteKind
+from litctx_common.claims import ArmSpec, ClaimSpec
+from litctx_common.records import Arm
+
+__all__ = ["RagReuse", "reuse_config"]
+
+KIND_ARGS = ("settings", "max_new_tokens", "store_max_bytes")
+
+
+def reuse_config(arm: ArmSpec) -> Any:
+    """The arm's :class:`~lightning_modules.prophetkv.reuse.ReuseConfig`: ``method`` is the selector, ``args``
+    its ``ratio`` and the selector's own fields."""
+    from lightning_modules.prophetkv.reuse import ReuseConfig
+
+    args = dict(arm.args)
+    ratio = args.pop("ratio", 0.2)
+    return ReuseConfig(selector=arm.method, selector_args=args, ratio=ratio)
+
+
+class RagReuse(SuiteKind):
+    """``rag_reuse`` (see the module docstring)."""
+
+    def __init__(self, spec: ClaimSpec, model: Any, tok: Any) -> None:
+        from lightning_modules.llm.decoding.stopping import line_stop_ids
+        from lightning_modules.llm.runtime.kv_store import KVSegmentStore
+        from litctx_common.paths import default_cache_dir
+
+        super().__init__(spec, model, tok)
+        args = spec.kind_args
+        unknown = sorted(set(args) - set(KIND_ARGS))
+        if unknown:
+            raise ValueError(f"claim {spec.name}: kind_args {unknown}: valid keys for rag_reuse are "
+                             f"{', '.join(KIND_ARGS)}")
+        self.settings_of = dict(args.get("settings") or {})
+        missing = [c for c in spec.cells.dims.get("setting", []) if c not in self.settings_of]
+        if "setting" not in spec.cells.dims or missing:
+            raise ValueError(f"claim {spec.name}: rag_reuse cells need dims.setting, each a key of "
+                             f"kind_args.settings (missing: {missing or 'dims.setting'})")
+        from datamodules.rag_tasks import RAGDataConfig
+
+        for name, fields in self.settings_of.items():  # a wrong field fails now, naming the setting
+            try:
+                RAGDataConfig(**fields)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"claim {spec.name}: kind_args.settings.{name}: {err}") from None
+        self.max_new_tokens = int(args.get("max_new_tokens", 16))
+        self.stops = line_stop_ids(tok, model)
+        self.store = KVSegmentStore(str(default_cache_dir() / "claims" / spec.name),
+                                    int(args.get("store_max_bytes", 2 ** 31)))
+        self._reusers: Dict[str, Any] = {}
+        self._reference: Dict[str, Any] = {}
+
+    @staticmethod
+    def settings(arm: ArmSpec) -> Dict[str, Any]:
+        """The arm's selector, ratio and every selector field (the store's place is not a setting)."""
+        cfg = reuse_config(arm)
+        return {"method": arm.method, "ratio": cfg.ratio, "args": dict(cfg.selector_args)}
+
+    def built_samples(self) -> Callable[[Mapping[str, Any]], Dict[str, Any]]:
+        """``built(claim sample)``: the setting's generated sample at the claim sample's index (answer prefix on)."""
+        from datamodules.rag_tasks import RAGDataConfig, RAGDataset
+
+        def built(sample: Mapping[str, Any]) -> Dict[str, Any]:
+            fields = {"samples": int(sample["index"]) + 1, "answer_prefix": True,
+                      **self.settings_of[sample["setting"]]}
+            data = RAGDataset(RAGDataConfig(**fields))
+            return {**data[int(sample["index"])], "claim_id": sample["id"]}
+
+        return built
+
+    def reuser(self, arm: ArmSpec) -> Any:
+        if arm.name not in self._reusers:
+            self._reusers[arm.name] = reuse_config(arm).build(self.model, self.store)
+        return self._reusers[arm.name]
+
+    def evaluate(self, s: Mapping[str, Any], todo: Sequence[Arm]) -> Dict[str, Dict[str, Any]]:
+        from lightning_modules.llm.eval.suite_metrics import score_prediction
+        from lightning_modules.prophetkv.reuse import ReuseConfig
+        from lightning_modules.rag.pipeline import answer, answer_distribution_kl
+        from lightning_modules.rag.prompts import build_prompt
+
+        prompt = build_prompt(self.tok, s["documents"], s["question"], "qa", answer_prefix=s.get("answer_prefix"))
+        gold = self.tok(s["answer_text"], add_special_tokens=False)["input_ids"] if s.get("answer_text") else None
+        candidates = [str(c).lower() for c in s.get("candidates") or []]
+        if s["claim_id"] not in self._reference:  # full prefill: the KL reference of every arm
+            full = ReuseConfig(selector="full").build(self.model, self.store)
+            self._reference = {s["claim_id"]: answer(prompt, full, self.tok, self.max_new_tokens, self.stops,
+                                                     gold=gold)}
+        ref = self._reference[s["claim_id"]]
+        out = {}
+        for arm in todo:
+            a = self.spec.arm(arm.name)
+            res = ref if a.method == "full" else answer(prompt, self.reuser(a), self.tok, self.max_new_tokens,
+                                                        self.stops, gold=gold)
+            text = res.text.lower()
+            out[arm.name] = {
+                "score": score_prediction(res.text, s["answers"], s.get("answer_mode", "any")),
+                "candidate": int(any(c in text for c in candidates)),
+                "chance": 1.0 / len(candidates) if candidates else 1.0,
+                "kl": answer_distribution_kl(ref.first_logits, res.first_logits),
+                "gold_logprob": res.gold_logprob, "ttft_s": res.ttft_s,
+                "recomputed": (res.stats.get("recomputed") or [0])[0],
+                "chunk_tokens": (res.stats.get("chunk_tokens") or [0])[0],
+                "recomputed_share": (res.stats.get("recomputed") or [0])[0] / max(1, prompt.context_tokens),
+                "stage1_rows": res.stats.get("stage1_rows"), "prompt_tokens": len(prompt.ids),
+                "prediction": res.text}
+        return out
+
