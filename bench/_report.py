@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from litctx_common.io import atomic_open, atomic_path, atomic_write_text
+from litctx_common.io import atomic_open, atomic_path, section_markers, write_markdown_section
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -16,21 +16,12 @@ __all__ = ["REPO", "markers", "write_section", "load_cache", "cached_run", "save
 
 
 def markers(name: str):
-    return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    return section_markers(name)
 
 
 def write_section(name: str, body: str, heading: str, path: Path = REPO / "docs" / "results.md") -> str:
     """Replace the text between the ``name`` markers (or append a new ``heading`` section); returns the section."""
-    start, end = markers(name)
-    section = f"{start}\n{body.strip()}\n{end}"
-    current = path.read_text() if path.exists() else "# Results\n"
-    if start in current and end in current:
-        head, rest = current.split(start, 1)
-        new = head + section + rest.split(end, 1)[1]
-    else:
-        new = current.rstrip() + f"\n\n## {heading}\n\n{section}\n"
-    atomic_write_text(path, new)
-    return section
+    return write_markdown_section(path, name, body, heading)
 
 
 def load_cache(path: Path) -> dict:

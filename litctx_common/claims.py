@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from litctx_common.stats import paired_bootstrap
 
 __all__ = ["ArmSpec", "Comparison", "CellSpec", "SplitSpec", "ClaimSpec", "ClaimError", "judge_cell", "judge_claim",
-           "cells_of", "TESTS", "VERDICTS", "KINDS", "discrimination_gate"]
+           "cells_of", "TESTS", "VERDICTS", "KINDS", "discrimination_gate", "board", "board_table"]
 
 TESTS = ("non_inferiority", "superiority")
 #: kind name -> ``"module:Class"`` built with ``(spec, model, tokenizer)``: ``evaluate(built sample, arms)`` gives each
@@ -50,7 +50,8 @@ TESTS = ("non_inferiority", "superiority")
 KINDS = {"suite_prefill": "lightning_modules.sparse_prefill.claims:SuitePrefill",
          "suite_eviction": "lightning_modules.kv_eviction.claims:SuiteEviction",
          "suite_speculative": "lightning_modules.speculative.claims:SuiteSpeculative",
-         "rag_reuse": "lightning_modules.prophetkv.claims:RagReuse"}
+         "rag_reuse": "lightning_modules.prophetkv.claims:RagReuse",
+         "suite_composed": "lightning_modules.speculative.claims:SuiteComposed"}
 VERDICTS = ("reproduces", "does not reproduce", "void (capability)", "void (discrimination)", "void (phenomenon)",
             "pending", "untestable here", "void (no cell passed its gates)", "passes its gates")
 
@@ -135,7 +136,11 @@ class ClaimSpec:
     ``kind_args`` the settings every arm of the kind shares (the speculative kind's draft, gamma and calibration);
     ``report`` lists record fields averaged per arm beside the metric (density, bytes, seconds: reported, never
     gated); ``discrimination`` the margin of the discrimination gate (None: no such gate); ``screens`` the claim
-    a screen screens (see the module docstring)."""
+    a screen screens (see the module docstring); ``leaderboard`` makes the spec a leaderboard (no bar: every arm
+    ranked on the cells the reference passes, :func:`board`) and names the reported field whose ratio to the
+    reference's is the arm's footprint (``compressed_bytes``, ``density``); ``study`` marks a measurement that is
+    no paper's claim (the composition of methods), judged alike. Screens, leaderboards and studies have no row of
+    their own in ``docs/claims.md`` (:attr:`paper_row`)."""
 
     name: str
     paper: str
@@ -156,6 +161,8 @@ class ClaimSpec:
     report: List[str] = field(default_factory=list)
     discrimination: Optional[float] = None
     screens: Optional[str] = None
+    leaderboard: Optional[str] = None
+    study: bool = False
     untestable: Optional[Dict[str, str]] = None
     recorded: Optional[Dict[str, str]] = None
     notes: str = ""
@@ -192,6 +199,11 @@ class ClaimSpec:
         return spec
 
     @property
+    def paper_row(self) -> bool:
+        """Whether the spec is a paper's claim (one row of ``docs/claims.md``)."""
+        return not (self.screens or self.leaderboard or self.study)
+
+    @property
     def status(self) -> str:
         """``run`` (the harness runs it), ``untestable`` or ``recorded``."""
         return "untestable" if self.untestable else "recorded" if self.recorded else "run"
@@ -220,8 +232,10 @@ class ClaimSpec:
                 problems.append(f"reference={self.reference!r}: not an arm ({', '.join(names)})")
             if self.control is not None and self.control not in names:
                 problems.append(f"control={self.control!r}: not an arm ({', '.join(names)})")
-            if not self.comparisons and not self.screens:
+            if not self.comparisons and not self.screens and not self.leaderboard:
                 problems.append("comparisons: at least one (the paper's bar) is required")
+            if self.leaderboard and self.leaderboard not in self.report:
+                problems.append(f"leaderboard={self.leaderboard!r}: must be one of report ({self.report})")
             if self.screens and self.comparisons:
                 problems.append(f"screens={self.screens!r}: a screen has gates only (no comparisons)")
             if self.discrimination is not None and not 0.0 <= self.discrimination < 1.0:
@@ -464,3 +478,54 @@ def summary_row(spec: ClaimSpec, judged: Optional[Mapping[str, Any]]) -> Tuple[s
     if void:
         detail += f"{'; ' if detail else ''}{void} of {len(judged['cells'])} cells void"
     return judged["verdict"], detail
+
+
+# ---------------------------------------------------------------------------------------------- leaderboards
+def board(spec: ClaimSpec, judged: Mapping[str, Any], records: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """A leaderboard from a judged spec: the samples of every cell whose reference passes the capability gate
+    (complete or not), paired across arms; per arm its accuracy with a 95% bootstrap interval, its paired
+    difference to the reference, and its compression ``1 - mean(arm[leaderboard]) / mean(reference[...])``.
+
+    Returns ``{"cells": gated cell names, "void": the other cells, "n": paired samples, "rows": [...]}`` (rows in
+    the spec's arm order: ``arm``, ``family`` (the name before ``@``), ``n``, ``mean``, ``lo``, ``hi``, ``diff``,
+    ``diff_lo``, ``diff_hi``, ``compression``)."""
+    gated = [c for c in judged["cells"] if c.get("gates", {}).get("capability", {}).get("passed")]
+    by: Dict[str, Dict[str, float]] = {}
+    footprint: Dict[str, Dict[str, float]] = {}
+    for c in gated:
+        for r in records:
+            if r["id"] in c["ids"] and all(r.get(k) == v for k, v in c["cell"].items()):
+                key = f"{c['name']}|{r['id']}"
+                by.setdefault(r["arm"], {})[key] = float(r[spec.metric])
+                if isinstance(r.get(spec.leaderboard), (int, float)):
+                    footprint.setdefault(r["arm"], {})[key] = float(r[spec.leaderboard])
+    arms = [a.name for a in spec.arms]
+    ids = sorted(set.intersection(*(set(by.get(a, {})) for a in arms))) if gated else []
+    out: Dict[str, Any] = {"cells": [c["name"] for c in gated], "n": len(ids), "rows": [],
+                           "void": [c["name"] for c in judged["cells"] if c not in gated]}
+    if not ids:
+        return out
+    ref = [by[spec.reference][i] for i in ids]
+    ref_size = sum(footprint.get(spec.reference, {}).get(i, float("nan")) for i in ids) / len(ids)
+    for a in arms:
+        vals = [by[a][i] for i in ids]
+        own = paired_bootstrap(vals, [0.0] * len(vals), seed=1)
+        diff = paired_bootstrap(vals, ref, seed=1)
+        size = sum(footprint.get(a, {}).get(i, float("nan")) for i in ids) / len(ids)
+        out["rows"].append({"arm": a, "family": a.split("@")[0], "n": len(ids), "mean": own["diff"],
+                            "lo": own["lo"], "hi": own["hi"], "diff": diff["diff"], "diff_lo": diff["lo"],
+                            "diff_hi": diff["hi"], "compression": 1.0 - size / ref_size if ref_size else float("nan")})
+    return out
+
+
+def board_table(spec: ClaimSpec, b: Mapping[str, Any]) -> List[str]:
+    """The markdown table of a :func:`board` (best accuracy first within equal compression is not implied: rows
+    keep the spec's order, grouped by family)."""
+    lines = ["| method | arm | compression % | n | accuracy % [95% CI] | minus " + f"{spec.reference} (points) |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted(b["rows"], key=lambda r: (r["family"] != spec.reference, r["family"], r["compression"])):
+        comp = "-" if math.isnan(r["compression"]) else f"{100 * r['compression']:.0f}"
+        lines.append(f"| {r['family']} | {r['arm']} | {comp} | {r['n']} | {100 * r['mean']:.1f} "
+                     f"[{100 * r['lo']:.1f}, {100 * r['hi']:.1f}] | "
+                     f"{interval_text(r['diff'], r['diff_lo'], r['diff_hi'])} |")
+    return lines

@@ -20,8 +20,9 @@ from typing import IO, Any, Callable, Dict, Hashable, Iterable, Iterator, List, 
 
 from litctx_common.errors import DataError
 
-__all__ = ["read_text_file", "looks_binary", "TextFileError", "encoding_problem", "atomic_path", "atomic_open", "atomic_write_text", "atomic_write_bytes", "append_jsonl", "read_jsonl",
-           "jsonl_lines"]
+__all__ = ["section_markers", "write_markdown_section", "read_text_file", "looks_binary", "TextFileError",
+           "encoding_problem", "atomic_path", "atomic_open", "atomic_write_text", "atomic_write_bytes", "append_jsonl",
+           "read_jsonl", "jsonl_lines"]
 
 
 def _fsync_file(path: Path) -> None:
@@ -113,6 +114,27 @@ def atomic_write_bytes(path: Any, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (see :func:`atomic_open`)."""
     with atomic_open(path, "wb") as f:
         f.write(data)
+
+
+def section_markers(name: str) -> tuple:
+    """The start and end markers of a generated section of a markdown page (``docs/results.md``)."""
+    return f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+
+
+def write_markdown_section(path: Any, name: str, body: str, heading: str) -> str:
+    """Replace the text between ``name``'s markers in the page at ``path`` (or append a new ``## heading``
+    section holding them), atomically; returns the section."""
+    start, end = section_markers(name)
+    section = f"{start}\n{body.strip()}\n{end}"
+    path = Path(path)
+    current = path.read_text() if path.exists() else "# Results\n"
+    if start in current and end in current:
+        head, rest = current.split(start, 1)
+        new = head + section + rest.split(end, 1)[1]
+    else:
+        new = current.rstrip() + f"\n\n## {heading}\n\n{section}\n"
+    atomic_write_text(path, new)
+    return section
 
 
 def append_jsonl(path: Any, records: Iterable[Any]) -> None:

@@ -13,6 +13,7 @@ COMMANDS = {
     "show": ("recipes.show", "print a recipe's resolved config with provenance"),
     "serve": ("recipes.serve", "serve a local model on an OpenAI-compatible endpoint"),
     "claim": ("recipes.claim", "judge a paper's claim with gated cells and paired intervals"),
+    "leaderboard": ("recipes.leaderboard", "accuracy against compression of every eviction and sparse-prefill method"),
 }
 
 

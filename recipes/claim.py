@@ -159,7 +159,7 @@ def docs_table(out: Path = RESULTS) -> str:
     rows = ["| paper | claim | verdict | detail | command |", "|---|---|---|---|---|"]
     for name in claim_names():
         spec = load_claim(name)
-        if spec.screens:
+        if not spec.paper_row:
             continue
         verdict, detail = summary_row(spec, latest(spec, out))
         cmd = spec.recorded.get("command", "") if spec.recorded else "" if spec.untestable else command_of(spec)

@@ -30,7 +30,7 @@ from litctx_common.claims import ArmSpec, ClaimSpec
 from litctx_common.io import atomic_write_text
 from litctx_common.records import Arm
 
-__all__ = ["SuiteSpeculative", "CALIBRATION_FILE"]
+__all__ = ["SuiteSpeculative", "SuiteComposed", "CALIBRATION_FILE", "PARTS"]
 
 CALIBRATION_FILE = "calibration.json"
 _DEFAULTS = {"draft": {"kind": "early_exit", "num_layers": 8}, "gamma": 4, "max_new_tokens": 64}
@@ -143,3 +143,113 @@ class SuiteSpeculative(SuiteKind):
                              if read.get("bytes_read") is not None and read.get("dense_bytes") else None,
                              "arr": read.get("arr"), "decode_s": res.decode_seconds}
         return out
+
+
+PARTS = ("prefill", "eviction", "verify")
+
+
+class SuiteComposed(SuiteSpeculative):
+    """``suite_composed``: the inference methods stacked on one model for one answer. An arm is ``method: stack``
+    with ``args`` naming any of three parts, each ``{method, args}``:
+
+    * ``prefill``: a sparse prefill (:func:`~lightning_modules.sparse_prefill.config.prefill_config`; none: dense);
+    * ``eviction``: a KV policy compressing the prompt at the prefill
+      (:func:`~lightning_modules.kv_eviction.config.method_config`; none: the full cache);
+    * ``verify``: a verifier of speculative decoding (``dense``, ``dustin`` ... as in ``suite_speculative``, with
+      ``calibration: claim``; none: plain greedy decoding).
+
+    The prompt (context and question) is prefilled per arm under its parts (no held prefill: a sparse prefill
+    changes it), then decoded. Per arm: the score, each part's share (``density``: attention computed at the
+    prefill; ``cache_fraction``: cache bytes kept after the prefill over the prompt's full cache; ``read_fraction``:
+    bytes read per verification over a dense verification's, 1 without one), the bytes read per verification,
+    the acceptance, and the prefill and decode seconds. ``kind_args`` as ``suite_speculative``'s.
+    """
+
+    def settings(self, arm: ArmSpec) -> Dict[str, Any]:
+        """Every part's complete config (defaults written out) and the shared draft, gamma and calibration digest."""
+        from lightning_modules.kv_eviction.config import method_config
+        from lightning_modules.sparse_prefill.config import prefill_config
+
+        parts = self._parts(arm)
+        out: Dict[str, Any] = {"method": "stack", "draft": asdict(self.draft_config), "gamma": self.args["gamma"],
+                               "max_new_tokens": self.args["max_new_tokens"]}
+        if "prefill" in parts:
+            p = parts["prefill"]
+            out["prefill"] = {"method": p["method"], "args": asdict(prefill_config(p["method"], p.get("args")))}
+        if "eviction" in parts:
+            e = parts["eviction"]
+            out["eviction"] = {"method": e["method"], "args": asdict(method_config(e["method"], e.get("args")))}
+        if "verify" in parts:
+            v = parts["verify"]
+            inner = super().settings(ArmSpec(arm.name, v["method"], dict(v.get("args") or {})))
+            out["verify"] = {k: inner[k] for k in ("method", "args", "calibration_sha1") if k in inner}
+        return out
+
+    def _parts(self, arm: ArmSpec) -> Dict[str, Mapping[str, Any]]:
+        if arm.method != "stack":
+            raise ValueError(f"claim {self.spec.name}: arm {arm.name}: suite_composed arms are method: stack "
+                             f"(got {arm.method!r})")
+        unknown = sorted(set(arm.args) - set(PARTS))
+        bad = [k for k in PARTS if k in arm.args and not (isinstance(arm.args[k], Mapping)
+                                                          and "method" in arm.args[k])]
+        if unknown or bad:
+            raise ValueError(f"claim {self.spec.name}: arm {arm.name}: args {unknown or bad}: the parts are "
+                             f"{', '.join(PARTS)}, each {{method, args}}")
+        return {k: arm.args[k] for k in PARTS if k in arm.args}
+
+    def evaluate(self, s: Mapping[str, Any], todo: Sequence[Arm]) -> Dict[str, Dict[str, Any]]:
+        from lightning_modules.kv_eviction.config import method_config
+        from lightning_modules.llm.decoding.generate import greedy_generate
+        from lightning_modules.llm.decoding.speculative import speculative_generate
+        from lightning_modules.llm.kv_policy.runner import install_policy
+        from lightning_modules.speculative.verifiers import build_verifier
+        from lightning_modules.sparse_prefill.config import prefill_config
+        from lightning_modules.sparse_prefill.session import install_sparse_prefill
+
+        ids = torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0)
+        limit = min(int(s["max_new_tokens"]), int(self.args["max_new_tokens"]))
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        full_bytes = None
+        out = {}
+        for arm in todo:
+            a = self.spec.arm(arm.name)
+            parts = self._parts(a)
+            with contextlib.ExitStack() as ctx:
+                sess = None
+                if "prefill" in parts:
+                    cfg = prefill_config(parts["prefill"]["method"], parts["prefill"].get("args"))
+                    sess = ctx.enter_context(install_sparse_prefill(self.model, cfg.build(),
+                                                                    min_length=cfg.min_length, layers=cfg.layers))
+                if "eviction" in parts:
+                    e = parts["eviction"]
+                    ctx.enter_context(install_policy(self.model, method_config(e["method"], e.get("args")).build()))
+                if "verify" in parts:
+                    v = ArmSpec(a.name, parts["verify"]["method"], dict(parts["verify"].get("args") or {}))
+                    res = speculative_generate(self.model, self.draft, ids, None, limit, self.stops,
+                                               gamma=int(self.args["gamma"]),
+                                               verifier=build_verifier(v.method, self._verifier_args(v)),
+                                               pad_id=pad)
+                else:
+                    res = greedy_generate(self.model, ids, None, limit, self.stops)
+                density = sess.summary().get("density", 1.0) if sess is not None else 1.0
+            st = res.stats or {}
+            read = st.get("read") or {}
+            acc, prop = (st.get("accepted_per_row") or [None])[0], (st.get("proposed_per_row") or [None])[0]
+            if full_bytes is None:
+                full_bytes = self._full_cache_bytes(ids)
+            out[arm.name] = {**self.scored(s, res.tokens), "density": density,
+                             "cache_fraction": res.cache_bytes / full_bytes if full_bytes else None,
+                             "read_fraction": (read["bytes_read"] / read["dense_bytes"])
+                             if read.get("bytes_read") is not None and read.get("dense_bytes") else 1.0,
+                             "bytes_read": read.get("bytes_read"), "dense_bytes": read.get("dense_bytes"),
+                             "acceptance": (acc / prop) if prop else None, "prefill_s": res.prefill_seconds,
+                             "decode_s": res.decode_seconds}
+        return out
+
+    def _full_cache_bytes(self, ids: torch.Tensor) -> int:
+        """The bytes of the prompt's full cache (the share an eviction keeps is measured against it)."""
+        from lightning_modules.llm.runtime.cached_lm import CachedLM
+
+        lm = CachedLM(self.model)
+        lm.feed(ids)
+        return lm.cache_bytes()

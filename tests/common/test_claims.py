@@ -177,3 +177,33 @@ def test_a_fraction_of_the_reference_is_the_bar_when_the_paper_states_one():
     assert loses["comparisons"][0]["diff"] == pytest.approx(0.85 - 0.9) and loses["verdict"] == "does not reproduce"
     with pytest.raises(ClaimError, match=r"fraction=0"):
         spec(comparisons=[{"arm": "m", "against": "dense", "fraction": 0}])
+
+
+def test_a_leaderboard_keeps_the_cells_the_reference_passes_and_measures_compression():
+    from litctx_common.claims import board, board_table
+
+    s = spec(leaderboard="size", comparisons=[], control=None, report=["size"],
+             arms={"dense": {"method": "d"}, "m@0.5": {"method": "p"}, "m@0.75": {"method": "p"}})
+
+    def sized(task, scores, sizes):
+        out = recs(task, scores)
+        for r in out:
+            r["size"] = sizes[r["arm"]]
+        return out
+
+    sizes = {"dense": 100.0, "m@0.5": 50.0, "m@0.75": 25.0}
+    records = (sized("a", {"dense": ones(18), "m@0.5": ones(16), "m@0.75": ones(9)}, sizes)
+               + sized("b", {"dense": ones(6), "m@0.5": ones(6), "m@0.75": ones(6)}, sizes))
+    judged = judge_claim(s, records)
+    b = board(s, judged, records)
+    assert b["cells"] == ["task a"] and b["void"] == ["task b"] and b["n"] == 20  # task b: the reference fails
+    rows = {r["arm"]: r for r in b["rows"]}
+    assert rows["m@0.5"]["compression"] == pytest.approx(0.5) and rows["m@0.75"]["compression"] == pytest.approx(0.75)
+    assert rows["m@0.75"]["mean"] == pytest.approx(0.45) and rows["m@0.75"]["lo"] < 0.45 < rows["m@0.75"]["hi"]
+    assert rows["m@0.75"]["diff"] == pytest.approx(-0.45) and rows["m@0.75"]["diff_hi"] < 0
+    assert rows["dense"]["family"] == "dense" and rows["m@0.5"]["family"] == "m"
+    table = "\n".join(board_table(s, b))
+    assert "| m | m@0.75 | 75 | 20 | 45.0 [" in table
+    with pytest.raises(ClaimError, match="leaderboard='bytes': must be one of report"):
+        spec(leaderboard="bytes", comparisons=[], report=["size"])
+    assert board(s, judge_claim(s, records[60:]), records[60:])["rows"] == []  # no cell passes: no rows

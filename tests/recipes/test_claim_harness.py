@@ -89,7 +89,7 @@ def test_every_claim_file_loads_and_the_docs_table_has_one_row_per_paper(capsys)
     names = claim_names()
     assert {"prism", "obcache", "prophetkv_screen"} <= set(names)
     specs = [load_claim(n) for n in names]
-    papers = [s for s in specs if not s.screens]  # a screen is cited by the claim it screens, no row of its own
+    papers = [s for s in specs if s.paper_row]  # screens, boards and studies have no row of their own
     assert len({s.paper for s in papers}) == len(papers) == 19
     assert all(s.screens in names for s in specs if s.screens)
     table = docs_table()
@@ -179,3 +179,73 @@ def test_a_rag_reuse_claim_scores_every_arm_against_full_prefill(tmp_path, tiny_
         RagReuse(tiny_claim("rag_reuse", arms, [{"arm": "prophetkv", "against": "full"}],
                             kind_args={"settings": {"vars": {**setting, "style": "nope"}}},
                             cells={"dims": {"setting": ["vars"]}, "n": 2}), model, tok)
+
+
+def test_the_leaderboard_command_reports_boards_and_refuses_an_unknown_one(tmp_path, capsys, monkeypatch):
+    """``litctx leaderboard --report-only`` builds every board's table from the records on file (none yet: no
+    rows, the cells listed), writes nothing into docs/ from a private folder, and names the boards on a typo;
+    a board with rows gets its figure."""
+    from lightning_modules.llm.eval.claims import plot_board
+    from litctx_common.claims import board
+    from recipes import leaderboard as lb
+
+    names = lb.board_names()
+    assert {"leaderboard_eviction", "leaderboard_prefill"} <= set(names)
+    docs_before = lb.DOCS_RESULTS.read_text()
+    assert lb.main(["--report-only", "--out", str(tmp_path)]) == 0
+    for name in names:
+        text = (tmp_path / name / "leaderboard.md").read_text()
+        assert "none yet" in text and "| method | arm | compression % |" in text
+    assert lb.DOCS_RESULTS.read_text() == docs_before
+    assert lb.main(["--boards", "prism", "--out", str(tmp_path)]) == 2
+    assert "not leaderboards" in capsys.readouterr().err
+    spec = tiny_claim("suite_eviction", {"full": {"method": "full"}, "snapkv@0.5": {"method": "snapkv"}}, [],
+                      leaderboard="compressed_bytes", report=["compressed_bytes"])
+    records = [{"id": f"s{i}", "task": "niah_single", "length": 512, "arm": arm, "score": float(i < k),
+                "compressed_bytes": size} for arm, k, size in (("full", 2, 10.0), ("snapkv@0.5", 1, 5.0))
+               for i in range(2)]
+    from litctx_common.claims import judge_claim
+
+    b = board(spec, judge_claim(spec, records), records)
+    assert [r["compression"] for r in b["rows"]] == [0.0, 0.5]
+    if importlib.util.find_spec("matplotlib"):
+        assert plot_board(spec, b, tmp_path / "b.png") and (tmp_path / "b.png").stat().st_size > 1000
+
+
+@needs_tokenizer
+def test_a_composed_claim_stacks_prefill_eviction_and_verification_and_reports_each_share(tmp_path, tiny_lm):
+    """``suite_composed``: an empty stack is plain dense decoding, each part alone acts (prefill density < 1, the
+    cache kept at the eviction ratio, verification reading a fraction), the three stacked report all three shares,
+    and the calibration is made once for the Dustin parts."""
+    from recipes.claim import records_path, run_claim
+
+    model, tok = tiny_lm
+    prefill = {"method": "prism", "args": {"top_p": 0.5, "block": 64, "min_length": 64}}
+    evict = {"method": "snapkv", "args": {"compression_ratio": 0.5, "window": 8, "score": "obcache_kv"}}
+    verify = {"method": "dustin", "args": {"budget": 64, "calibration": "claim"}}
+    arms = {"dense": {"method": "stack", "args": {}}, "prefill": {"method": "stack", "args": {"prefill": prefill}},
+            "evict": {"method": "stack", "args": {"eviction": evict}},
+            "verify": {"method": "stack", "args": {"verify": verify}},
+            "all": {"method": "stack", "args": {"prefill": prefill, "eviction": evict, "verify": verify}}}
+    spec = tiny_claim("suite_composed", arms, [{"arm": "all", "against": "dense"}], study=True,
+                      kind_args={"draft": {"kind": "early_exit", "num_layers": 1}, "gamma": 2, "max_new_tokens": 6,
+                                 "calibration": {"budget": 64, "samples": 1, "target_heads": 1, "draft_heads": 1}},
+                      cells={"dims": {"task": ["niah_single"], "length": [512]}, "n": 1})
+    assert not spec.paper_row
+    run_claim(spec, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)
+    recs = {r["arm"]: r for r in map(json.loads, records_path(spec, tmp_path, "heldout").read_text().splitlines())}
+    assert set(recs) == set(arms)
+    d, p, e, v, a = (recs[k] for k in ("dense", "prefill", "evict", "verify", "all"))
+    assert d["density"] == 1.0 and d["cache_fraction"] == pytest.approx(1.0) and d["read_fraction"] == 1.0
+    assert d["acceptance"] is None and d["arm_settings"] == {**d["arm_settings"], "method": "stack"}
+    assert p["density"] < 1.0 and p["cache_fraction"] == pytest.approx(1.0)
+    assert e["cache_fraction"] == pytest.approx(0.5, abs=0.05) and e["density"] == 1.0
+    assert v["read_fraction"] < 1.0 and v["acceptance"] is not None and v["arm_settings"]["verify"]["calibration_sha1"]
+    assert a["density"] < 1.0 and a["cache_fraction"] == pytest.approx(0.5, abs=0.05) and a["read_fraction"] < 1.0
+    assert a["arm_settings"]["eviction"]["args"]["score"] == "obcache_kv"
+    assert a["arm_settings"]["prefill"]["args"]["high_fraction"] == 0.5  # every default frozen
+    with pytest.raises(ValueError, match="the parts are prefill, eviction, verify"):
+        run_claim(tiny_claim("suite_composed", {"dense": {"method": "stack", "args": {"prefil": prefill}}},
+                             [{"arm": "dense", "against": "dense"}], kind_args={"draft": {"num_layers": 1}},
+                             cells={"dims": {"task": ["niah_single"], "length": [512]}, "n": 1}),
+                  tmp_path / "bad", "heldout", model=model, tok=tok, log=lambda _: None)

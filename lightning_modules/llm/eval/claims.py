@@ -19,7 +19,7 @@ import torch
 
 from litctx_common.claims import ClaimSpec
 
-__all__ = ["SuiteKind", "plot_claim"]
+__all__ = ["SuiteKind", "plot_claim", "plot_board"]
 
 
 class SuiteKind:
@@ -94,7 +94,49 @@ def plot_claim(spec: ClaimSpec, judged: Mapping[str, Any], path: Path) -> bool:
         bx.axvline(-5, color="grey", lw=0.8, ls="--")
     bx.set_yticks(range(len(cells)), [c["name"] for c in cells], fontsize=7)
     bx.set_xlabel("paired difference (points, 95% interval)")
-    bx.legend(fontsize=7)
+    if comps:  # a screen has none
+        bx.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+    return True
+
+
+def plot_board(spec: ClaimSpec, b: Mapping[str, Any], path: Path) -> bool:
+    """A leaderboard (:func:`litctx_common.claims.board`): accuracy against compression, one line per method
+    family with 95% intervals, the reference as a band; saved atomically at ``path``. False without matplotlib
+    or rows."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    from litctx_common.io import atomic_path
+
+    rows = [r for r in b["rows"] if r["family"] != spec.reference]
+    ref = next((r for r in b["rows"] if r["arm"] == spec.reference), None)
+    if not rows or ref is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.axhspan(100 * ref["lo"], 100 * ref["hi"], color="grey", alpha=0.2)
+    ax.axhline(100 * ref["mean"], color="black", lw=1, label=f"{spec.reference} (95% CI band)")
+    bases = list(dict.fromkeys(r["family"].split("+")[0] for r in rows))
+    for fam in dict.fromkeys(r["family"] for r in rows):  # a variant (snapkv+obcache) dashed in its base's colour
+        mine = sorted((r for r in rows if r["family"] == fam), key=lambda r: r["compression"])
+        xs = [100 * r["compression"] for r in mine]
+        ys = [100 * r["mean"] for r in mine]
+        err = [[100 * (r["mean"] - r["lo"]) for r in mine], [100 * (r["hi"] - r["mean"]) for r in mine]]
+        variant = "+" in fam
+        ax.errorbar(xs, ys, yerr=err, marker="s" if variant else "o", capsize=2, lw=1, label=fam,
+                    color=f"C{bases.index(fam.split('+')[0]) % 10}", ls="--" if variant else "-", alpha=0.85)
+    ax.set_xlabel(f"compression (%: 1 - {spec.leaderboard} / {spec.reference}'s)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title(f"{spec.name}: n {b['n']} over {len(b['cells'])} cells the reference passes", fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, format="png")
