@@ -24,13 +24,14 @@ from lightning_modules.sparse_prefill.estimators import (
     DenseEstimator,
     FlexPrefillEstimator,
     MeanPoolEstimator,
+    OracleBlockEstimator,
     XAttentionEstimator,
 )
 from lightning_modules.sparse_prefill.prism import PrismEstimator
 from lightning_modules.sparse_prefill.sale import SALEEstimator
 
 __all__ = ["PrefillConfig", "SALEEstimateFields", "DensePrefillConfig", "MeanPoolConfig", "XAttentionConfig",
-           "FlexPrefillConfig", "PrismConfig", "SALEConfig", "PREFILL_METHODS", "prefill_config", "read_tau_table"]
+           "FlexPrefillConfig", "PrismConfig", "SALEConfig", "OracleBlocksConfig", "PREFILL_METHODS", "prefill_config", "read_tau_table"]
 
 
 def _check_int(cfg: Any, name: str, low: int) -> None:
@@ -103,6 +104,27 @@ class MeanPoolConfig(PrefillConfig):
 
     def estimator(self, layer: int = 0) -> MeanPoolEstimator:
         return MeanPoolEstimator(self)
+
+
+@dataclass
+class OracleBlocksConfig(PrefillConfig):
+    """A reference arm, not a method: the exact block attention mass (one dense pass per layer), top-p per row;
+    what a perfect block estimate keeps at the same top-p.
+
+    Attributes:
+        block: block size (query and key); top_p: the row mass to cover.
+    """
+
+    method: ClassVar[str] = "oracle_blocks"
+    block: int = 128
+    top_p: float = 0.95
+
+    def check(self) -> None:
+        _check_int(self, "block", 1)
+        _check_mass(self, "top_p")
+
+    def estimator(self, layer: int = 0) -> OracleBlockEstimator:
+        return OracleBlockEstimator(self)
 
 
 @dataclass
@@ -256,7 +278,8 @@ def read_tau_table(path: str) -> List[List[float]]:
 
 PREFILL_METHODS: Dict[str, Type[PrefillConfig]] = {
     cls.method: cls
-    for cls in (DensePrefillConfig, MeanPoolConfig, XAttentionConfig, FlexPrefillConfig, PrismConfig, SALEConfig)
+    for cls in (DensePrefillConfig, MeanPoolConfig, XAttentionConfig, FlexPrefillConfig, PrismConfig, SALEConfig,
+                OracleBlocksConfig)
 }
 """Method name -> config class (``PREFILL_METHODS[name](**args).build()`` is the ``layer -> estimator`` factory)."""
 

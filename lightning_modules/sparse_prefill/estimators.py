@@ -12,6 +12,9 @@ through :func:`litctx_kernels.attention` and merges partial passes with :func:`l
   cumulative row mass.
 * :class:`FlexPrefillEstimator` - FlexPrefill: the last queries' exact attention decides between a pooled
   query-aware pattern and a vertical-slash pattern (Jensen-Shannon test), each covering ``gamma`` of the mass.
+* :class:`OracleBlockEstimator` - a reference, not a method: the exact block attention mass (a dense pass),
+  normalised per query-block row, top-p per row: what a perfect estimate at the same top-p would keep (it tells
+  an estimator's error from the cost of the sparsity itself).
 * Prism and SALE live in :mod:`~lightning_modules.sparse_prefill.prism` and
   :mod:`~lightning_modules.sparse_prefill.sale`.
 
@@ -44,6 +47,7 @@ __all__ = [
     "MeanPoolEstimator",
     "XAttentionEstimator",
     "FlexPrefillEstimator",
+    "OracleBlockEstimator",
     "pool_blocks",
     "expand_kv",
     "top_p_mask",
@@ -199,6 +203,28 @@ class MeanPoolEstimator(BlockEstimator):
         qb = pool_blocks(q, self.block)
         kb = pool_blocks(expand_kv(k, q.shape[1]), self.block)
         probs = _causal_softmax(torch.matmul(qb, kb.transpose(-1, -2)) * scale)
+        return top_p_mask(probs, self.top_p), {}
+
+
+class OracleBlockEstimator(BlockEstimator):
+    """The exact causal attention mass of every (query block, key block) tile (float64,
+    :func:`~lightning_modules.sparse_prefill.metrics.block_attention_mass`), each query-block row normalised to 1,
+    top-p per row.
+
+    Args:
+        cfg: an :class:`~lightning_modules.sparse_prefill.config.OracleBlocksConfig` (``block``, ``top_p``).
+    """
+
+    name = "oracle_blocks"
+
+    def __init__(self, cfg: Any) -> None:
+        self.block, self.top_p = int(cfg.block), float(cfg.top_p)
+
+    def block_mask(self, q, k, scale):
+        from lightning_modules.sparse_prefill.metrics import block_attention_mass
+
+        mass = block_attention_mass(q, k, scale, self.block, self.block)
+        probs = mass / mass.sum(-1, keepdim=True).clamp_min(1e-300)
         return top_p_mask(probs, self.top_p), {}
 
 

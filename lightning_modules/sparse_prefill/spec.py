@@ -34,6 +34,8 @@ _PREFILL_CALLBACKS = [
            "ICLR 2025", "2502.20766")),
     ("mean_pool_prefill", "MeanPoolConfig", "mean-pooled block logits, top-p per row (baseline)", None),
     ("dense_prefill", "DensePrefillConfig", "dense prefill through the same runner (baseline, timings)", None),
+    ("oracle_blocks", "OracleBlocksConfig", "exact block attention mass, top-p per row (a reference: what a "
+     "perfect estimate keeps; one dense pass per layer)", None),
 ]
 
 

@@ -437,6 +437,7 @@ def test_pool_blocks_is_the_block_mean_with_a_ragged_last_block():
 _PREFILL_NON_DEFAULT = {
     "dense_prefill": [{"min_length": 64, "layers": [1]}],
     "mean_pool_prefill": [{"min_length": 64, "layers": [0], "block": 32, "top_p": 0.6}],
+    "oracle_blocks": [{"min_length": 64, "layers": [1], "block": 32, "top_p": 0.7}],
     "xattention": [{"min_length": 64, "layers": [1], "block": 48, "stride": 4, "threshold": 0.7, "chunk_blocks": 3}],
     "flexprefill": [{"min_length": 64, "layers": [0], "block": 32, "gamma": 0.8, "tau": 0.2, "last_q": 16}],
     "prism": [{"min_length": 64, "layers": [1], "block": 32, "top_p": 0.8, "high_fraction": 0.4,
@@ -541,3 +542,36 @@ def test_sale_calibration_covers_sliding_layers_as_dense(tmp_path):
     table = json.loads((tmp_path / "tau.json").read_text())["tau"]
     assert len(table) == 3 and table[0] == [0.0] * len(table[0])
     SALEConfig(tau_table=str(tmp_path / "tau.json")).estimator(2)
+
+
+def test_the_oracle_block_estimate_keeps_the_smallest_set_of_exact_mass_per_row():
+    """Against a float64 brute force: every causal row's kept key blocks are the fewest largest blocks of the exact
+    attention mass whose sum reaches top-p (plus the sink and the diagonal), and at top-p 1 every causal block."""
+    from lightning_modules.sparse_prefill.config import OracleBlocksConfig
+
+    g = torch.Generator().manual_seed(5)
+    b, hq, hk, n, d, blk = 1, 4, 2, 96, 16, 16
+    q, k = torch.randn(b, hq, n, d, generator=g), torch.randn(b, hk, n, d, generator=g)
+    q[:, :, :, :4] *= 4.0  # peaked rows: a top-p set much smaller than the causal set
+    scale = d ** -0.5
+    mask, _ = OracleBlocksConfig(block=blk, top_p=0.8).estimator().selected_block_mask(q, k, scale)
+    kk = k.repeat_interleave(hq // hk, dim=1).double()
+    p = torch.softmax((q.double() @ kk.transpose(-1, -2) * scale).masked_fill(
+        torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1)
+    m = n // blk
+    mass = p.reshape(b, hq, m, blk, m, blk).sum(dim=(3, 5))  # [B, H, M, M]
+    for h in range(hq):
+        for i in range(m):
+            row = (mass[0, h, i, :i + 1] / mass[0, h, i, :i + 1].sum()).tolist()
+            order = sorted(range(i + 1), key=lambda j: -row[j])
+            keep, total = set(), 0.0
+            for j in order:
+                if total >= 0.8:
+                    break
+                keep.add(j)
+                total += row[j]
+            want = keep | {0, i}
+            got = {j for j in range(m) if mask[0, h, i, j]}
+            assert got == want, (h, i, got, want)
+    full, _ = OracleBlocksConfig(block=blk, top_p=1.0).estimator().selected_block_mask(q, k, scale)
+    assert torch.equal(full[0, 0], torch.ones(m, m, dtype=torch.bool).tril())
