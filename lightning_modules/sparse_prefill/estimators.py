@@ -207,9 +207,9 @@ class MeanPoolEstimator(BlockEstimator):
 
 
 class OracleBlockEstimator(BlockEstimator):
-    """The exact causal attention mass of every (query block, key block) tile (float64,
-    :func:`~lightning_modules.sparse_prefill.metrics.block_attention_mass`), each query-block row normalised to 1,
-    top-p per row.
+    """The exact causal attention mass of every (query block, key block) tile (float32: a selection, not a
+    measurement; :func:`~lightning_modules.sparse_prefill.metrics.block_attention_mass`), each query-block row
+    normalised to 1, top-p per row.
 
     Args:
         cfg: an :class:`~lightning_modules.sparse_prefill.config.OracleBlocksConfig` (``block``, ``top_p``).
@@ -223,7 +223,7 @@ class OracleBlockEstimator(BlockEstimator):
     def block_mask(self, q, k, scale):
         from lightning_modules.sparse_prefill.metrics import block_attention_mass
 
-        mass = block_attention_mass(q, k, scale, self.block, self.block)
+        mass = block_attention_mass(q, k, scale, self.block, self.block, dtype=torch.float32)
         probs = mass / mass.sum(-1, keepdim=True).clamp_min(1e-300)
         return top_p_mask(probs, self.top_p), {}
 

@@ -15,23 +15,25 @@ __all__ = ["block_attention_mass", "attention_recall", "relative_output_error", 
 
 
 def block_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_q: int, block_k: int,
-                         chunk: int = 256) -> torch.Tensor:
+                         chunk: int = 256, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``[B, Hq, Mq, Mk]``: the summed exact causal attention probabilities of each (query block, key block),
-    computed in float64 one chunk of query rows at a time (each row sums to 1, so the whole tensor sums to N)."""
+    computed in ``dtype`` (float64 by default: the metrics' exact reference; the oracle estimator selects in
+    float32) one chunk of query rows at a time (each row sums to 1, so the whole tensor sums to N)."""
     b, hq, n, d = q.shape
-    kq = expand_kv(k, hq).double()
+    kq = expand_kv(k, hq).to(dtype)
     mq, mk = math.ceil(n / block_q), math.ceil(n / block_k)
-    out = torch.zeros(b, hq, mq, mk, dtype=torch.float64, device=q.device)
-    kb = torch.arange(n, device=q.device) // block_k
+    out = torch.zeros(b, hq, mq, mk, dtype=dtype, device=q.device)
+    cols = torch.arange(n, device=q.device)
+    pad = mk * block_k - n
     for start in range(0, n, chunk):
         rows = torch.arange(start, min(n, start + chunk), device=q.device)
-        s = torch.matmul(q[:, :, rows].double(), kq.transpose(-1, -2)) * scale
-        s = s.masked_fill(torch.arange(n, device=q.device).view(1, -1) > rows.view(-1, 1), float("-inf"))
+        s = torch.matmul(q[:, :, rows].to(dtype), kq.transpose(-1, -2)) * scale
+        s = s.masked_fill(cols.view(1, -1) > rows.view(-1, 1), float("-inf"))
         p = torch.softmax(s, -1)  # [B, H, c, N]
-        per_key_block = torch.zeros(b, hq, rows.numel(), mk, dtype=torch.float64, device=q.device)
-        per_key_block.index_add_(-1, kb, p)
-        qb = rows // block_q
-        out.index_add_(2, qb, per_key_block)
+        if pad:
+            p = torch.nn.functional.pad(p, (0, pad))
+        per_key_block = p.reshape(b, hq, rows.numel(), mk, block_k).sum(-1)  # [B, H, c, Mk]
+        out.index_add_(2, rows // block_q, per_key_block)
     return out
 
 

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The long claim runs of issue 55, one after another (one heavy job at a time on a 2-core machine). Every step is
+# resumable: kill it at any point and rerun this script; records already written are kept and skipped.
+#
+#   bash bench/claims_queue.sh            # everything still to run, in order
+#   bash bench/claims_queue.sh obcache    # from that step on
+#
+# Commit results/claims/ as it grows. CPU hours measured on 2 cores (see docs/results.md, Claims).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+steps=(
+  "prism:$PY -m recipes.claim prism --threads 2"
+  "prophetkv_screen:$PY -m recipes.claim prophetkv_screen --threads 2"
+  "leaderboard:$PY -m recipes.leaderboard --threads 2"
+  "obcache_dev:$PY -m recipes.claim obcache --dev --threads 2"
+  "obcache:$PY -m recipes.claim obcache --threads 2"
+  "dustin_dev:$PY -m recipes.claim dustin --dev --threads 2"
+  "dustin:$PY -m recipes.claim dustin --threads 2"
+  "composition_dev:$PY -m recipes.claim composition --dev --threads 2"
+  "composition:$PY -m recipes.claim composition --threads 2"
+)
+from=${1:-}
+started=$([ -z "$from" ] && echo 1 || echo 0)
+for step in "${steps[@]}"; do
+  name=${step%%:*}
+  [ "$name" = "$from" ] && started=1
+  [ "$started" = 1 ] || continue
+  echo "== $name: ${step#*:}"
+  start=$(date +%s)
+  ${step#*:}
+  echo "== $name done in $(( $(date +%s) - start )) s"
+done
