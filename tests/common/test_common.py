@@ -237,3 +237,18 @@ def test_check_options_names_the_key_the_nearest_and_every_valid_key():
     assert accepted_keywords(Gen) == ["subjects", "duration_s"]
     with pytest.raises(ValueError, match=r"'data.args.synthetic.subjectz'; did you mean 'data.args.synthetic.subjects'"):
         check_options({"subjectz": 3}, accepted_keywords(Gen), "data.args.synthetic")
+
+
+def test_a_markdown_section_is_replaced_between_its_markers_or_appended(tmp_path):
+    from litctx_common.io import section_markers, write_markdown_section
+
+    page = tmp_path / "results.md"
+    page.write_text("# Results\n\nintro\n")
+    write_markdown_section(page, "board", "first body", "Board")
+    start, end = section_markers("board")
+    assert page.read_text() == f"# Results\n\nintro\n\n## Board\n\n{start}\nfirst body\n{end}\n"
+    page.write_text(page.read_text() + "\n## After\n\nkept\n")
+    write_markdown_section(page, "board", "second body\n", "Board")
+    text = page.read_text()
+    assert "first body" not in text and f"{start}\nsecond body\n{end}" in text and text.endswith("## After\n\nkept\n")
+    assert text.count("## Board") == 1
