@@ -25,6 +25,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import torch
 
+    from datamodules.claims import SuiteSamples
     from lightning_modules.llm.model.loading import load_causal_lm
     from lightning_modules.sparse_prefill.claims import SuitePrefill
     from litctx_common.claims import ArmSpec
@@ -48,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     model, tok = load_causal_lm(spec.model)
     model.requires_grad_(False)
     kind = SuitePrefill(spec, model, tok)
-    built = kind.built_samples()
+    built = SuiteSamples(spec, tok).built
     right = 0
     for sid in failed:
         hay, rest = sid.split(":")

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from litctx_common.claims import ClaimSpec, cells_of
 
-__all__ = ["claim_samples", "SuiteSamples", "sample_id"]
+__all__ = ["claim_samples", "SuiteSamples", "RagSamples", "SAMPLES", "sample_id"]
 
 
 def claim_samples(spec: ClaimSpec, split: str, limit: Optional[int] = None) -> List[Dict[str, Any]]:
@@ -63,3 +63,30 @@ class SuiteSamples:
             extra = {k: v for k, v in sample.items() if k not in s}
             self._last = {"key": sample["id"], "s": {**s, **extra}}
         return self._last["s"]
+
+
+class RagSamples:
+    """Generated RAG samples of a claim (the ``rag_reuse`` kind): the sample of the cell's ``setting``
+    (``kind_args.settings[setting]``: :class:`~datamodules.rag_tasks.RAGDataConfig` fields) at the claim sample's
+    index, with its answer prefix on; ``claim_id`` is the claim sample's id. A wrong setting field fails here,
+    before anything runs, naming the setting."""
+
+    def __init__(self, spec: ClaimSpec, tokenizer: Any = None) -> None:
+        from datamodules.rag_tasks import RAGDataConfig
+
+        self.settings = dict(spec.kind_args.get("settings") or {})
+        for name, fields in self.settings.items():
+            try:
+                RAGDataConfig(**fields)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"claim {spec.name}: kind_args.settings.{name}: {err}") from None
+
+    def built(self, sample: Mapping[str, Any]) -> Dict[str, Any]:
+        from datamodules.rag_tasks import RAGDataConfig, RAGDataset
+
+        fields = {"samples": int(sample["index"]) + 1, "answer_prefix": True, **self.settings[sample["setting"]]}
+        return {**RAGDataset(RAGDataConfig(**fields))[int(sample["index"])], "claim_id": sample["id"]}
+
+
+SAMPLES = {"suite": SuiteSamples, "rag": RagSamples}
+"""A kind's ``samples`` family -> the class that builds them (``cls(spec, tokenizer).built(claim sample)``)."""

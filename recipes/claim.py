@@ -86,7 +86,7 @@ def run_claim(spec: ClaimSpec, out: Path, split: str = "heldout", limit: Optiona
     """
     import torch
 
-    from datamodules.claims import claim_samples
+    from datamodules.claims import SAMPLES, claim_samples
     from litctx_common.claims import KINDS
     from litctx_common.plugins import import_object
 
@@ -96,7 +96,7 @@ def run_claim(spec: ClaimSpec, out: Path, split: str = "heldout", limit: Optiona
         model, tok = load_causal_lm(spec.model)
     model.requires_grad_(False)
     kind = import_object(KINDS[spec.kind])(spec, model, tok)
-    built = kind.built_samples()
+    built = SAMPLES[kind.samples](spec, tok).built
     if hasattr(kind, "prepare"):  # a kind that calibrates first does so on the dev split, once
         dev = claim_samples(spec, "dev") if "dev" in spec.splits else []
         path = kind.prepare((built(x) for x in dev), Path(out) / spec.name)

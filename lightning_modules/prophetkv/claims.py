@@ -12,14 +12,15 @@
   attention Stage I read).
 
 The claim's cells have one dim, ``setting``; ``kind_args.settings`` maps each setting to its
-:class:`~datamodules.rag_tasks.RAGDataConfig` fields (source, style, hops, distractors, chunk_words ...). Chunk KV
+:class:`~datamodules.rag_tasks.RAGDataConfig` fields (source, style, hops, distractors, chunk_words ...), which
+:class:`datamodules.claims.RagSamples` generates (answer prefix on). Chunk KV
 lives in a size-bounded store of its own (``kind_args.store_max_bytes``, default 2 GiB, under the litctx cache
 folder), shared by every arm of a sample.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Sequence
+from typing import Any, Dict, Mapping, Sequence
 
 from lightning_modules.llm.eval.claims import SuiteKind
 from litctx_common.claims import ArmSpec, ClaimSpec
@@ -41,7 +42,9 @@ def reuse_config(arm: ArmSpec) -> Any:
 
 
 class RagReuse(SuiteKind):
-    """``rag_reuse`` (see the module docstring)."""
+    """``rag_reuse`` (see the module docstring); its samples are :class:`datamodules.claims.RagSamples`'."""
+
+    samples = "rag"
 
     def __init__(self, spec: ClaimSpec, model: Any, tok: Any) -> None:
         from lightning_modules.llm.decoding.stopping import line_stop_ids
@@ -59,13 +62,6 @@ class RagReuse(SuiteKind):
         if "setting" not in spec.cells.dims or missing:
             raise ValueError(f"claim {spec.name}: rag_reuse cells need dims.setting, each a key of "
                              f"kind_args.settings (missing: {missing or 'dims.setting'})")
-        from datamodules.rag_tasks import RAGDataConfig
-
-        for name, fields in self.settings_of.items():  # a wrong field fails now, naming the setting
-            try:
-                RAGDataConfig(**fields)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"claim {spec.name}: kind_args.settings.{name}: {err}") from None
         self.max_new_tokens = int(args.get("max_new_tokens", 16))
         self.stops = line_stop_ids(tok, model)
         self.store = KVSegmentStore(str(default_cache_dir() / "claims" / spec.name),
@@ -78,18 +74,6 @@ class RagReuse(SuiteKind):
         """The arm's selector, ratio and every selector field (the store's place is not a setting)."""
         cfg = reuse_config(arm)
         return {"method": arm.method, "ratio": cfg.ratio, "args": dict(cfg.selector_args)}
-
-    def built_samples(self) -> Callable[[Mapping[str, Any]], Dict[str, Any]]:
-        """``built(claim sample)``: the setting's generated sample at the claim sample's index (answer prefix on)."""
-        from datamodules.rag_tasks import RAGDataConfig, RAGDataset
-
-        def built(sample: Mapping[str, Any]) -> Dict[str, Any]:
-            fields = {"samples": int(sample["index"]) + 1, "answer_prefix": True,
-                      **self.settings_of[sample["setting"]]}
-            data = RAGDataset(RAGDataConfig(**fields))
-            return {**data[int(sample["index"])], "claim_id": sample["id"]}
-
-        return built
 
     def reuser(self, arm: ArmSpec) -> Any:
         if arm.name not in self._reusers:

@@ -48,6 +48,7 @@ __all__ = [
     "XAttentionEstimator",
     "FlexPrefillEstimator",
     "OracleBlockEstimator",
+    "block_attention_mass",
     "pool_blocks",
     "expand_kv",
     "top_p_mask",
@@ -206,9 +207,32 @@ class MeanPoolEstimator(BlockEstimator):
         return top_p_mask(probs, self.top_p), {}
 
 
+def block_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_q: int, block_k: int,
+                         chunk: int = 256, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``[B, Hq, Mq, Mk]``: the summed exact causal attention probabilities of each (query block, key block),
+    computed in ``dtype`` (float64 by default: the metrics' exact reference; the oracle estimator selects in
+    float32) one chunk of query rows at a time (each row sums to 1, so the whole tensor sums to N)."""
+    b, hq, n, d = q.shape
+    kq = expand_kv(k, hq).to(dtype)
+    mq, mk = math.ceil(n / block_q), math.ceil(n / block_k)
+    out = torch.zeros(b, hq, mq, mk, dtype=dtype, device=q.device)
+    cols = torch.arange(n, device=q.device)
+    pad = mk * block_k - n
+    for start in range(0, n, chunk):
+        rows = torch.arange(start, min(n, start + chunk), device=q.device)
+        s = torch.matmul(q[:, :, rows].to(dtype), kq.transpose(-1, -2)) * scale
+        s = s.masked_fill(cols.view(1, -1) > rows.view(-1, 1), float("-inf"))
+        p = torch.softmax(s, -1)  # [B, H, c, N]
+        if pad:
+            p = torch.nn.functional.pad(p, (0, pad))
+        per_key_block = p.reshape(b, hq, rows.numel(), mk, block_k).sum(-1)  # [B, H, c, Mk]
+        out.index_add_(2, rows // block_q, per_key_block)
+    return out
+
+
 class OracleBlockEstimator(BlockEstimator):
     """The exact causal attention mass of every (query block, key block) tile (float32: a selection, not a
-    measurement; :func:`~lightning_modules.sparse_prefill.metrics.block_attention_mass`), each query-block row
+    measurement; :func:`block_attention_mass`), each query-block row
     normalised to 1, top-p per row.
 
     Args:
@@ -221,8 +245,6 @@ class OracleBlockEstimator(BlockEstimator):
         self.block, self.top_p = int(cfg.block), float(cfg.top_p)
 
     def block_mask(self, q, k, scale):
-        from lightning_modules.sparse_prefill.metrics import block_attention_mass
-
         mass = block_attention_mass(q, k, scale, self.block, self.block, dtype=torch.float32)
         probs = mass / mass.sum(-1, keepdim=True).clamp_min(1e-300)
         return top_p_mask(probs, self.top_p), {}

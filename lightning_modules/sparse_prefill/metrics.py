@@ -8,33 +8,10 @@ import math
 import torch
 
 from litctx_kernels import BlockLayout
-from lightning_modules.sparse_prefill.estimators import expand_kv
+from lightning_modules.sparse_prefill.estimators import block_attention_mass, expand_kv  # noqa: F401 (re-exported)
 
 __all__ = ["block_attention_mass", "attention_recall", "relative_output_error", "top_block_hit_rate",
            "matched_budget_mask"]
-
-
-def block_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_q: int, block_k: int,
-                         chunk: int = 256, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """``[B, Hq, Mq, Mk]``: the summed exact causal attention probabilities of each (query block, key block),
-    computed in ``dtype`` (float64 by default: the metrics' exact reference; the oracle estimator selects in
-    float32) one chunk of query rows at a time (each row sums to 1, so the whole tensor sums to N)."""
-    b, hq, n, d = q.shape
-    kq = expand_kv(k, hq).to(dtype)
-    mq, mk = math.ceil(n / block_q), math.ceil(n / block_k)
-    out = torch.zeros(b, hq, mq, mk, dtype=dtype, device=q.device)
-    cols = torch.arange(n, device=q.device)
-    pad = mk * block_k - n
-    for start in range(0, n, chunk):
-        rows = torch.arange(start, min(n, start + chunk), device=q.device)
-        s = torch.matmul(q[:, :, rows].to(dtype), kq.transpose(-1, -2)) * scale
-        s = s.masked_fill(cols.view(1, -1) > rows.view(-1, 1), float("-inf"))
-        p = torch.softmax(s, -1)  # [B, H, c, N]
-        if pad:
-            p = torch.nn.functional.pad(p, (0, pad))
-        per_key_block = p.reshape(b, hq, rows.numel(), mk, block_k).sum(-1)  # [B, H, c, Mk]
-        out.index_add_(2, rows // block_q, per_key_block)
-    return out
 
 
 def attention_recall(mass: torch.Tensor, layout: BlockLayout) -> torch.Tensor:

@@ -135,6 +135,7 @@ def test_a_rag_reuse_claim_scores_every_arm_against_full_prefill(tmp_path, tiny_
 
     import torch
 
+    from datamodules.claims import RagSamples
     from lightning_modules.prophetkv.claims import RagReuse
     from lightning_modules.rag.prompts import build_prompt
     from recipes.claim import records_path, run_claim
@@ -152,9 +153,9 @@ def test_a_rag_reuse_claim_scores_every_arm_against_full_prefill(tmp_path, tiny_
     path = records_path(spec, tmp_path, "heldout")
     recs = {(r["id"], r["arm"]): r for r in map(json.loads, path.read_text().splitlines()) if "arm" in r}
     assert len(recs) == 8 and {i for i, _ in recs} == {"pydoc:vars-100", "pydoc:vars-101"}
-    kind = RagReuse(spec, model, tok)
+    samples = RagSamples(spec, tok)
     for sid, index in (("pydoc:vars-100", 100), ("pydoc:vars-101", 101)):
-        s = kind.built_samples()({"setting": "vars", "index": index, "id": sid})
+        s = samples.built({"setting": "vars", "index": index, "id": sid})
         assert s["answer_prefix"].startswith("In the end,") and len(s["candidates"]) == 2
         full = recs[(sid, "full")]
         assert full["kl"] == 0.0 and recs[(sid, "naive")]["kl"] > 0 and full["chance"] == 0.5
@@ -176,9 +177,10 @@ def test_a_rag_reuse_claim_scores_every_arm_against_full_prefill(tmp_path, tiny_
     run_claim(spec, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)
     assert len([x for x in path.read_text().splitlines() if '"arm"' in x]) == 8  # resumed
     with pytest.raises(ValueError, match="kind_args.settings.vars: data.style='nope'"):
-        RagReuse(tiny_claim("rag_reuse", arms, [{"arm": "prophetkv", "against": "full"}],
-                            kind_args={"settings": {"vars": {**setting, "style": "nope"}}},
-                            cells={"dims": {"setting": ["vars"]}, "n": 2}), model, tok)
+        RagSamples(tiny_claim("rag_reuse", arms, [{"arm": "prophetkv", "against": "full"}],
+                              kind_args={"settings": {"vars": {**setting, "style": "nope"}}},
+                              cells={"dims": {"setting": ["vars"]}, "n": 2}), tok)
+    assert RagReuse.samples == "rag"
 
 
 def test_the_leaderboard_command_reports_boards_and_refuses_an_unknown_one(tmp_path, capsys, monkeypatch):

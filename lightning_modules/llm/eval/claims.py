@@ -7,13 +7,13 @@ each arm's complete config (``settings``: every default written out; the records
 under the same arm name is refused once the held-out run has started). The kinds live with their methods:
 ``suite_prefill`` in :mod:`lightning_modules.sparse_prefill.claims`, ``suite_eviction`` in
 :mod:`lightning_modules.kv_eviction.claims`, ``suite_speculative`` in :mod:`lightning_modules.speculative.claims`,
-``rag_reuse`` (its own samples: :meth:`SuiteKind.built_samples`) in :mod:`lightning_modules.prophetkv.claims`.
+``rag_reuse`` (RAG samples: ``samples = "rag"``) in :mod:`lightning_modules.prophetkv.claims`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping
+from typing import Any, Dict, Mapping
 
 import torch
 
@@ -27,18 +27,15 @@ class SuiteKind:
     built suite sample (:func:`datamodules.longctx_tasks.build_sample`: ``context_ids``, ``question_ids``,
     ``answers``, ``metric``, ``max_new_tokens``) and the arms still to run on it."""
 
+    #: the family of samples the kind reads (:data:`datamodules.claims.SAMPLES`: ``suite``, ``rag``); the runner
+    #: builds them (the model side never imports the data side)
+    samples = "suite"
+
     def __init__(self, spec: ClaimSpec, model: Any, tok: Any) -> None:
         from lightning_modules.llm.decoding.stopping import stop_token_ids
 
         self.spec, self.model, self.tok = spec, model, tok
         self.stops = stop_token_ids(tok, model)
-
-    def built_samples(self) -> Callable[[Mapping[str, Any]], Dict[str, Any]]:
-        """``built(claim sample) -> built sample`` (:class:`datamodules.claims.SuiteSamples`: the long-context
-        suite's; a kind over other data overrides it)."""
-        from datamodules.claims import SuiteSamples
-
-        return SuiteSamples(self.spec, self.tok).built
 
     def scored(self, s: Mapping[str, Any], tokens: torch.Tensor) -> Dict[str, Any]:
         from lightning_modules.llm.eval.suite_metrics import score_prediction
