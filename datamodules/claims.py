@@ -72,20 +72,18 @@ class RagSamples:
     before anything runs, naming the setting."""
 
     def __init__(self, spec: ClaimSpec, tokenizer: Any = None) -> None:
-        from datamodules.rag_tasks import RAGDataConfig
-
-        self.settings = dict(spec.kind_args.get("settings") or {})
-        for name, fields in self.settings.items():
-            try:
-                RAGDataConfig(**fields)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"claim {spec.name}: kind_args.settings.{name}: {err}") from None
-
-    def built(self, sample: Mapping[str, Any]) -> Dict[str, Any]:
         from datamodules.rag_tasks import RAGDataConfig, RAGDataset
 
-        fields = {"samples": int(sample["index"]) + 1, "answer_prefix": True, **self.settings[sample["setting"]]}
-        return {**RAGDataset(RAGDataConfig(**fields))[int(sample["index"])], "claim_id": sample["id"]}
+        self.data = {}  # setting -> its dataset (generation is seeded per index; the filler is read once)
+        for name, fields in dict(spec.kind_args.get("settings") or {}).items():
+            try:
+                cfg = RAGDataConfig(**{"answer_prefix": True, **fields})
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"claim {spec.name}: kind_args.settings.{name}: {err}") from None
+            self.data[name] = RAGDataset(cfg)
+
+    def built(self, sample: Mapping[str, Any]) -> Dict[str, Any]:
+        return {**self.data[sample["setting"]][int(sample["index"])], "claim_id": sample["id"]}
 
 
 SAMPLES = {"suite": SuiteSamples, "rag": RagSamples}

@@ -378,10 +378,11 @@ def judge_claim(spec: ClaimSpec, records: Sequence[Mapping[str, Any]], n: Option
         mine = [r for r in records if all(r.get(k) == v for k, v in cell.items())]
         cells.append(judge_cell(spec, cell, mine, n))
     pending = [c for c in cells if c["verdict"].startswith("pending")]
-    if spec.screens:
+    if spec.screens or spec.leaderboard:  # gates only: which cells can see anything
         ok = [c["name"] for c in cells if c["verdict"] == "passes its gates"]
         verdict = (f"{len(ok)} of {len(cells)} cells pass ({'; '.join(ok)})" if ok else
-                   f"no cell passes: {spec.screens} is untestable here")
+                   f"no cell passes: {spec.screens} is untestable here" if spec.screens else
+                   "no cell passes its gates: nothing to rank")
         if pending:
             verdict = f"pending ({len(pending)} of {len(cells)} cells); so far " + verdict
         return {"cells": cells, "pooled": None, "verdict": verdict}

@@ -154,8 +154,8 @@ def latest(spec: ClaimSpec, out: Path) -> Optional[Dict[str, Any]]:
 
 
 def docs_table(out: Path = RESULTS) -> str:
-    """``docs/claims.md``: one row per claim file (one per paper; a screen has no row of its own: the claim it
-    screens cites it)."""
+    """``docs/claims.md``: one row per paper's claim file (screens, leaderboards and studies have none:
+    :attr:`~litctx_common.claims.ClaimSpec.paper_row`)."""
     rows = ["| paper | claim | verdict | detail | command |", "|---|---|---|---|---|"]
     for name in claim_names():
         spec = load_claim(name)

@@ -88,10 +88,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from recipes.configio import ConfigError
 
     try:
-        names = args.boards or board_names()
-        unknown = [n for n in names if n not in board_names()]
+        boards_on_file = board_names()
+        names = args.boards or boards_on_file
+        unknown = [n for n in names if n not in boards_on_file]
         if unknown:
-            raise ConfigError(f"--boards {unknown}: not leaderboards; boards: {', '.join(board_names())}")
+            raise ConfigError(f"--boards {unknown}: not leaderboards; boards: {', '.join(boards_on_file)}")
         if args.limit is not None and args.limit < 1:
             raise ConfigError(f"--limit {args.limit}: must be >= 1")
         if not args.report_only:
@@ -99,13 +100,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 import torch
 
                 torch.set_num_threads(args.threads)
+            loaded: Dict[str, Any] = {}  # one model load per model name, shared by the boards
             for name in names:
-                run_claim(load_claim(name), args.out, "heldout", args.limit)
+                spec = load_claim(name)
+                if spec.model not in loaded:
+                    from lightning_modules.llm.model.loading import load_causal_lm
+
+                    loaded[spec.model] = load_causal_lm(spec.model)
+                model, tok = loaded[spec.model]
+                run_claim(spec, args.out, "heldout", args.limit, model=model, tok=tok)
         boards = {name: build_board(name, args.out) for name in names}
     except (ConfigError, ValueError) as err:
         print(f"litctx leaderboard: error: {err}", file=sys.stderr)
         return 2
-    for name, b in boards.items():
+    for b in boards.values():
         print("\n".join(b["text"]) + "\n")
     if args.out.resolve() == RESULTS.resolve() and not args.boards:  # the official records: the docs follow them
         from litctx_common.io import write_markdown_section

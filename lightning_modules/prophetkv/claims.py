@@ -49,6 +49,7 @@ class RagReuse(SuiteKind):
     def __init__(self, spec: ClaimSpec, model: Any, tok: Any) -> None:
         from lightning_modules.llm.decoding.stopping import line_stop_ids
         from lightning_modules.llm.runtime.kv_store import KVSegmentStore
+        from lightning_modules.prophetkv.reuse import ReuseConfig
         from litctx_common.paths import default_cache_dir
 
         super().__init__(spec, model, tok)
@@ -57,8 +58,8 @@ class RagReuse(SuiteKind):
         if unknown:
             raise ValueError(f"claim {spec.name}: kind_args {unknown}: valid keys for rag_reuse are "
                              f"{', '.join(KIND_ARGS)}")
-        self.settings_of = dict(args.get("settings") or {})
-        missing = [c for c in spec.cells.dims.get("setting", []) if c not in self.settings_of]
+        settings = dict(args.get("settings") or {})
+        missing = [c for c in spec.cells.dims.get("setting", []) if c not in settings]
         if "setting" not in spec.cells.dims or missing:
             raise ValueError(f"claim {spec.name}: rag_reuse cells need dims.setting, each a key of "
                              f"kind_args.settings (missing: {missing or 'dims.setting'})")
@@ -66,8 +67,8 @@ class RagReuse(SuiteKind):
         self.stops = line_stop_ids(tok, model)
         self.store = KVSegmentStore(str(default_cache_dir() / "claims" / spec.name),
                                     int(args.get("store_max_bytes", 2 ** 31)))
-        self._reusers: Dict[str, Any] = {}
-        self._reference: Dict[str, Any] = {}
+        self._reusers: Dict[str, Any] = {"full": ReuseConfig(selector="full").build(model, self.store)}
+        self._reference: Any = (None, None)  # (claim sample id, its full-prefill answer)
 
     @staticmethod
     def settings(arm: ArmSpec) -> Dict[str, Any]:
@@ -76,40 +77,39 @@ class RagReuse(SuiteKind):
         return {"method": arm.method, "ratio": cfg.ratio, "args": dict(cfg.selector_args)}
 
     def reuser(self, arm: ArmSpec) -> Any:
-        if arm.name not in self._reusers:
-            self._reusers[arm.name] = reuse_config(arm).build(self.model, self.store)
-        return self._reusers[arm.name]
+        """The arm's :class:`~lightning_modules.prophetkv.reuse.ReusePrefill` (built once; every arm shares the
+        store)."""
+        key = f"arm:{arm.name}"
+        if key not in self._reusers:
+            self._reusers[key] = reuse_config(arm).build(self.model, self.store)
+        return self._reusers[key]
 
     def evaluate(self, s: Mapping[str, Any], todo: Sequence[Arm]) -> Dict[str, Dict[str, Any]]:
         from lightning_modules.llm.eval.suite_metrics import score_prediction
-        from lightning_modules.prophetkv.reuse import ReuseConfig
         from lightning_modules.rag.pipeline import answer, answer_distribution_kl
         from lightning_modules.rag.prompts import build_prompt
 
         prompt = build_prompt(self.tok, s["documents"], s["question"], "qa", answer_prefix=s.get("answer_prefix"))
         gold = self.tok(s["answer_text"], add_special_tokens=False)["input_ids"] if s.get("answer_text") else None
         candidates = [str(c).lower() for c in s.get("candidates") or []]
-        if s["claim_id"] not in self._reference:  # full prefill: the KL reference of every arm
-            full = ReuseConfig(selector="full").build(self.model, self.store)
-            self._reference = {s["claim_id"]: answer(prompt, full, self.tok, self.max_new_tokens, self.stops,
-                                                     gold=gold)}
-        ref = self._reference[s["claim_id"]]
+        if self._reference[0] != s["claim_id"]:  # full prefill, once per sample: the KL reference of every arm
+            self._reference = (s["claim_id"], answer(prompt, self._reusers["full"], self.tok, self.max_new_tokens,
+                                                     self.stops, gold=gold))
+        ref = self._reference[1]
         out = {}
         for arm in todo:
             a = self.spec.arm(arm.name)
             res = ref if a.method == "full" else answer(prompt, self.reuser(a), self.tok, self.max_new_tokens,
                                                         self.stops, gold=gold)
             text = res.text.lower()
+            recomputed = (res.stats.get("recomputed") or [0])[0]
             out[arm.name] = {
                 "score": score_prediction(res.text, s["answers"], s.get("answer_mode", "any")),
                 "candidate": int(any(c in text for c in candidates)),
                 "chance": 1.0 / len(candidates) if candidates else 1.0,
                 "kl": answer_distribution_kl(ref.first_logits, res.first_logits),
-                "gold_logprob": res.gold_logprob, "ttft_s": res.ttft_s,
-                "recomputed": (res.stats.get("recomputed") or [0])[0],
-                "chunk_tokens": (res.stats.get("chunk_tokens") or [0])[0],
-                "recomputed_share": (res.stats.get("recomputed") or [0])[0] / max(1, prompt.context_tokens),
+                "gold_logprob": res.gold_logprob, "ttft_s": res.ttft_s, "recomputed": recomputed,
+                "chunk_tokens": prompt.context_tokens, "recomputed_share": recomputed / max(1, prompt.context_tokens),
                 "stage1_rows": res.stats.get("stage1_rows"), "prompt_tokens": len(prompt.ids),
                 "prediction": res.text}
         return out
-

@@ -31,7 +31,8 @@ from lightning_modules.sparse_prefill.prism import PrismEstimator
 from lightning_modules.sparse_prefill.sale import SALEEstimator
 
 __all__ = ["PrefillConfig", "SALEEstimateFields", "DensePrefillConfig", "MeanPoolConfig", "XAttentionConfig",
-           "FlexPrefillConfig", "PrismConfig", "SALEConfig", "OracleBlocksConfig", "PREFILL_METHODS", "prefill_config", "read_tau_table"]
+           "FlexPrefillConfig", "PrismConfig", "SALEConfig", "OracleBlocksConfig", "PREFILL_METHODS", "prefill_config",
+           "read_tau_table"]
 
 
 def _check_int(cfg: Any, name: str, low: int) -> None:

@@ -232,8 +232,7 @@ def block_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_q
 
 class OracleBlockEstimator(BlockEstimator):
     """The exact causal attention mass of every (query block, key block) tile (float32: a selection, not a
-    measurement; :func:`block_attention_mass`), each query-block row
-    normalised to 1, top-p per row.
+    measurement; :func:`block_attention_mass`), each query-block row normalised to 1, top-p per row.
 
     Args:
         cfg: an :class:`~lightning_modules.sparse_prefill.config.OracleBlocksConfig` (``block``, ``top_p``).

@@ -30,10 +30,24 @@ from litctx_common.claims import ArmSpec, ClaimSpec
 from litctx_common.io import atomic_write_text
 from litctx_common.records import Arm
 
-__all__ = ["SuiteSpeculative", "SuiteComposed", "CALIBRATION_FILE", "PARTS"]
+__all__ = ["SuiteSpeculative", "SuiteComposed", "CALIBRATION_FILE", "PARTS", "decode_fields"]
 
 CALIBRATION_FILE = "calibration.json"
 _DEFAULTS = {"draft": {"kind": "early_exit", "num_layers": 8}, "gamma": 4, "max_new_tokens": 64}
+
+
+def decode_fields(res: Any) -> Dict[str, Any]:
+    """A decode's record fields: the acceptance and mean accepted length (None without a draft), the bytes read
+    per verification against a dense verification's (``read_fraction``; None without one), the ARR and the decode
+    seconds."""
+    st = res.stats or {}
+    read = st.get("read") or {}
+    acc, prop = (st.get("accepted_per_row") or [None])[0], (st.get("proposed_per_row") or [None])[0]
+    return {"acceptance": (acc / prop) if prop else None, "mean_accepted_length": st.get("mean_accepted_length"),
+            "bytes_read": read.get("bytes_read"), "dense_bytes": read.get("dense_bytes"),
+            "read_fraction": (read["bytes_read"] / read["dense_bytes"])
+            if read.get("bytes_read") is not None and read.get("dense_bytes") else None,
+            "arr": read.get("arr"), "decode_s": res.decode_seconds}
 
 
 class SuiteSpeculative(SuiteKind):
@@ -133,15 +147,7 @@ class SuiteSpeculative(SuiteKind):
                     res = speculative_generate(self.model, self.draft, ids, None, limit, self.stops,
                                                gamma=int(self.args["gamma"]), verifier=verifier, pad_id=pad,
                                                held=held["target"], draft_held=held["draft"])
-            st = res.stats or {}
-            read = st.get("read") or {}
-            acc, prop = (st.get("accepted_per_row") or [None])[0], (st.get("proposed_per_row") or [None])[0]
-            out[arm.name] = {**self.scored(s, res.tokens), "acceptance": (acc / prop) if prop else None,
-                             "mean_accepted_length": st.get("mean_accepted_length"),
-                             "bytes_read": read.get("bytes_read"), "dense_bytes": read.get("dense_bytes"),
-                             "read_fraction": (read["bytes_read"] / read["dense_bytes"])
-                             if read.get("bytes_read") is not None and read.get("dense_bytes") else None,
-                             "arr": read.get("arr"), "decode_s": res.decode_seconds}
+            out[arm.name] = {**self.scored(s, res.tokens), **decode_fields(res)}
         return out
 
 
@@ -202,6 +208,7 @@ class SuiteComposed(SuiteSpeculative):
         from lightning_modules.llm.decoding.generate import greedy_generate
         from lightning_modules.llm.decoding.speculative import speculative_generate
         from lightning_modules.llm.kv_policy.runner import install_policy
+        from lightning_modules.llm.runtime.stack import kv_bytes_per_token
         from lightning_modules.speculative.verifiers import build_verifier
         from lightning_modules.sparse_prefill.config import prefill_config
         from lightning_modules.sparse_prefill.session import install_sparse_prefill
@@ -209,7 +216,7 @@ class SuiteComposed(SuiteSpeculative):
         ids = torch.cat([s["context_ids"], s["question_ids"]]).unsqueeze(0)
         limit = min(int(s["max_new_tokens"]), int(self.args["max_new_tokens"]))
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
-        full_bytes = None
+        full_bytes = kv_bytes_per_token(self.model) * ids.shape[1]  # the prompt's cache before any eviction
         out = {}
         for arm in todo:
             a = self.spec.arm(arm.name)
@@ -232,24 +239,9 @@ class SuiteComposed(SuiteSpeculative):
                 else:
                     res = greedy_generate(self.model, ids, None, limit, self.stops)
                 density = sess.summary().get("density", 1.0) if sess is not None else 1.0
-            st = res.stats or {}
-            read = st.get("read") or {}
-            acc, prop = (st.get("accepted_per_row") or [None])[0], (st.get("proposed_per_row") or [None])[0]
-            if full_bytes is None:
-                full_bytes = self._full_cache_bytes(ids)
-            out[arm.name] = {**self.scored(s, res.tokens), "density": density,
-                             "cache_fraction": res.cache_bytes / full_bytes if full_bytes else None,
-                             "read_fraction": (read["bytes_read"] / read["dense_bytes"])
-                             if read.get("bytes_read") is not None and read.get("dense_bytes") else 1.0,
-                             "bytes_read": read.get("bytes_read"), "dense_bytes": read.get("dense_bytes"),
-                             "acceptance": (acc / prop) if prop else None, "prefill_s": res.prefill_seconds,
-                             "decode_s": res.decode_seconds}
+            fields = decode_fields(res)
+            if fields["read_fraction"] is None:  # no verification: the whole cache is read
+                fields["read_fraction"] = 1.0
+            out[arm.name] = {**self.scored(s, res.tokens), **fields, "density": density,
+                             "cache_fraction": res.cache_bytes / full_bytes, "prefill_s": res.prefill_seconds}
         return out
-
-    def _full_cache_bytes(self, ids: torch.Tensor) -> int:
-        """The bytes of the prompt's full cache (the share an eviction keeps is measured against it)."""
-        from lightning_modules.llm.runtime.cached_lm import CachedLM
-
-        lm = CachedLM(self.model)
-        lm.feed(ids)
-        return lm.cache_bytes()

@@ -64,7 +64,6 @@ def stop_token_ids(tokenizer: Any, model_or_generation_config: Any = None) -> Li
     return sorted(ids)
 
 
-
 def line_stop_ids(tokenizer: Any, model_or_generation_config: Any = None) -> List[int]:
     """:func:`stop_token_ids` plus the newline token: a short answer ends with its line (RAG answers, a claim's
     one-line answers)."""

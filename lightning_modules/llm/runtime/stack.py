@@ -19,7 +19,7 @@ import litctx_kernels
 from lightning_modules.llm.model.attention import (ATTN_NAME, BLOCK_ATTR, RUNNER_ATTR, SCORE_ATTR, causal_attention,
                                             ensure_registered, mask_to_key_mask)
 
-__all__ = ["SESSION_ATTR", "active_session", "check_window", "window_attention", "attention_modules", "cache_bytes", "ROLES", "PHASE_ATTR", "call_phase", "phase_of", "RunnerStack", "COMPACT_READ_MAX", "runner_stack", "attach_runners"]
+__all__ = ["SESSION_ATTR", "active_session", "check_window", "window_attention", "attention_modules", "kv_bytes_per_token", "cache_bytes", "ROLES", "PHASE_ATTR", "call_phase", "phase_of", "RunnerStack", "COMPACT_READ_MAX", "runner_stack", "attach_runners"]
 
 
 SESSION_ATTR = "_litctx_kv_session"
@@ -41,6 +41,13 @@ def attention_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     found = [m for m in model.modules()
              if hasattr(m, "layer_idx") and all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj"))]
     return sorted(found, key=lambda m: m.layer_idx)
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes one token adds to a full cache of ``model`` (keys and values of every attention layer, in the
+    projections' dtype): a prompt of ``T`` tokens holds ``T`` times this before any eviction."""
+    return sum((m.k_proj.out_features + m.v_proj.out_features) * m.k_proj.weight.element_size()
+               for m in attention_modules(model))
 
 
 def cache_bytes(cache: Any) -> int:
