@@ -12,6 +12,7 @@ PY=${PYTHON:-python}
 steps=(
   "prism:$PY -m recipes.claim prism --threads 2"
   "prophetkv_screen:$PY -m recipes.claim prophetkv_screen --threads 2"
+  "prophetkv:$PY -m recipes.claim prophetkv --threads 2"
   "leaderboard:$PY -m recipes.leaderboard --threads 2"
   "obcache_dev:$PY -m recipes.claim obcache --dev --threads 2"
   "obcache:$PY -m recipes.claim obcache --threads 2"

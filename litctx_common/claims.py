@@ -104,7 +104,7 @@ class Comparison:
 
     def bar(self) -> str:
         if self.test == "non_inferiority":
-            return (f"{self.arm} - {self.against_text} >= {-100 * self.margin:+.0f} points, "
+            return (f"{self.arm} - {self.against_text} >= {(-100 * self.margin) or 0.0:+.0f} points, "
                     f"95% lower bound >= {100 * self.lower:+.0f}")
         return f"{self.arm} > {self.against_text} (paired 95% interval above 0)"
 

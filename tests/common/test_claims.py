@@ -172,6 +172,7 @@ def test_a_fraction_of_the_reference_is_the_bar_when_the_paper_states_one():
                                                     "crude": ones(0, 100)}))
     assert keeps["comparisons"][0]["diff"] == pytest.approx(0.97 - 0.9) and keeps["verdict"] == "reproduces"
     assert keeps["comparisons"][0]["against"] == "0.9 x dense"
+    assert s.comparisons[0].bar() == "m - 0.9 x dense >= +0 points, 95% lower bound >= -5"  # never "-0"
     loses = judge_cell(s, {"task": "a"}, recs("a", {"dense": ones(100, 100), "m": ones(85, 100),
                                                     "crude": ones(0, 100)}))
     assert loses["comparisons"][0]["diff"] == pytest.approx(0.85 - 0.9) and loses["verdict"] == "does not reproduce"
@@ -207,3 +208,35 @@ def test_a_leaderboard_keeps_the_cells_the_reference_passes_and_measures_compres
     with pytest.raises(ClaimError, match="leaderboard='bytes': must be one of report"):
         spec(leaderboard="bytes", comparisons=[], report=["size"])
     assert board(s, judge_claim(s, records[60:]), records[60:])["rows"] == []  # no cell passes: no rows
+
+
+def test_the_figure_hatches_only_void_cells_and_a_screen_gets_one_panel(tmp_path):
+    """The claim figure: bars per arm and cell (void or pending cells hatched, a passing screen cell not), the
+    comparisons' paired intervals beside them; a screen (no comparisons) draws the bars alone."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from lightning_modules.llm.eval.claims import plot_claim
+
+    drawn = []
+    real_save = plt.Figure.savefig
+
+    def spy(fig, *args, **kwargs):
+        drawn.append([(type(ax).__name__, [p.get_hatch() for p in ax.patches]) for ax in fig.axes])
+        return real_save(fig, *args, **kwargs)
+
+    records = (recs("a", {"dense": ones(18), "m": ones(18), "crude": ones(5)})
+               + recs("b", {"dense": ones(10), "m": ones(10), "crude": ones(5)}))
+    plt.Figure.savefig = spy
+    try:
+        claim = spec()
+        assert plot_claim(claim, judge_claim(claim, records), tmp_path / "claim.png")
+        screen = spec(screens="t2", comparisons=[], arms={"dense": {"method": "d"}, "crude": {"method": "c"}})
+        assert plot_claim(screen, judge_claim(screen, records), tmp_path / "screen.png")
+    finally:
+        plt.Figure.savefig = real_save
+    (bars, _), (screen_bars,) = drawn
+    assert len(drawn[0]) == 2 and (tmp_path / "claim.png").stat().st_size > 0
+    # 3 arms x 2 cells, arm-major: cell a reproduces (plain), cell b is void (capability: hatched)
+    assert [h for h in bars[1]] == ["", "//"] * 3
+    assert screen_bars[1] == ["", "//"] * 2 and (tmp_path / "screen.png").exists()

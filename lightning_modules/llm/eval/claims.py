@@ -55,47 +55,63 @@ def plot_claim(spec: ClaimSpec, judged: Mapping[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    from litctx_common.io import atomic_path
 
     cells = [c for c in judged["cells"] if c["n"]]
     if not cells:
         return False
     arms = [a.name for a in spec.arms]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(4 + 1.2 * len(cells), 3.6), gridspec_kw={"width_ratios": [3, 2]})
+    comps = [f"{c.arm} - {c.against_text}" for c in spec.comparisons]
+    rows = [(i, j) for i in range(len(cells)) for j in range(len(comps))]  # one row per (cell, comparison)
+    colours = plt.get_cmap("tab20" if len(arms) > 10 else "tab10")
+    size = (6 + 0.8 * len(cells) + 0.15 * len(arms), 3.4 + 0.18 * len(arms))
+    if rows:
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=size, gridspec_kw={"width_ratios": [3, 2]})
+    else:  # a screen: gates only, no comparisons
+        fig, ax = plt.subplots(figsize=(size[0] * 0.6, size[1]))
     width = 0.8 / len(arms)
     for j, arm in enumerate(arms):
         xs = [i + j * width for i in range(len(cells))]
         ys = [100 * c["arms"][arm]["mean"] for c in cells]
-        hatch = ["//" if not c["verdict"].startswith(("reproduces", "does not")) else "" for c in cells]
-        bars = ax.bar(xs, ys, width, label=arm)
+        hatch = ["//" if c["verdict"].startswith(("void", "pending")) else "" for c in cells]
+        bars = ax.bar(xs, ys, width, label=arm, color=colours(j % colours.N))
         for b, h in zip(bars, hatch):
             b.set_hatch(h)
     ax.axhline(100 * spec.capability, color="grey", lw=0.8, ls="--")
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))],
-                  [c["name"].replace(", ", "\n") + f"\nn {c['n']}" for c in cells], fontsize=7)
+    labels = ["\n".join(v.split(" ", 1)[-1] for v in c["name"].split(", ")) + f"\nn {c['n']}" for c in cells]
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], labels, fontsize=7)
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, 100)
-    ax.legend(fontsize=7)
+    lines = max(label.count("\n") + 1 for label in labels)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.06 - 0.05 * lines), ncol=min(4, len(arms)),
+              frameon=False)
     ax.set_title(f"{spec.name}: arms per cell (hatched: void or pending)", fontsize=8)
-    comps = [f"{c.arm} - {c.against_text}" for c in spec.comparisons]
-    for j, name in enumerate(comps):
-        for i, c in enumerate(cells):
-            x = next((x for x in c["comparisons"] if f"{x['arm']} - {x['against']}" == name), None)
-            if x is None:
-                continue
-            y = i + j / (len(comps) + 1)
+    if not rows:
+        return _save(fig, path)
+    for y, (i, j) in enumerate(rows):
+        x = next((x for x in cells[i]["comparisons"] if f"{x['arm']} - {x['against']}" == comps[j]), None)
+        if x is not None:
             bx.errorbar(100 * x["diff"], y, xerr=[[100 * (x["diff"] - x["lo"])], [100 * (x["hi"] - x["diff"])]],
-                        fmt="o", color=f"C{j}", label=name if i == 0 else None)
+                        fmt="o", color=f"C{j % 10}")
     bx.axvline(0, color="black", lw=0.8)
     if any(c.test == "non_inferiority" for c in spec.comparisons):
         bx.axvline(-5, color="grey", lw=0.8, ls="--")
-    bx.set_yticks(range(len(cells)), [c["name"] for c in cells], fontsize=7)
-    bx.set_xlabel("paired difference (points, 95% interval)")
-    if comps:  # a screen has none
-        bx.legend(fontsize=7)
+    bx.set_yticks(range(len(rows)), [(f"{cells[i]['name']}\n" if len(cells) > 1 else "") + comps[j]
+                                     for i, j in rows], fontsize=6)
+    bx.set_ylim(len(rows) - 0.5, -0.5)
+    bx.yaxis.tick_right()
+    bx.set_xlabel("paired difference (points, 95% CI)", fontsize=8)
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> bool:
+    """Lay out, write ``fig`` atomically as a PNG at ``path`` and close it."""
+    import matplotlib.pyplot as plt
+
+    from litctx_common.io import atomic_path
+
     fig.tight_layout()
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
+        fig.savefig(tmp, dpi=110, format="png", bbox_inches="tight")
     plt.close(fig)
     return True
 
@@ -111,7 +127,6 @@ def plot_board(spec: ClaimSpec, b: Mapping[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    from litctx_common.io import atomic_path
 
     rows = [r for r in b["rows"] if r["family"] != spec.reference]
     ref = next((r for r in b["rows"] if r["arm"] == spec.reference), None)
@@ -134,8 +149,4 @@ def plot_board(spec: ClaimSpec, b: Mapping[str, Any], path: Path) -> bool:
     ax.set_ylim(0, 105)
     ax.set_title(f"{spec.name}: n {b['n']} over {len(b['cells'])} cells the reference passes", fontsize=8)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    return True
+    return _save(fig, path)
