@@ -55,14 +55,17 @@ class SuiteSamples:
         self._last: Dict[str, Any] = {}
 
     def built(self, sample: Mapping[str, Any]) -> Dict[str, Any]:
+        """The suite sample of ``sample``'s task, length, index and haystack (built once for consecutive claim
+        samples that share them, e.g. the same sample under two protocols) with ``sample``'s own fields added:
+        the cache keys on the suite sample only, the fields come from each call."""
         from datamodules.longctx_tasks import build_sample
 
         if self._last.get("key") != sample["id"]:
             s = build_sample(sample["task"], int(sample["length"]), int(sample["index"]),
                              self.haystacks[sample["haystack"]], self.tok, 0)
-            extra = {k: v for k, v in sample.items() if k not in s}
-            self._last = {"key": sample["id"], "s": {**s, **extra}}
-        return self._last["s"]
+            self._last = {"key": sample["id"], "s": s}
+        s = self._last["s"]
+        return {**s, **{k: v for k, v in sample.items() if k not in s}}
 
 
 class RagSamples:

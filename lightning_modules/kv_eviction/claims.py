@@ -1,7 +1,8 @@
 """The claim harness's ``suite_eviction`` kind (:mod:`litctx_common.claims`): the context prefilled once and
 compressed by each arm's KV policy (:func:`lightning_modules.kv_eviction.config.method_config`; ``full``: the full
 cache), the question asked after (``protocol: compress_then_ask``) or inside the prefill (``query_aware``), a greedy
-answer, and per arm the cache bytes after compression and the compression time."""
+answer, and per arm the cache bytes after compression, the compression time and the tokens prefilled before
+compression (``prefill_tokens``: the context, plus the question when query-aware)."""
 
 from __future__ import annotations
 
@@ -47,4 +48,5 @@ class SuiteEviction(SuiteKind):
                                                            batched=False)
         return {name: {**self.scored(s, res.tokens), "compressed_bytes": res.compressed_bytes,
                        "cache_bytes": res.cache_bytes, "compress_s": res.compress_seconds,
-                       "prefill_s": res.prefill_seconds} for name, res in results.items()}
+                       "prefill_s": res.prefill_seconds, "prefill_tokens": int(ctx.shape[1])}
+                for name, res in results.items()}

@@ -73,6 +73,11 @@ def test_an_eviction_claim_runs_both_protocols_and_the_command_writes_its_output
                       report=["compressed_bytes"])
     judged = cli.run_claim(spec, tmp_path, "dev", model=model, tok=tok, log=lambda _: None)
     assert [c["n"] for c in judged["cells"]] == [1, 1]
+    # one suite sample under both protocols (the same id): each protocol ran as its own (the question inside the
+    # query-aware prefill), not the first one's twice
+    recs = [json.loads(x) for x in cli.records_path(spec, tmp_path, "dev").read_text().splitlines()]
+    prefilled = {r["protocol"]: r["prefill_tokens"] for r in recs if r["arm"] == "snapkv"}
+    assert len({r["id"] for r in recs}) == 1 and prefilled["query_aware"] > prefilled["compress_then_ask"]
     by = judged["cells"][0]["arms"]
     assert by["snapkv"]["compressed_bytes"] < by["full"]["compressed_bytes"]
     cli.write_outputs(spec, judged, "dev", tmp_path)
