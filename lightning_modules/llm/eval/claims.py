@@ -63,7 +63,7 @@ def plot_claim(spec: ClaimSpec, judged: Mapping[str, Any], path: Path) -> bool:
     comps = [f"{c.arm} - {c.against_text}" for c in spec.comparisons]
     rows = [(i, j) for i in range(len(cells)) for j in range(len(comps))]  # one row per (cell, comparison)
     colours = plt.get_cmap("tab20" if len(arms) > 10 else "tab10")
-    size = (6 + 0.8 * len(cells) + 0.15 * len(arms), 3.4 + 0.18 * len(arms))
+    size = (6 + 0.8 * len(cells) + 0.15 * len(arms), max(3.4 + 0.18 * len(arms), 1.2 + 0.22 * len(rows)))
     if rows:
         fig, (ax, bx) = plt.subplots(1, 2, figsize=size, gridspec_kw={"width_ratios": [3, 2]})
     else:  # a screen: gates only, no comparisons
@@ -95,8 +95,9 @@ def plot_claim(spec: ClaimSpec, judged: Mapping[str, Any], path: Path) -> bool:
     bx.axvline(0, color="black", lw=0.8)
     if any(c.test == "non_inferiority" for c in spec.comparisons):
         bx.axvline(-5, color="grey", lw=0.8, ls="--")
-    bx.set_yticks(range(len(rows)), [(f"{cells[i]['name']}\n" if len(cells) > 1 else "") + comps[j]
-                                     for i, j in rows], fontsize=6)
+    short = [" ".join(v.split(" ", 1)[-1] for v in c["name"].split(", ")) for c in cells]  # the cell's values
+    bx.set_yticks(range(len(rows)), [(f"{short[i]}: " if len(cells) > 1 else "") + comps[j] for i, j in rows],
+                  fontsize=6)
     bx.set_ylim(len(rows) - 0.5, -0.5)
     bx.yaxis.tick_right()
     bx.set_xlabel("paired difference (points, 95% CI)", fontsize=8)
