@@ -25,7 +25,9 @@ class SuiteEviction(SuiteKind):
     """``suite_eviction`` (see the module docstring). ``kind_args.batched`` (default false): decode every arm of a
     sample as the rows of one batch (:meth:`~lightning_modules.llm.decoding.generate.RecordedPrefill.generate`:
     tokens agree with separate runs up to floating-point ties; the compression time is then shared by the rows),
-    for leaderboards of many arms where accuracy and bytes are the point, not each arm's seconds."""
+    for leaderboards of many arms on a GPU. On 2 CPU cores it is slower: the eviction board's 25 arms took 5.2 min
+    for 2 samples batched against 2.6 min one by one (rows pad to the full cache and decode until the longest
+    stops; the same 50 answers either way), so the board files leave it off."""
 
     def __init__(self, spec: ClaimSpec, model: Any, tok: Any) -> None:
         super().__init__(spec, model, tok)
