@@ -72,9 +72,14 @@ class RagReuse(SuiteKind):
 
     @staticmethod
     def settings(arm: ArmSpec) -> Dict[str, Any]:
-        """The arm's selector, ratio and every selector field (the store's place is not a setting)."""
+        """The arm's selector, ratio and every field of the selector's config, defaults written out (a changed
+        default is a changed arm; the store's place is not a setting)."""
+        from dataclasses import asdict
+
+        from lightning_modules.prophetkv.selectors import SELECTORS
+
         cfg = reuse_config(arm)
-        return {"method": arm.method, "ratio": cfg.ratio, "args": dict(cfg.selector_args)}
+        return {"method": arm.method, "ratio": cfg.ratio, "args": asdict(SELECTORS[arm.method](**cfg.selector_args))}
 
     def reuser(self, arm: ArmSpec) -> Any:
         """The arm's :class:`~lightning_modules.prophetkv.reuse.ReusePrefill` (built once; every arm shares the

@@ -198,6 +198,9 @@ def test_a_rag_reuse_claim_scores_every_arm_against_full_prefill(tmp_path, tiny_
         assert math.isclose(full["gold_logprob"], want, rel_tol=1e-4, abs_tol=1e-3)
         assert recs[(sid, "prophetkv")]["stage1_rows"] == "question"
         assert recs[(sid, "prophetkv_tail")]["stage1_rows"] == "tail"
+        # every selector default frozen in the records (a changed default is a changed arm)
+        assert recs[(sid, "prophetkv")]["arm_settings"]["args"] == {"layer_fusion": "mean", "query_span": "question"}
+        assert recs[(sid, "prophetkv_tail")]["arm_settings"]["args"]["query_span"] == "tail"
         pk = recs[(sid, "prophetkv")]
         assert pk["recomputed"] == math.ceil(0.5 * pk["chunk_tokens"]) and recs[(sid, "naive")]["recomputed"] == 0
     cell = judged["cells"][0]
