@@ -13,7 +13,8 @@ prefill (``selector: full``) feeds the same token sequence in one ordinary prefi
 tokens.
 
 Every run's statistics (``ReuseResult.stats``): the time to the first token's logits and its parts (store,
-assembly, selection, recomputation), the chunk tokens, the tokens recomputed (per layer for CacheBlend), and the
+assembly, selection, recomputation), the chunk tokens, the tokens recomputed (per layer for CacheBlend), the
+positions selected (``selected``: per row, over its chunk tokens; CacheBlend: its first layer's set), and the
 store's hits and misses.
 """
 
@@ -95,6 +96,16 @@ class ReuseConfig(ReuseSettings):
 
     def build(self, model: torch.nn.Module, store: Optional[KVSegmentStore] = None) -> "ReusePrefill":
         return ReusePrefill(self, model, store)
+
+
+def selected_positions(chunk_columns: Sequence[Sequence[int]], slots: torch.Tensor) -> list:
+    """Per row, the positions (0-based over the row's chunk tokens, in prompt order) of the cache columns in
+    ``slots [B, r]`` (-1: padding; columns outside the chunks, none for the selectors, are left out)."""
+    out = []
+    for b, cols in enumerate(chunk_columns):
+        where = {int(c): i for i, c in enumerate(cols)}
+        out.append(sorted(where[c] for c in slots[b].tolist() if c in where))
+    return out
 
 
 def question_focus(question_ids: Sequence[Sequence[int]], spans: Optional[Sequence[Optional[Tuple[int, int]]]],
@@ -182,6 +193,7 @@ class ReusePrefill:
         recomputed = plan.stats.pop("recomputed", recomputed)  # CacheBlend: the set kept to the last layer
         stats = {"method": self.name, "ttft_s": t4 - t0, "store_s": t1 - t0, "assemble_s": t2 - t1,
                  "select_s": t3 - t2, "recompute_s": t4 - t3, "chunk_tokens": chunk_tokens, "recomputed": recomputed,
+                 "selected": selected_positions(ctx.chunk_columns, plan.slots),
                  "store_hits": self.store.stats.hits - hits0, "store_misses": self.store.stats.misses - miss0}
         stats.update(plan.stats)
         return ReuseResult(ctx.lm, logits, t4 - t0, stats)

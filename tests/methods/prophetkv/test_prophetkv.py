@@ -215,6 +215,22 @@ def test_epic_takes_chunk_initial_tokens_and_every_selector_spends_the_budget(tm
     assert torch.equal(a, b)
 
 
+def test_the_run_names_the_chunk_positions_it_recomputed(tmp_path):
+    """``stats["selected"]``: per row, positions over the row's chunk tokens (prompt order): EPIC with two tokens
+    per chunk picks each document's first two; a ragged batch keeps each row's own positions."""
+    model = tiny("llama")
+    prefix, chunks, question = prompt(4)
+    _, other, question2 = prompt(5, n_chunks=2)
+    store = KVSegmentStore(str(tmp_path))
+    res = ReuseConfig(selector="epic", ratio=0.2, selector_args={"tokens_per_chunk": 2}).build(model, store).prefill(
+        prefix, [chunks, other], [question, question2])
+    starts = lambda cs: [sum(map(len, cs[:i])) for i in range(len(cs))]  # noqa: E731
+    assert res.stats["selected"] == [[p + d for p in starts(chunks) for d in (0, 1)],
+                                     [p + d for p in starts(other) for d in (0, 1)]]
+    pk = ReuseConfig(selector="prophetkv", ratio=0.2).build(model, store).prefill(prefix, [chunks], [question])
+    assert len(pk.stats["selected"][0]) == pk.stats["recomputed"][0] == math.ceil(0.2 * sum(map(len, chunks)))
+
+
 def test_a_warm_store_serves_every_chunk_and_gives_the_same_answer(tmp_path):
     model = tiny("llama")
     prefix, chunks, question = prompt(6)
