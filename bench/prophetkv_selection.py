@@ -14,31 +14,23 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
 FACT = re.compile(r"is kept by|files the ledger under code")
 """The coref setting's fact sentences (datamodules.rag_tasks: "These days <post> is kept by <name>." and
 "<Pronoun> files the ledger under code <code>.")."""
 
 
-def token_spans(tok, ids: Sequence[int]) -> Tuple[str, List[Tuple[int, int]]]:
-    """The decoded text of ``ids`` and each token's ``(start, end)`` character span in it."""
-    spans, prev = [], 0
-    for i in range(len(ids)):
-        end = len(tok.decode(ids[:i + 1]))
-        spans.append((prev, end))
-        prev = end
-    return tok.decode(ids), spans
-
-
 def classify(tok, chunks: Sequence[Sequence[int]], documents, gold, initial: int) -> Dict[str, set]:
     """Positions over the concatenated chunk tokens: ``gold`` (the asked chain's fact sentences), ``other`` (the
     other chains' fact sentences) and ``initial`` (each document's first ``initial`` tokens)."""
+    from lightning_modules.rag.prompts import encode_with_span
+
     gold_text = {documents[g["doc"]]["sentences"][g["sentence"]]["text"] for g in gold}
     out: Dict[str, set] = {"gold": set(), "other": set(), "initial": set()}
     base = 0
     for j, ids in enumerate(chunks):
-        text, spans = token_spans(tok, ids)
+        text = tok.decode(ids)
         out["initial"].update(base + i for i in range(min(initial, len(ids))))
         for sent in documents[j]["sentences"]:
             if not FACT.search(sent["text"]):
@@ -46,9 +38,10 @@ def classify(tok, chunks: Sequence[Sequence[int]], documents, gold, initial: int
             at = text.find(sent["text"])
             if at < 0:
                 raise ValueError(f"document {j}: fact sentence {sent['text']!r} not found in its chunk's text")
-            lo, hi = at, at + len(sent["text"])
-            hit = {base + i for i, (s, e) in enumerate(spans) if s < hi and e > lo and e > s}
-            out["gold" if sent["text"] in gold_text else "other"].update(hit)
+            again, (lo, hi) = encode_with_span(tok, text, at, at + len(sent["text"]))
+            if again != list(ids):
+                raise ValueError(f"document {j}: its chunk's text does not re-encode to the prompt's tokens")
+            out["gold" if sent["text"] in gold_text else "other"].update(range(base + lo, base + hi))
         base += len(ids)
     return out
 

@@ -67,7 +67,8 @@ class RagReuse(SuiteKind):
         self.stops = line_stop_ids(tok, model)
         self.store = KVSegmentStore(str(default_cache_dir() / "claims" / spec.name),
                                     int(args.get("store_max_bytes", 2 ** 31)))
-        self._reusers: Dict[str, Any] = {"full": ReuseConfig(selector="full").build(model, self.store)}
+        self._full = ReuseConfig(selector="full").build(model, self.store)  # every sample's KL reference
+        self._reusers: Dict[str, Any] = {}
         self._reference: Any = (None, None)  # (claim sample id, its full-prefill answer)
 
     @staticmethod
@@ -84,10 +85,9 @@ class RagReuse(SuiteKind):
     def reuser(self, arm: ArmSpec) -> Any:
         """The arm's :class:`~lightning_modules.prophetkv.reuse.ReusePrefill` (built once; every arm shares the
         store)."""
-        key = f"arm:{arm.name}"
-        if key not in self._reusers:
-            self._reusers[key] = reuse_config(arm).build(self.model, self.store)
-        return self._reusers[key]
+        if arm.name not in self._reusers:
+            self._reusers[arm.name] = reuse_config(arm).build(self.model, self.store)
+        return self._reusers[arm.name]
 
     def evaluate(self, s: Mapping[str, Any], todo: Sequence[Arm]) -> Dict[str, Dict[str, Any]]:
         from lightning_modules.llm.eval.suite_metrics import score_prediction
@@ -98,7 +98,7 @@ class RagReuse(SuiteKind):
         gold = self.tok(s["answer_text"], add_special_tokens=False)["input_ids"] if s.get("answer_text") else None
         candidates = [str(c).lower() for c in s.get("candidates") or []]
         if self._reference[0] != s["claim_id"]:  # full prefill, once per sample: the KL reference of every arm
-            self._reference = (s["claim_id"], answer(prompt, self._reusers["full"], self.tok, self.max_new_tokens,
+            self._reference = (s["claim_id"], answer(prompt, self._full, self.tok, self.max_new_tokens,
                                                      self.stops, gold=gold))
         ref = self._reference[1]
         out = {}

