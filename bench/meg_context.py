@@ -46,6 +46,9 @@ from litctx_common.stats import mean_sd
 
 PRE = {"long": {"context_s": 150.0, "stride_s": 15.0, "batch_size": 1, "mask_s": 3.0},
        "short": {"context_s": 5.0, "stride_s": 0.625, "batch_size": 30, "mask_s": 2.0}}
+STUDY = {"subjects": 6, "duration_s": 600.0, "topic_source": 0}
+"""The claim study (issue 56): the main job's synthetic study with the topic tied to source 0's slow state, so the
+words depend on a latent that tens of seconds of signal reveal (``SyntheticMEGConfig.topic_source``)."""
 INITS = ("long", "short", "scratch")
 LABELS = {"long": "long (150 s)", "short": "short (5 s)", "scratch": "none (random backbone)",
           "signal": "no network (the signal itself)"}
@@ -75,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--oracle-states", nargs="+", default=["on", "off"], choices=["on", "off"],
                    help="the synthetic study's slow states (synthetic.slow_states) for the oracle")
     p.add_argument("--oracle-cache", type=Path, default=REPO / "results" / "meg_oracle.json")
+    p.add_argument("--gate-b", action="store_true",
+                   help="run only gate (b): word decoding from the signal alone vs with the true latent topic")
     p.add_argument("--cache-dir", default=None,
                    help="data cache (the synthetic study and its preprocessed arrays); default $LITCTX_CACHE_DIR")
     return p.parse_args(argv)
@@ -314,8 +319,8 @@ def _paired(args, cache) -> List[str]:
             if len(diffs) >= 2:
                 m, sd = statistics.mean(diffs), statistics.stdev(diffs)
                 half = float(stats.t.ppf(0.975, len(diffs) - 1)) * sd / len(diffs) ** 0.5
-                rows.append(f"| {fraction:.0%} | {context} | {m:+.3f} | {sd:.3f} | [{m - half:+.3f}, {m + half:+.3f}] | "
-                            f"{', '.join(f'{d:+.3f}' for d in diffs)} |")
+                rows.append(f"| {fraction:.0%} | {context} | {m:+.3f} | {sd:.3f} | [{m - half:+.3f}, "
+                            f"{m + half:+.3f}] | {', '.join(f'{d:+.3f}' for d in diffs)} |")
     if not rows:
         return []
     return ["Long minus short backbone (top-10, paired by seed; 95% t-interval over seeds):", "",
@@ -346,6 +351,98 @@ def plot(args, cache) -> None:
     fig.suptitle("MEG word decoding: linear probe on frozen backbones (synthetic study)")
     fig.tight_layout()
     save_figure(fig, args.figure)
+
+
+# ---------------------------------------------------------------------------------------------- gate (b)
+GATE_B_L2 = 0.1
+"""The word-state probe's L2 (both arms): at 1e-2 the per-state corrections overfit on a first study draw
+(window + state below the window alone), so it was raised once, before the claim study's gate was measured."""
+
+
+def gate_b_datamodule(context: str, cache_dir=None):
+    """Word windows of every subject of the claim study (each recording cut in time: 80% train, 10% val, 10% test),
+    with the slow process ``on`` or ``off``."""
+    from datamodules.meg import MEGDataConfig, MEGDataModule
+
+    on = context == "on"
+    dm = MEGDataModule(MEGDataConfig(task="words", sfreq=50.0, holdout="none", val_fraction=0.1, test_fraction=0.1,
+                                     synthetic_subjects=[f"{s:02d}" for s in range(1, STUDY["subjects"] + 1)],
+                                     cache_dir=cache_dir, synthetic={**STUDY, "context": on, "slow_states": on}))
+    dm.setup("fit")
+    return dm
+
+
+def word_topics(dataset) -> List[int]:
+    """The true topic at every word onset of a :class:`datamodules.meg.WordSamples` split, in its order (from the
+    synthetic recordings' ``_topics.tsv``)."""
+    from datamodules.synth.meg import read_topics, topic_at
+
+    timelines: Dict[int, list] = {}
+    out = []
+    for r, onsets, _ in dataset.groups:
+        rec = dataset.recordings[r]
+        if r not in timelines:
+            timelines[r] = read_topics(rec.path)
+        out += [topic_at(timelines[r], s / rec.sfreq) for s in onsets]
+    return out
+
+
+def gate_b_run(dm, chunks: int) -> Dict[str, object]:
+    """:func:`lightning_modules.meg.oracle.word_state_probe` on the preprocessed signal pooled in ``chunks`` parts
+    of each word window, with the true topic as the latent state (train -> test)."""
+    import numpy as np
+
+    from datamodules.synth.meg import SyntheticMEGConfig
+    from lightning_modules.meg.oracle import word_state_probe
+
+    start = time.time()
+    sets = []
+    for name in ("train", "test"):
+        x, y = _pooled(None, dm.split(name), chunks, 1)
+        sets.append((x, y, np.asarray(word_topics(dm.split(name)))))
+    topics = SyntheticMEGConfig(**dm.cfg.synthetic).topics
+    result = word_state_probe(sets[0], sets[1], len(dm.vocab), topics, k=10, l2=GATE_B_L2)
+    return {**result.as_dict(), "chunks": chunks, "seconds": time.time() - start}
+
+
+def _gate_b_key(context: str, chunks: int) -> str:
+    from datamodules.synth.meg import SyntheticMEGConfig
+
+    on = context == "on"
+    study = SyntheticMEGConfig(**{**STUDY, "context": on, "slow_states": on}).fingerprint()
+    return f"gate_b|{study}|l2{GATE_B_L2}|k{chunks}|context-{context}"
+
+
+def gate_b_all(args) -> dict:
+    cache = load_cache(args.oracle_cache)
+    for context in args.contexts:
+        key = _gate_b_key(context, args.probe_chunks)
+        if key not in cache["runs"]:
+            cache["runs"][key] = gate_b_run(gate_b_datamodule(context, args.cache_dir), args.probe_chunks)
+            save_json(args.oracle_cache, cache)
+        r = cache["runs"][key]
+        print(f"[meg_context] gate (b) context {context}: window {r['window']:.3f}, window + topic "
+              f"{r['window_state']:.3f} ({r['gain']:+.3f}; {r['seconds']:.0f} s)", flush=True)
+    return cache
+
+
+def gate_b_report(args, cache) -> str:
+    lines = [f"`python -m bench.meg_context --gate-b`: can context help word decoding at all? Top-10 accuracy on the "
+             "held-out words (10% of every recording, in time) of the claim study (`STUDY`: 6 subjects x 600 s, "
+             f"`topic_source: 0`) by a multinomial logistic regression (L2 {GATE_B_L2}, L-BFGS) on the preprocessed "
+             f"signal of each word's 3-s window pooled in {args.probe_chunks} parts, alone (**window**) and with the "
+             "true latent topic at the word (**window + topic**: shared weights plus a correction and a word prior "
+             "per topic; `lightning_modules/meg/oracle.py: word_state_probe`). No network. Gate (b) of issue 56: "
+             "window + topic beats window by >= 0.05 with the slow process on.", "",
+             "| slow process | train words | test words | window | window + topic | gain | gate (b) | time |",
+             "|---|---|---|---|---|---|---|---|"]
+    for context in args.contexts:
+        r = cache["runs"].get(_gate_b_key(context, args.probe_chunks))
+        if r:
+            gate = ("passes" if r["gain"] >= 0.05 else "fails") if context == "on" else "(control)"
+            lines.append(f"| {context} | {r['train_words']} | {r['test_words']} | {r['window']:.3f} | "
+                         f"{r['window_state']:.3f} | {r['gain']:+.3f} | {gate} | {r['seconds']:.0f} s |")
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------- the oracle
@@ -425,7 +522,8 @@ def oracle_report(args, cache) -> str:
     lines = [f"`{cmd}`: a masked 3-s block's level-0 code (the 12 tokens of one 3-s sub-segment of a 150-s window, "
              "one channel) predicted from that channel's codes in +-1 s around the block (**short**, 4 tokens each "
              "side, one-hot per position), from the histogram of its codes over the rest of the 150-s window "
-             "(**long**, as log frequencies), and from **both**; multinomial logistic regression (`lightning_modules/meg/oracle.py`: "
+             "(**long**, as log frequencies), and from **both**; multinomial logistic regression "
+             "(`lightning_modules/meg/oracle.py`: "
              "standardised features, L2 1e-3, L-BFGS to convergence) fitted on subjects 01-03 and scored on the "
              "held-out subject 04 of the main job's synthetic study (6 subjects x 600 s, 50 Hz). Gains are nats per "
              "masked token below the marginal (the training codes' frequencies); the tokenizer is fitted as "
@@ -447,12 +545,16 @@ def oracle_report(args, cache) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.oracle:
-        cache = oracle_all(args)
-        body = oracle_report(args, cache)
-        print(body)
-        write_section("meg_oracle", body, "MEG-XL: how predictable are the masked codes? (code oracle)", args.results)
-        return 0
+    studies = {"gate_b": (gate_b_all, gate_b_report, "meg_gate_b",
+                          "MEG-XL: does the latent topic help word decoding? (gate b)"),
+               "oracle": (oracle_all, oracle_report, "meg_oracle",
+                          "MEG-XL: how predictable are the masked codes? (code oracle)")}
+    for flag, (run, write, section, heading) in studies.items():
+        if getattr(args, flag):  # a study without pre-training: its own cache and section
+            body = write(args, run(args))
+            print(body)
+            write_section(section, body, heading, args.results)
+            return 0
     cache = load_cache(args.cache)
     if not args.report_only:
         run_all(args, cache)

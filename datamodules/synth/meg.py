@@ -39,6 +39,10 @@ The signal model, per recording (``x(t) = G s(t) + n(t)`` in SI units):
   reveals the state, so the codes of a masked block depend on the state, which the long context pins down and the
   short one only sometimes (measured by :mod:`lightning_modules.meg.oracle`; ``python -m bench.meg_context
   --oracle``).
+  With ``topic_source = j`` the topic process above *is* source ``j``'s slow state: the topic that sets the word
+  distribution (and the evoked gain and alpha topography) lasts 60-180 s and shows through source ``j``'s bursts,
+  so a decoder that reads tens of seconds of signal can know which words to expect, and one that reads a word's
+  window cannot (the claim study of MEG-XL: gate (b), :func:`lightning_modules.meg.oracle.word_state_probe`).
   ``slow_states=False`` keeps the bursts (same count, lengths and amplitudes, so the same power and spectrum on
   average) but draws each burst's state independently, so nothing slow is left for long context to find; the
   word gains are then 1.
@@ -71,7 +75,8 @@ import numpy as np
 from litctx_common.io import atomic_path, atomic_write_text
 from litctx_common.seeding import stable_seed
 
-__all__ = ["SyntheticMEGConfig", "generate_meg_dataset", "word_list", "select_locations", "canonical_info"]
+__all__ = ["SyntheticMEGConfig", "generate_meg_dataset", "word_list", "select_locations", "canonical_info",
+           "read_topics", "topic_at"]
 
 SENSOR_SYSTEMS = ("neuromag", "ctf151", "ctf275")
 
@@ -143,6 +148,12 @@ class SyntheticMEGConfig:
     """Tie the word responses to the slow states: state ``k`` scales the source's evoked response by
     ``1 + state_word_gain * u[k, source]`` (``u`` fixed per study, in (-1, 1)); off with ``slow_states=False``."""
     state_word_gain: float = 0.5
+    topic_source: Optional[int] = None
+    """Tie the topic process to the slow states (with ``context`` and ``slow_states`` both on; ``topics`` must
+    equal ``states``): the topic is source ``topic_source``'s slow state, so it lasts ``U(state_min_s,
+    state_max_s)`` and shows through that source's bursts at the state's frequency (besides its word distribution,
+    evoked gain and alpha topography). Words then depend on a latent that tens of seconds of signal reveal and one
+    word's window does not: MEG-XL's claim study (``docs/meg.md``). Null: the topics switch on their own."""
     field_tesla: float = 2e-13
     """Field magnitude of one unit source at a magnetometer (T); gradiometers follow from the geometry."""
     seed: int = 0
@@ -176,6 +187,13 @@ class SyntheticMEGConfig:
             problems.append(f"burst_amplitude={self.burst_amplitude}: must be >= 0")
         if not 0 <= self.state_word_gain < 1:
             problems.append(f"state_word_gain={self.state_word_gain}: must be in [0, 1)")
+        if self.topic_source is not None:
+            if not 0 <= self.topic_source < self.n_sources:
+                problems.append(f"topic_source={self.topic_source}: must be a source index in [0, {self.n_sources}) "
+                                "(n_sources) or null")
+            if self.topics != self.states:
+                problems.append(f"topic_source={self.topic_source} makes a source's state the topic: topics="
+                                f"{self.topics} must equal states={self.states}")
         if self.state_frequencies is not None:
             try:
                 self.state_frequencies = [float(f) for f in self.state_frequencies]
@@ -368,6 +386,31 @@ def _state_at(segments: List[tuple], t: float) -> int:
     return next(k for (a, b, k) in segments if a <= t < b)
 
 
+def read_topics(fif: str | os.PathLike) -> List[tuple]:
+    """``[(start_s, end_s, topic), ...]`` from the ``_topics.tsv`` the generator wrote beside a recording's FIF
+    (the latent topic's ground truth)."""
+    fif = Path(fif)
+    tsv = fif.with_name(fif.name[: -len("_meg.fif")] + "_topics.tsv")
+    if not tsv.is_file():
+        raise FileNotFoundError(f"{tsv}: no topic timeline beside {fif.name} (is it a synthetic recording?)")
+    out = []
+    for i, line in enumerate(tsv.read_text().splitlines()[1:], start=2):
+        try:
+            a, b, k = line.split("\t")
+            out.append((float(a), float(b), int(k)))
+        except ValueError:
+            raise ValueError(f"{tsv}:{i}: expected 'onset<TAB>offset<TAB>topic', got {line!r}") from None
+    return out
+
+
+def topic_at(segments: Sequence[tuple], t: float) -> int:
+    """The topic of ``segments`` (:func:`read_topics`) at time ``t`` (s); past the end, the last one."""
+    for a, b, k in segments:
+        if a <= t < b:
+            return int(k)
+    return int(segments[-1][2])
+
+
 def _write_recording(path: Path, cfg: SyntheticMEGConfig, info_src, keep: np.ndarray, templates: np.ndarray,
                      topic_words: np.ndarray, topic_gains: np.ndarray, topic_alpha: np.ndarray,
                      state_gains: np.ndarray, rng: np.random.Generator, subject_rng: np.random.Generator,
@@ -388,13 +431,15 @@ def _write_recording(path: Path, cfg: SyntheticMEGConfig, info_src, keep: np.nda
     n_src = cfg.n_sources
     G = _lead_field(subject_rng, info, n_src, cfg.field_tesla)  # the subject's head: same in every session
     G *= 1.0 + cfg.subject_gain_spread * subject_rng.uniform(-1, 1, size=(len(keep), 1))
-    segs = _topic_sequence(rng, cfg)
+    segs = _topic_sequence(rng, cfg)  # drawn either way, so that topic_source leaves the other draws alone
+    state_segs = _state_sequences(state_rng, cfg)  # its own stream: the rest of the recording does not change
+    if cfg.topic_source is not None and cfg.context and cfg.slow_states:
+        segs = list(state_segs[cfg.topic_source])  # the topic is that source's slow state
     topic_of_sample = np.zeros(n, dtype=np.int64)
     for a, b, k in segs:
         topic_of_sample[int(round(a * cfg.sfreq)):int(round(b * cfg.sfreq))] = k
     alpha = _alpha_bursts(rng, n_src, n, cfg.sfreq) * topic_alpha[topic_of_sample].T  # [n_src, n]
     sources = _pink_noise(rng, n_src, n, cfg.background_exponent) + cfg.alpha_amplitude * alpha
-    state_segs = _state_sequences(state_rng, cfg)  # its own stream: the rest of the recording does not change
     if cfg.burst_amplitude > 0:
         sources += cfg.burst_amplitude * _state_bursts(state_rng, cfg, state_segs, n)
     tie = cfg.slow_states and cfg.state_word_gains and cfg.state_word_gain > 0

@@ -43,6 +43,7 @@ import torch
 from lightning_modules.meg.model import masking_plan
 
 __all__ = ["OracleConfig", "OracleResult", "BlockData", "KINDS", "window_codes", "block_data", "design",
+           "WordStateProbe", "state_design", "topk_accuracy", "word_state_probe",
            "fit_softmax", "log_proba", "cross_entropy", "marginal_log_proba", "code_oracle"]
 
 KINDS = ("short", "long", "both")
@@ -208,11 +209,14 @@ def cross_entropy(logp: np.ndarray, counts: np.ndarray) -> float:
 
 
 def fit_softmax(x: np.ndarray, counts: np.ndarray, l2: float, max_iter: int = 1000,
-                tolerance_grad: float = 1e-6, init_bias: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+                tolerance_grad: float = 1e-6, init_bias: Optional[np.ndarray] = None,
+                unpenalized: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """Multinomial logistic regression ``softmax(x @ W + b)`` fitted to target counts ``counts [N, V]`` from
     features ``x [N, D]``: minimises ``-sum(counts * log p) / sum(counts) + l2 / 2 * ||W||^2`` by full-batch
     L-BFGS (strong Wolfe line search) in float64, from ``W = 0`` and ``b = init_bias`` (default 0), until the
-    largest gradient entry is at most ``tolerance_grad`` (or ``max_iter`` iterations). Returns ``(W [D, V], b [V])``."""
+    largest gradient entry is at most ``tolerance_grad`` (or ``max_iter`` iterations). The weights of the last
+    ``unpenalized`` features are left out of the penalty (like the bias: e.g. indicator columns whose log-odds should
+    not shrink). Returns ``(W [D, V], b [V])``."""
     X = torch.as_tensor(np.asarray(x, dtype=np.float64))
     Y = torch.as_tensor(np.asarray(counts, dtype=np.float64))
     weight = torch.zeros(X.shape[1], Y.shape[1], dtype=torch.float64, requires_grad=True)
@@ -225,7 +229,8 @@ def fit_softmax(x: np.ndarray, counts: np.ndarray, l2: float, max_iter: int = 10
     def closure():
         opt.zero_grad()
         logp = torch.log_softmax(X @ weight + bias, dim=1)
-        loss = -(Y * logp).sum() / total + 0.5 * l2 * (weight * weight).sum()
+        penalised = weight[: weight.shape[0] - unpenalized]
+        loss = -(Y * logp).sum() / total + 0.5 * l2 * (penalised * penalised).sum()
         loss.backward()
         return loss
 
@@ -296,3 +301,75 @@ def code_oracle(train: Any, test: Any, tokenizer, cfg: Optional[OracleConfig] = 
     return OracleResult(marginal=marginal, ce=ce, gain={k: marginal - v for k, v in ce.items()}, codes=V,
                         train_blocks=len(tr), test_blocks=len(te), test_tokens=int(te.counts.sum()),
                         config=asdict(cfg))
+
+
+# ---------------------------------------------------------------------------------------------- gate (b)
+@dataclass
+class WordStateProbe:
+    """Top-``k`` word decoding on held-out words by a probe that sees each word's window alone and by one that
+    also knows the true slow state at the word (MEG-XL's gate (b): context can help decoding only if the
+    second is clearly better)."""
+
+    window: float
+    window_state: float
+    k: int
+    chance: float
+    train_words: int
+    test_words: int
+    states: int
+    l2: float
+
+    @property
+    def gain(self) -> float:
+        return self.window_state - self.window
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {**asdict(self), "gain": self.gain}
+
+
+def state_design(x: np.ndarray, states: np.ndarray, n_states: int) -> np.ndarray:
+    """``[N, D + D * n_states + n_states]``: the features ``x [N, D]``, then ``x`` again in the block of each row's
+    state ``states [N]`` (zeros in the other blocks), then the state's one-hot (last): a linear model on it has
+    shared weights plus a correction and a word prior per state. It nests the model on ``x`` alone; the L2 penalty
+    pulls the per-state corrections towards the shared weights (no state's model learns from its words alone), and
+    the one-hot columns are left unpenalised like a bias (:func:`fit_softmax`'s ``unpenalized``)."""
+    x = np.asarray(x, dtype=np.float64)
+    states = np.asarray(states, dtype=np.int64)
+    if states.shape != (len(x),) or states.min(initial=0) < 0 or states.max(initial=0) >= n_states:
+        raise ValueError(f"states: expected {len(x)} values in [0, {n_states}), got shape {states.shape} and range "
+                         f"[{states.min(initial=0)}, {states.max(initial=0)}]")
+    blocks = np.zeros((len(x), n_states, x.shape[1]))
+    rows = np.arange(len(x))
+    blocks[rows, states] = x
+    return np.concatenate([x, blocks.reshape(len(x), -1), np.eye(n_states)[states]], axis=1)
+
+
+def topk_accuracy(logp: np.ndarray, labels: np.ndarray, k: int) -> float:
+    """Share of rows whose label is among the ``k`` highest scores of ``logp [N, V]`` (ties broken by index)."""
+    top = np.argsort(-np.asarray(logp), axis=1, kind="stable")[:, :k]
+    return float(np.mean([y in t for y, t in zip(np.asarray(labels), top)]))
+
+
+def word_state_probe(train: Tuple[np.ndarray, np.ndarray, np.ndarray], test: Tuple[np.ndarray, np.ndarray, np.ndarray],
+                     n_words: int, n_states: int, k: int = 10, l2: float = 1e-2) -> WordStateProbe:
+    """Fit two multinomial logistic regressions (:func:`fit_softmax`, standardised features) on the training words
+    and score top-``k`` on the held-out ones: on the window's features alone, and on :func:`state_design` of them
+    (the same features, one model per true state).
+
+    Args:
+        train, test: ``(x [N, D] float, words [N] int in [0, n_words), states [N] int in [0, n_states))``: each
+            word's window features (e.g. the preprocessed signal pooled over parts of the window), its label and
+            the latent state at its onset.
+    """
+    (xtr, ytr, str_), (xte, yte, ste) = train, test
+    onehot = np.eye(n_words)[np.asarray(ytr, dtype=np.int64)]
+    prior = marginal_log_proba(onehot)
+    xtr, xte = _standardise(np.asarray(xtr, np.float64), np.asarray(xte, np.float64))
+    scores = {}
+    for name, (a, b) in {"window": (xtr, xte),
+                         "window_state": (state_design(xtr, str_, n_states), state_design(xte, ste, n_states))}.items():
+        weight, bias = fit_softmax(a, onehot, l2, init_bias=prior, unpenalized=n_states if name != "window" else 0)
+        scores[name] = topk_accuracy(log_proba(b, weight, bias), yte, k)
+    return WordStateProbe(window=scores["window"], window_state=scores["window_state"], k=k,
+                          chance=min(1.0, k / n_words), train_words=len(ytr), test_words=len(yte), states=n_states,
+                          l2=l2)

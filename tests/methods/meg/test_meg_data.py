@@ -350,3 +350,46 @@ def test_slow_state_fields_are_checked_and_fingerprinted():
         SyntheticMEGConfig(burst_min_s=2.0, burst_max_s=1.0)
     with pytest.raises(ValueError, match=r"data\.args\.synthetic: states=0: must be >= 1"):
         MEGDataConfig(synthetic={"states": 0})
+
+
+def test_topic_source_makes_a_sources_slow_state_the_topic(tmp_path):
+    """With topic_source=j the topic timeline is source j's state timeline (60-180 s segments) and the words follow
+    it (the events differ from the free topics'); the reader returns what was written; with the slow process off
+    there is one topic, as without topic_source."""
+    from datamodules.synth.meg import read_topics, topic_at
+
+    kw = dict(subjects=1, duration_s=400.0, locations=2, vocab=8, seed=5)
+    tied = generate_meg_dataset(tmp_path / "tied", SyntheticMEGConfig(**kw, topic_source=2))[0]
+    free = generate_meg_dataset(tmp_path / "free", SyntheticMEGConfig(**kw))[0]
+    _, rows = _segments(tied, "_states.tsv")
+    source2 = [(float(a), float(b), int(k)) for a, b, src, k, _ in rows if int(src) == 2]
+    topics = read_topics(tied)
+    assert [k for _, _, k in topics] == [k for _, _, k in source2]
+    np.testing.assert_allclose([(a, b) for a, b, _ in topics], [(a, b) for a, b, _ in source2], atol=1e-3)
+    assert read_topics(free) != topics and _events(free) != _events(tied)
+    assert topic_at(topics, topics[1][0] + 0.5) == topics[1][2] and topic_at(topics, 1e9) == topics[-1][2]
+    off = SyntheticMEGConfig(**kw, topic_source=2, context=False, slow_states=False)
+    assert [k for _, _, k in read_topics(generate_meg_dataset(tmp_path / "off", off)[0])] == [0]
+
+
+def test_topic_source_is_checked_and_fingerprinted():
+    import dataclasses
+
+    base = SyntheticMEGConfig()
+    assert base.topic_source is None
+    assert dataclasses.replace(base, topic_source=0).fingerprint() != base.fingerprint()
+    with pytest.raises(ValueError, match=r"topic_source=8: must be a source index in \[0, 8\)"):
+        SyntheticMEGConfig(topic_source=8)
+    with pytest.raises(ValueError, match=r"topics=3 must equal states=4"):
+        SyntheticMEGConfig(topic_source=0, topics=3)
+
+
+def test_read_topics_names_the_file_and_line(tmp_path):
+    from datamodules.synth.meg import read_topics
+
+    fif = tmp_path / "sub-01_ses-01_task-listen_meg.fif"
+    with pytest.raises(FileNotFoundError, match="_topics.tsv: no topic timeline"):
+        read_topics(fif)
+    (tmp_path / "sub-01_ses-01_task-listen_topics.tsv").write_text("onset\toffset\ttopic\n0.0\t10.0\t1\n10.0\tx\n")
+    with pytest.raises(ValueError, match=r"_topics.tsv:3: expected 'onset<TAB>offset<TAB>topic'"):
+        read_topics(fif)

@@ -158,3 +158,67 @@ def test_long_context_beats_short_context_only_with_slow_states(oracles):
     # off (the same bursts, each with a random state): the window's histogram adds nothing (measured long -0.004)
     assert abs(off.gain["long"]) < 0.02
     assert off.gain["long"] - off.gain["short"] < 0.01
+
+
+# ---------------------------------------------------------------------------------------------- gate (b)
+def test_state_design_nests_the_window_model_and_places_each_row_in_its_state_block():
+    from lightning_modules.meg.oracle import state_design
+
+    x = np.arange(6.0).reshape(3, 2)
+    z = state_design(x, np.array([1, 0, 1]), 2)
+    assert z.shape == (3, 2 + 2 * 2 + 2)
+    np.testing.assert_array_equal(z[:, :2], x)  # the shared block
+    np.testing.assert_array_equal(z[0, 2:], [0, 0, 0, 1, 0, 1])
+    np.testing.assert_array_equal(z[1, 2:], [2, 3, 0, 0, 1, 0])
+    with pytest.raises(ValueError, match=r"states: expected 3 values in \[0, 2\)"):
+        state_design(x, np.array([0, 2, 1]), 2)
+
+
+def test_topk_accuracy_against_brute_force():
+    from lightning_modules.meg.oracle import topk_accuracy
+
+    rng = np.random.default_rng(0)
+    scores, labels = rng.standard_normal((50, 7)), rng.integers(0, 7, 50)
+    for k in (1, 3, 7):
+        brute = np.mean([sum(s > s[y]) < k for s, y in zip(scores, labels)])  # no ties in continuous scores
+        assert topk_accuracy(scores, labels, k) == pytest.approx(brute)
+
+
+def test_unpenalized_indicators_give_each_state_its_empirical_word_frequencies():
+    """Closed form: with only noise features under a huge penalty and the state one-hots unpenalised, the fitted
+    model is a categorical per state, whose maximum-likelihood probabilities are the word frequencies in that
+    state; with the one-hots penalised too it falls back to the pooled frequencies."""
+    rng = np.random.default_rng(1)
+    states = rng.integers(0, 2, 400)
+    words = np.where(states == 0, rng.choice(3, 400, p=[0.7, 0.2, 0.1]), rng.choice(3, 400, p=[0.1, 0.3, 0.6]))
+    x = np.concatenate([rng.standard_normal((400, 3)), np.eye(2)[states]], axis=1)
+    counts = np.eye(3)[words]
+    w, b = fit_softmax(x, counts, l2=1e6, unpenalized=2, tolerance_grad=1e-9)
+    p = np.exp(log_proba(x, w, b))
+    for s in (0, 1):
+        want = np.bincount(words[states == s], minlength=3) / (states == s).sum()
+        np.testing.assert_allclose(p[states == s].mean(0), want, atol=1e-4)
+    w, b = fit_softmax(x, counts, l2=1e6, tolerance_grad=1e-9)
+    np.testing.assert_allclose(np.exp(log_proba(x, w, b)), np.broadcast_to(counts.mean(0), (400, 3)), atol=1e-4)
+
+
+def test_word_state_probe_sees_a_state_that_sets_the_word_prior():
+    """Words drawn from a state-specific distribution, windows that show the word faintly: the probe that knows the
+    state beats the window alone by far more than noise; with words independent of the state it gains ~nothing."""
+    from lightning_modules.meg.oracle import word_state_probe
+
+    rng = np.random.default_rng(2)
+    n_words, n_states, dim = 20, 3, 10
+    priors = rng.dirichlet(np.full(n_words, 0.2), size=n_states)
+    means = rng.standard_normal((n_words, dim))
+
+    def draw(n, tied):
+        s = rng.integers(0, n_states, n)
+        y = np.array([rng.choice(n_words, p=priors[k] if tied else np.full(n_words, 1 / n_words)) for k in s])
+        return 0.25 * means[y] + rng.standard_normal((n, dim)), y, s
+
+    tied = word_state_probe(draw(3000, True), draw(1500, True), n_words, n_states, k=3, l2=1e-2)
+    free = word_state_probe(draw(3000, False), draw(1500, False), n_words, n_states, k=3, l2=1e-2)
+    assert tied.gain > 0.1
+    assert abs(free.gain) < 0.04
+    assert tied.as_dict()["gain"] == pytest.approx(tied.window_state - tied.window) and tied.chance == 3 / n_words
