@@ -1,11 +1,15 @@
 """MEG-XL's claim at CPU scale: does long-context pre-training help word decoding with scarce labels?
 
-For the synthetic study with its slow context **on** and **off** (``synthetic.context`` and
-``synthetic.slow_states`` together: the topic process and the per-source slow states), and for each seed:
+For the claim study (``STUDY``: the main job's synthetic study with its topic tied to source 0's slow state,
+``topic_source: 0``) with its slow process **on** and **off** (``synthetic.context`` and ``synthetic.slow_states``
+together), and for each seed:
 
-1. pre-train two backbones for the same number of optimizer steps and about the same number of tokens:
-   **long** (150-s contexts, batch 1, 3-s masked blocks) and **short** (5-s contexts, batch 30, 2-s blocks, so
-   both mask ~40% of their tokens);
+1. pre-train two backbones from the same starting point (:func:`initial_weights`: one tokenizer fitted on the long
+   run's training windows, one random backbone) for about the same number of optimizer steps and tokens:
+   **long** (150-s contexts, batch 1) and **short** (6-s contexts, batch 25), both with MEG-XL's 3-s masked
+   blocks; then **gate (a)**: both scored on the same masked tokens of the fine-tuning subjects' 150-s windows,
+   the long model seeing the whole window, the short one 6-s chunks (:meth:`MEGXLPretrainModule.masked_ce`);
+   ``--pretrain-only`` stops there;
 2. train word decoding on held-out subjects (05, 06) with each fraction of ``--label-fractions`` of the labelled
    training samples, on the long backbone, the short backbone and a **scratch** (random) one, with identical
    settings: ``--protocol linear`` (default; the research note's test) fits a multinomial logistic regression
@@ -45,12 +49,16 @@ from bench._report import REPO, load_cache, pyplot, save_figure, save_json, writ
 from litctx_common.stats import mean_sd
 
 PRE = {"long": {"context_s": 150.0, "stride_s": 15.0, "batch_size": 1, "mask_s": 3.0},
-       "short": {"context_s": 5.0, "stride_s": 0.625, "batch_size": 30, "mask_s": 2.0}}
+       "short": {"context_s": 6.0, "stride_s": 0.6, "batch_size": 25, "mask_s": 3.0}}
+"""The two pre-training contexts: the same tokens per step (150 s) and about the same steps per epoch; the short
+one is two 3-s sub-segments with MEG-XL's 3-s block, so it is scored on exactly the chunks it was trained on."""
+SHORT_EVAL_S = 6.0
+"""Gate (a) scores the short model on 6-s chunks (2 sub-segments) of the 150-s evaluation windows."""
 STUDY = {"subjects": 6, "duration_s": 600.0, "topic_source": 0}
 """The claim study (issue 56): the main job's synthetic study with the topic tied to source 0's slow state, so the
 words depend on a latent that tens of seconds of signal reveal (``SyntheticMEGConfig.topic_source``)."""
 INITS = ("long", "short", "scratch")
-LABELS = {"long": "long (150 s)", "short": "short (5 s)", "scratch": "none (random backbone)",
+LABELS = {"long": "long (150 s)", "short": "short (6 s)", "scratch": "none (random backbone)",
           "signal": "no network (the signal itself)"}
 
 
@@ -78,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--oracle-states", nargs="+", default=["on", "off"], choices=["on", "off"],
                    help="the synthetic study's slow states (synthetic.slow_states) for the oracle")
     p.add_argument("--oracle-cache", type=Path, default=REPO / "results" / "meg_oracle.json")
+    p.add_argument("--pretrain-only", action="store_true",
+                   help="pre-train and measure gate (a) only (no word decoding)")
     p.add_argument("--gate-b", action="store_true",
                    help="run only gate (b): word decoding from the signal alone vs with the true latent topic")
     p.add_argument("--cache-dir", default=None,
@@ -85,24 +95,55 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def study(context: str) -> Dict[str, object]:
+    """The claim study with the slow process ``on`` (the topic process and the per-source slow states, the topic
+    being source 0's state) or ``off``."""
+    on = context == "on"
+    return {**STUDY, "context": on, "slow_states": on}
+
+
 def _common(args, context: str, seed: int) -> List[str]:
-    on = context == "on"  # the slow context: the topic process and the per-source slow states together
-    synth = json.dumps({"subjects": 6, "duration_s": 600.0, "context": on, "slow_states": on})
+    synth = json.dumps(study(context))
     return [f"seed={seed}", f"data.args.seed={seed}", f"data.args.synthetic={synth}", "logging.progress=none",
             "logging.tensorboard=false", "trainer.extra.enable_model_summary=false", "then.recipe=null", "resume=auto"]
+
+
+def _pre_overrides(args, context: str, kind: str, seed: int) -> List[str]:
+    p = PRE[kind]
+    return _common(args, context, seed) + [
+        f"data.args.context_s={p['context_s']}", f"data.args.stride_s={p['stride_s']}",
+        f"data.args.batch_size={p['batch_size']}", f"method.args.mask_s={p['mask_s']}",
+        f"trainer.max_epochs={args.pretrain_epochs}", "stages=[fit]", "method.args.eval_short_context_s=null"]
+
+
+def initial_weights(args, context: str, seed: int) -> Path:
+    """The starting point both pre-training runs of a seed load (``init_from``): the tokenizer fitted, and the
+    training codes counted, on the long run's training windows, and the seed's random backbone; so the two runs
+    predict the same codes (one tokenizer) from the same initial weights, and only their context differs."""
+    import torch
+
+    from recipes.api import build
+
+    path = args.runs_root / f"init-{context}-s{seed}.pt"
+    if not path.is_file():
+        run = build("meg_xl", _pre_overrides(args, context, "long", seed) + [f"run_dir={path.with_suffix('')}"],
+                    write=False)
+        run.datamodule.setup("fit")
+        run.model.prepare_from_datamodule(run.datamodule)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(run.model.state_dict(), tmp)
+        tmp.replace(path)
+    return path
 
 
 def pretrain(args, context: str, kind: str, seed: int) -> Dict[str, object]:
     from recipes.api import build
     from recipes.fit import run_stages
 
-    p = PRE[kind]
     run_dir = args.runs_root / f"pre-{context}-{kind}-s{seed}"
-    overrides = _common(args, context, seed) + [
-        f"data.args.context_s={p['context_s']}", f"data.args.stride_s={p['stride_s']}",
-        f"data.args.batch_size={p['batch_size']}", f"method.args.mask_s={p['mask_s']}",
-        f"trainer.max_epochs={args.pretrain_epochs}", "stages=[fit]", f"run_dir={run_dir}",
-        "method.args.eval_short_context_s=null"]
+    overrides = _pre_overrides(args, context, kind, seed) + [
+        f"run_dir={run_dir}", f"init_from={initial_weights(args, context, seed)}"]
     start = time.time()
     run = build("meg_xl", overrides)
     run_stages(run)
@@ -112,6 +153,45 @@ def pretrain(args, context: str, kind: str, seed: int) -> Dict[str, object]:
     return {"ckpt": best, "val_loss": float(score) if score is not None else None,
             "val_loss_gap": last.get("val/loss_gap"), "seconds": time.time() - start,
             "steps": int(run.trainer.global_step)}
+
+
+def gate_a_windows(args, context: str):
+    """The evaluation windows of gate (a): non-overlapping 150-s windows of the fine-tuning subjects 05-06 (no
+    pre-training run trained on or selected its checkpoint with them)."""
+    from datamodules.meg import MEGDataConfig, MEGDataModule
+
+    dm = MEGDataModule(MEGDataConfig(task="pretrain", sfreq=50.0, context_s=150.0, holdout="none", val_fraction=0.0,
+                                     test_fraction=0.0, synthetic_subjects=["05", "06"], cache_dir=args.cache_dir,
+                                     synthetic=study(context)))
+    dm.setup("fit")
+    return dm.split("train")
+
+
+def gate_a_scores(args, context: str, seed: int, ckpts: Dict[str, str], windows) -> Dict[str, float]:
+    """Masked-code cross-entropy on the same masked tokens of ``windows`` (one tokenizer per seed): the long model
+    with its 150 s, the short one on 6-s chunks (its training context), the long one on 6-s chunks too, and the
+    untrained starting point; ``gate_a`` = short - long (> 0: the long pre-training predicts better)."""
+    from lightning_modules.io import load_weights
+    from lightning_modules.meg.module import MEGXLPretrainModule
+    from recipes.config import load_config
+
+    cfg = load_config("meg_xl", _pre_overrides(args, context, "long", seed)).run.method.args
+    start = time.time()
+
+    def model(path):
+        m = MEGXLPretrainModule(cfg)
+        load_weights(m, path, strict=path.endswith(".ckpt"), prefixes=None if path.endswith(".ckpt") else
+                     m.init_prefixes)
+        return m
+
+    long_, short = model(ckpts["long"]), model(ckpts["short"])
+    out = {"long": long_.masked_ce(windows)["ce"], "short": short.masked_ce(windows, SHORT_EVAL_S)["ce"],
+           "long_chunked": long_.masked_ce(windows, SHORT_EVAL_S)["ce"]}
+    init = model(str(initial_weights(args, context, seed))).masked_ce(windows)
+    out.update(initial=init["ce"], marginal=init["marginal"], tokens=init["tokens"])
+    out["gate_a"] = out["short"] - out["long"]
+    out["seconds"] = time.time() - start
+    return out
 
 
 def finetune(args, context: str, init: str, seed: int, ckpt) -> Dict[str, float]:
@@ -206,7 +286,8 @@ def linear_probe(args, context: str, init: str, seed: int, ckpt) -> Dict[str, fl
 
 
 def _key(args, *parts) -> str:
-    key = "|".join(str(p) for p in parts) + f"|pe{args.pretrain_epochs}|v2"  # v2: slow states, 2 x 32 codes
+    # v3: the claim study (topic_source), one tokenizer and initial weights per seed, 6-s short context
+    key = "|".join(str(p) for p in parts) + f"|pe{args.pretrain_epochs}|v3"
     if parts[0] == "ft":
         key += f"|f{args.label_fraction}|{args.protocol}"
         key += (f"|C{args.probe_c}|k{args.probe_chunks}" if args.protocol == "linear"
@@ -219,6 +300,7 @@ def _inits(args):
 
 
 def run_all(args, cache) -> None:
+    windows_of: Dict[str, object] = {}
     for context in args.contexts:
         for seed in args.seeds:
             ckpts = {}
@@ -229,7 +311,14 @@ def run_all(args, cache) -> None:
                     save_json(args.cache, cache)
                 ckpts[kind] = cache["runs"][key]["ckpt"]
                 print(f"[meg_context] pre {context} {kind} seed {seed}: {cache['runs'][key]}", flush=True)
-            for fraction in args.label_fractions:
+            key = _key(args, "gate_a", context, seed)
+            if key not in cache["runs"]:
+                if context not in windows_of:
+                    windows_of[context] = gate_a_windows(args, context)
+                cache["runs"][key] = gate_a_scores(args, context, seed, ckpts, windows_of[context])
+                save_json(args.cache, cache)
+            print(f"[meg_context] gate (a) {context} seed {seed}: {cache['runs'][key]}", flush=True)
+            for fraction in ([] if args.pretrain_only else args.label_fractions):
                 args.label_fraction = fraction
                 for init in _inits(args):
                     key = _key(args, "ft", context, init, seed)
@@ -295,15 +384,42 @@ def report(args, cache) -> str:
                   "cross-entropy, and the last validation's nats below the training code marginals:",
                   "", "| slow context | context | best val CE (nats) | nats below the marginals | steps | "
                   "time per run |", "|---|---|---|---|---|---|", *pre_rows, ""]
+    lines += _gate_a_rows(args, cache)
     lines += _paired(args, cache)
     return "\n".join(lines)
+
+
+def _gate_a_rows(args, cache) -> List[str]:
+    """Gate (a): short minus long masked-code cross-entropy per seed, on the same masked tokens."""
+    from litctx_common.stats import t_interval
+
+    rows = []
+    for context in args.contexts:
+        runs = {s: cache["runs"].get(_key(args, "gate_a", context, s)) for s in args.seeds}
+        runs = {s: r for s, r in runs.items() if r}
+        if not runs:
+            continue
+        gaps = [r["gate_a"] for r in runs.values()]
+        ci = t_interval(gaps) if len(gaps) >= 2 else None
+        col = lambda f: _fmt([r[f] for r in runs.values()])  # noqa: E731
+        rows.append(f"| {context} | {col('marginal')} | {col('initial')} | {col('long')} | {col('long_chunked')} | "
+                    f"{col('short')} | {_fmt(gaps)} | " + (f"[{ci[0]:+.3f}, {ci[1]:+.3f}]" if ci else "-") + " | "
+                    + ", ".join(f"{g:+.3f}" for g in gaps) + " |")
+    if not rows:
+        return []
+    return ["Gate (a): masked-code cross-entropy (nats per masked token, mean over levels) on the same masked tokens "
+            "of the fine-tuning subjects' 150-s windows (05-06; no run trained on or was selected on them), one "
+            "tokenizer and one initial backbone per seed: the long model with its 150 s, the long and the short model "
+            f"on {SHORT_EVAL_S:g}-s chunks. Gate: short - long >= 0.03 with the slow process on, ~0 off.", "",
+            "| slow process | marginals | initial weights | long (150 s) | long on 6-s chunks | short (6 s) | "
+            "short - long | 95% interval | per seed |", "|---|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def _paired(args, cache) -> List[str]:
     """Long minus short backbone, paired by seed, per label fraction and context setting: mean, sd and a 95%
     t-interval (the acceptance test of the issue: long > short at 25% labels with the context on, and the gap
     closing with it off)."""
-    from scipy import stats
+    from litctx_common.stats import t_interval
 
     rows = []
     for fraction in args.label_fractions:
@@ -318,9 +434,9 @@ def _paired(args, cache) -> List[str]:
             diffs = [long_[s] - short[s] for s in long_]
             if len(diffs) >= 2:
                 m, sd = statistics.mean(diffs), statistics.stdev(diffs)
-                half = float(stats.t.ppf(0.975, len(diffs) - 1)) * sd / len(diffs) ** 0.5
-                rows.append(f"| {fraction:.0%} | {context} | {m:+.3f} | {sd:.3f} | [{m - half:+.3f}, "
-                            f"{m + half:+.3f}] | {', '.join(f'{d:+.3f}' for d in diffs)} |")
+                lo, hi = t_interval(diffs)
+                rows.append(f"| {fraction:.0%} | {context} | {m:+.3f} | {sd:.3f} | [{lo:+.3f}, {hi:+.3f}] | "
+                            f"{', '.join(f'{d:+.3f}' for d in diffs)} |")
     if not rows:
         return []
     return ["Long minus short backbone (top-10, paired by seed; 95% t-interval over seeds):", "",
@@ -344,7 +460,7 @@ def plot(args, cache) -> None:
                 ax.bar(i, statistics.mean(vals), color=["C0", "C1", "C7", "C2"][i], alpha=0.7)
                 ax.scatter([i] * len(vals), vals, color="k", s=12, zorder=3)
         ax.axhline(0.25, color="grey", ls="--", lw=1, label="chance")
-        ax.set_xticks(range(len(inits)), ["long\n150 s", "short\n5 s", "random", "signal"][:len(inits)])
+        ax.set_xticks(range(len(inits)), ["long\n150 s", "short\n6 s", "random", "signal"][:len(inits)])
         ax.set_title(f"context process {context}, {fraction:.0%} labels")
         ax.set_ylabel("test top-10 accuracy")
         ax.legend(loc="lower right")

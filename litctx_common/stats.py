@@ -6,7 +6,7 @@ import math
 import statistics
 from typing import Any, Dict, Iterable, NamedTuple, Sequence
 
-__all__ = ["MeanSD", "mean_sd", "mean_of", "paired_bootstrap"]
+__all__ = ["MeanSD", "mean_sd", "mean_of", "paired_bootstrap", "t_interval"]
 
 
 class MeanSD(NamedTuple):
@@ -61,3 +61,17 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], n_boot: int = 2000,
     tail = (1.0 - level) / 2
     lo, hi = torch.quantile(means, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
     return {"diff": float(d.mean()), "lo": lo, "hi": hi, "n": d.numel()}
+
+
+def t_interval(values: Sequence[float], level: float = 0.95) -> tuple:
+    """``(lo, hi)``: the Student-t interval of the mean of ``values`` (``mean -+ t_{n-1} * sd / sqrt(n)``; at least
+    two values), e.g. paired differences over a few seeds. (scipy, imported here.)"""
+    from scipy import stats
+
+    m = mean_sd(values)
+    if m.n < 2:
+        raise ValueError(f"t_interval needs at least two values, got {m.n}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    half = float(stats.t.ppf(0.5 + level / 2, m.n - 1)) * m.sem
+    return m.mean - half, m.mean + half

@@ -358,6 +358,10 @@ class _MEGXLBase(LongContextModule):
 
 class MEGXLPretrainModule(_MEGXLBase):
     config_class = MEGXLConfig
+    init_prefixes = ("tokenizer", "backbone", "code_counts")
+    """``init_from`` into pre-training also carries the training code counts, which belong to the tokenizer (so
+    runs started from one checkpoint share their tokenizer's codes and marginals); a word decoder loads only the
+    tokenizer and backbone."""
 
     def __init__(self, cfg: Any = None, optim: Any = None) -> None:
         super().__init__(cfg, optim)
@@ -564,6 +568,43 @@ class MEGXLPretrainModule(_MEGXLBase):
 
     def on_test_end(self) -> None:
         self._print_summary("test", f"pre-training, test stage on {self._evaluated_step()}")
+
+    @torch.no_grad()
+    def masked_ce(self, windows: Sequence[Dict[str, torch.Tensor]], context_s: Optional[float] = None,
+                  stage: str = "val") -> Dict[str, float]:
+        """The masked-code cross-entropy of ``windows`` (items of a ``task=pretrain`` split: ``meg [C, S]``, ...),
+        each masked as ``stage``'s validation masks batch ``i`` of batch size 1 (the same tokens for every model
+        with the same masking config and tokenizer), scored with the backbone seeing the whole window
+        (``context_s`` None) or only consecutive chunks of ``context_s`` seconds (rounded to whole sub-segments,
+        :func:`context_chunks`), so that models trained on different context lengths are compared on the same
+        masked tokens.
+
+        Returns:
+            ``{"ce": nats per masked token (mean over levels, weighted by tokens), "marginal": the same under the
+            training code marginals (nan when not counted), "tokens": masked tokens scored}``.
+        """
+        c = self.cfg
+        was_training = self.training
+        self.eval()
+        total = marginal = 0.0
+        tokens = 0
+        for i, item in enumerate(windows):
+            batch = {k: v.unsqueeze(0).to(self.device) for k, v in item.items()}
+            g = torch.Generator().manual_seed(stable_seed("meg-eval-mask", stage, i))
+            codes, mask, logits, target = self.masked_forward(batch, generator=g)
+            if context_s is not None:
+                chunk = max(1, int(math.floor(context_s / c.subsegment_s + 0.5)))
+                chunks = context_chunks(codes.shape[2], c.subsegments(batch["meg"].shape[-1]), chunk, c.mask_tokens,
+                                        c.mask_ratio)
+                logits = self.short_context_logits(batch, codes, mask, chunks)
+            m = int(target.shape[0])
+            total += float(self.level_ce(logits, target).mean()) * m
+            marginal += float(self.marginal_ce(target).mean()) * m if self.counted else float("nan")
+            tokens += m
+        self.train(was_training)
+        if tokens == 0:
+            raise ValueError("masked_ce: no masked tokens in the windows (is the split empty?)")
+        return {"ce": total / tokens, "marginal": marginal / tokens, "tokens": tokens}
 
     def masking_summary(self, n_samples: int) -> str:
         """One line on how a context of ``n_samples`` samples is masked."""

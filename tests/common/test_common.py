@@ -252,3 +252,16 @@ def test_a_markdown_section_is_replaced_between_its_markers_or_appended(tmp_path
     text = page.read_text()
     assert "first body" not in text and f"{start}\nsecond body\n{end}" in text and text.endswith("## After\n\nkept\n")
     assert text.count("## Board") == 1
+
+
+def test_t_interval_matches_the_formula_and_checks_its_input():
+    """mean -+ t_{0.975, n-1} sd / sqrt(n), with t_{0.975, 2} = 4.302652729911275 (table value)."""
+    import math
+
+    from litctx_common.stats import t_interval
+
+    lo, hi = t_interval([0.01, 0.05, 0.03])
+    half = 4.302652729911275 * 0.02 / math.sqrt(3)
+    assert lo == pytest.approx(0.03 - half) and hi == pytest.approx(0.03 + half)
+    with pytest.raises(ValueError, match="at least two values"):
+        t_interval([0.1])

@@ -420,3 +420,53 @@ def test_short_context_loss_equals_the_full_one_for_a_local_model_and_restricts_
         torch.testing.assert_close(short_local, logits_local, atol=1e-6, rtol=1e-6)
         assert float(m.level_ce(short_local, target).mean()) == pytest.approx(
             float(m.level_ce(logits_local, target).mean()), abs=1e-6)
+
+
+def test_masked_ce_scores_every_window_on_validation_masks_with_full_or_chunked_context():
+    """Against a hand loop: each window masked as validation batch i is (stable seed), cross-entropies weighted by
+    masked tokens; with context_s the backbone sees 2-sub-segment chunks (the context ablation's logits); a second
+    model with the same masking scores exactly the same tokens (what makes long and short models comparable)."""
+    from litctx_common.seeding import stable_seed
+
+    torch.manual_seed(0)
+    m = MEGXLPretrainModule(TINY)
+    m.tokenizer.fit(_signals(n=30, t=3000))
+    batches = [_batch(B=1, S=3000, seed=s) for s in range(3)]
+    windows = [{k: v[0] for k, v in b.items()} for b in batches]
+    full, short = m.masked_ce(windows), m.masked_ce(windows, context_s=5.0)
+    want_full = want_short = 0.0
+    n = 0
+    with torch.no_grad():
+        for i, b in enumerate(batches):
+            codes, mask, logits, target = m.masked_forward(
+                b, generator=torch.Generator().manual_seed(stable_seed("meg-eval-mask", "val", i)))
+            chunked = m.short_context_logits(b, codes, mask, context_chunks(250, 20, 2, m.cfg.mask_tokens, 0.4))
+            want_full += float(m.level_ce(logits, target).mean()) * len(target)
+            want_short += float(m.level_ce(chunked, target).mean()) * len(target)
+            n += len(target)
+    assert full["tokens"] == short["tokens"] == n
+    assert full["ce"] == pytest.approx(want_full / n, rel=1e-6)
+    assert short["ce"] == pytest.approx(want_short / n, rel=1e-6)
+    assert abs(full["ce"] - short["ce"]) > 1e-4 and math.isnan(full["marginal"])  # no counts yet
+    torch.manual_seed(1)
+    other = MEGXLPretrainModule(TINY)
+    other.tokenizer.load_state_dict(m.tokenizer.state_dict())
+    assert other.masked_ce(windows)["tokens"] == n
+
+
+def test_pretraining_init_from_also_carries_the_code_counts(tmp_path):
+    from lightning_modules.io import load_weights
+
+    torch.manual_seed(0)
+    pre = MEGXLPretrainModule(TINY)
+    pre.tokenizer.fit(_signals(n=10, t=600))
+    pre.count_codes(_signals(n=10, t=600))
+    path = tmp_path / "init.pt"
+    torch.save(pre.state_dict(), path)
+    torch.manual_seed(1)
+    again = MEGXLPretrainModule(TINY)
+    head_before = again.code_head.weight.clone()
+    load_weights(again, path, strict=True, prefixes=again.init_prefixes)
+    torch.testing.assert_close(again.code_counts, pre.code_counts)
+    assert again.counted and bool(again.tokenizer.fitted)
+    torch.testing.assert_close(again.code_head.weight, head_before)
