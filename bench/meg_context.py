@@ -57,8 +57,8 @@ SHORT_EVAL_S = 6.0
 STUDY = {"subjects": 6, "duration_s": 600.0, "topic_source": 0}
 """The claim study (issue 56): the main job's synthetic study with the topic tied to source 0's slow state, so the
 words depend on a latent that tens of seconds of signal reveal (``SyntheticMEGConfig.topic_source``)."""
-INITS = ("long", "short", "scratch")
-LABELS = {"long": "long (150 s)", "short": "short (6 s)", "scratch": "none (random backbone)",
+LABELS = {"long": "long (150 s)", "short": "short (6 s)", "random": "none (random backbone)",
+          "scratch": "none, every weight at the full rate (supervised from scratch)",
           "signal": "no network (the signal itself)"}
 
 
@@ -67,10 +67,13 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--contexts", nargs="+", default=["on", "off"], choices=["on", "off"])
     p.add_argument("--pretrain-epochs", type=int, default=4)
-    p.add_argument("--finetune-epochs", type=int, default=12)
-    p.add_argument("--label-fractions", type=float, nargs="+", default=[0.25, 1.0],
+    p.add_argument("--finetune-steps", type=int, default=300,
+                   help="optimizer steps of every fine-tuning run, whatever its label budget")
+    p.add_argument("--val-every-steps", type=int, default=25,
+                   help="validate about this often (whole epochs); the best checkpoint by validation top-10 is tested")
+    p.add_argument("--label-fractions", type=float, nargs="+", default=[0.1, 0.25, 1.0],
                    help="fractions of the labelled training samples (each gets its own table)")
-    p.add_argument("--protocol", default="linear", choices=["linear", "probe", "finetune"])
+    p.add_argument("--protocol", default="finetune", choices=["finetune", "linear", "probe"])
     p.add_argument("--probe-c", type=float, default=0.01, help="inverse L2 strength of the linear probe")
     p.add_argument("--probe-chunks", type=int, default=12,
                    help="the probe pools each 3-s word window in this many parts (12: about one token each)")
@@ -194,26 +197,50 @@ def gate_a_scores(args, context: str, seed: int, ckpts: Dict[str, str], windows)
     return out
 
 
-def finetune(args, context: str, init: str, seed: int, ckpt) -> Dict[str, float]:
+def finetune(args, context: str, init: str, seed: int, ckpt: str) -> Dict[str, object]:
+    """Word decoding by the fine-tuning recipe from ``ckpt`` (a pre-trained checkpoint, or the seed's initial
+    weights for ``random`` and ``scratch``), on ``args.label_fraction`` of the labelled training samples, for
+    ``--finetune-steps`` optimizer steps whatever the budget, validating about every ``--val-every-steps`` steps; the
+    test split is scored with the best checkpoint by validation top-10 (the recipe's monitor). ``scratch`` trains
+    every parameter at the full rate (a supervised decoder), the others the backbone at the recipe's 0.3x (``probe``:
+    frozen). Returns the test metrics, the best and last validation top-10 and every test word's hit."""
+    import math
+
     from recipes.api import build
     from recipes.fit import run_stages
 
+    dm, _ = _word_data(args, context, seed)
+    batches = len(dm.split("train"))
     run_dir = args.runs_root / f"{args.protocol}-{context}-{init}-s{seed}-f{args.label_fraction}"
     overrides = _common(args, context, seed) + [
-        f"data.args.train_fraction={args.label_fraction}", f"trainer.max_epochs={args.finetune_epochs}",
-        f"run_dir={run_dir}", "~callbacks.report"]
-    if ckpt:
-        overrides.append(f"init_from={ckpt}")
+        f"data.args.train_fraction={args.label_fraction}", f"trainer.max_steps={args.finetune_steps}",
+        "trainer.max_epochs=null",
+        f"trainer.check_val_every_n_epoch={max(1, math.ceil(args.val_every_steps / batches))}",
+        f"run_dir={run_dir}", "~callbacks.report", f"init_from={ckpt}"]
     if args.protocol == "probe":
-        overrides.append("optim.lr_scale={backbone: 0.0}")  # frozen backbone (random for scratch)
-    elif not ckpt:
-        overrides.append("optim.lr_scale={}")  # from scratch: one learning rate for everything
+        overrides.append("optim.lr_scale={backbone: 0.0}")  # a frozen backbone
+    elif init == "scratch":  # from scratch: one learning rate for everything ("{}" would merge into the recipe's)
+        overrides.append("optim.lr_scale={backbone: 1.0}")
     start = time.time()
     run = build("meg_xl_finetune", overrides)
-    metrics = run_stages(run)
+    metrics = run_stages(run)  # fit, then test on the best checkpoint by val/top10_acc (its weights stay loaded)
+    hits, _ = run.model.word_hits(run.datamodule.split("test"))
+    curve = _val_curve(run.run_dir / "logs" / "metrics.csv")
     return {"top10": float(metrics["test/top10_acc"]), "balanced": float(metrics["test/top10_balanced"]),
             "chance": float(metrics["test/top10_chance"]), "seconds": time.time() - start,
-            "steps": int(run.trainer.global_step)}
+            "steps": int(run.trainer.global_step), "train_samples": batches, "val_curve": curve,
+            "val_best": max((v for _, v in curve), default=None), "val_last": curve[-1][1] if curve else None,
+            "hits": [int(h) for h in hits]}
+
+
+def _val_curve(path: Path) -> List[List[float]]:
+    """``[[step, val top-10], ...]`` from a run's CSV log (empty when it has none)."""
+    import csv
+
+    if not path.is_file():
+        return []
+    with path.open() as f:
+        return [[int(r["step"]), float(r["val/top10_acc"])] for r in csv.DictReader(f) if r.get("val/top10_acc")]
 
 
 def _word_data(args, context: str, seed: int):
@@ -268,11 +295,7 @@ def linear_probe(args, context: str, init: str, seed: int, ckpt) -> Dict[str, fl
         base = {k: getattr(cfg, k) for k in ("sfreq", "stride", "levels", "codes", "code_dim", "d_model", "n_layers",
                                               "n_heads", "mlp_ratio", "dropout", "fourier_features")}
         model = MEGXLPretrainModule(base).eval()
-        if ckpt:
-            load_weights(model, ckpt, strict=True, prefixes=model.init_prefixes)
-        else:  # scratch: a random backbone; the tokenizer is fitted on the labelled training samples
-            train = dm.split("train")
-            model.tokenizer.fit(torch.cat([train[i]["meg"][train[i]["sensor_mask"]] for i in range(len(train))]))
+        load_weights(model, ckpt, strict=True, prefixes=model.init_prefixes)  # random: the seed's initial weights
     xtr, ytr = _pooled(model, dm.split("train"), args.probe_chunks, cfg.stride)
     xte, yte = _pooled(model, dm.split("test"), args.probe_chunks, cfg.stride)
     scaler = StandardScaler().fit(xtr)
@@ -291,12 +314,14 @@ def _key(args, *parts) -> str:
     if parts[0] == "ft":
         key += f"|f{args.label_fraction}|{args.protocol}"
         key += (f"|C{args.probe_c}|k{args.probe_chunks}" if args.protocol == "linear"
-                else f"|fe{args.finetune_epochs}")
+                else f"|st{args.finetune_steps}|ve{args.val_every_steps}")
     return key
 
 
 def _inits(args):
-    return INITS + (("signal",) if args.protocol == "linear" else ())
+    """The arms of a protocol: both pre-trained backbones and the seed's random initial weights; fine-tuning adds
+    supervised training from scratch, the linear probe the signal itself."""
+    return ("long", "short", "random") + {"finetune": ("scratch",), "linear": ("signal",)}.get(args.protocol, ())
 
 
 def run_all(args, cache) -> None:
@@ -324,7 +349,8 @@ def run_all(args, cache) -> None:
                     key = _key(args, "ft", context, init, seed)
                     if key not in cache["runs"]:
                         fn = linear_probe if args.protocol == "linear" else finetune
-                        cache["runs"][key] = fn(args, context, init, seed, ckpts.get(init))
+                        source = ckpts.get(init) or str(initial_weights(args, context, seed))
+                        cache["runs"][key] = fn(args, context, init, seed, None if init == "signal" else source)
                         save_json(args.cache, cache)
                     print(f"[meg_context] ft {context} {init} seed {seed} labels {fraction}: {cache['runs'][key]}",
                           flush=True)
@@ -347,7 +373,8 @@ def _protocol_text(args) -> str:
     if args.protocol == "linear":
         return (f"a logistic-regression probe (C={args.probe_c}) on frozen features pooled in {args.probe_chunks} "
                 "parts per word window")
-    return f"{args.protocol} ({args.finetune_epochs} epochs)"
+    return (f"{args.protocol} ({args.finetune_steps} steps, the best checkpoint by validation top-10 tested; the "
+            "backbone at 0.3x the head's rate, every weight at the full rate for scratch)")
 
 
 def report(args, cache) -> str:

@@ -699,13 +699,37 @@ class MEGXLWordDecoder(_MEGXLBase):
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
-    def _eval(self, batch, stage):
-        pred, ids, loss = self._loss(batch)
+    def retrieval_scores(self, pred: torch.Tensor) -> torch.Tensor:
+        """``[N, retrieval_size]``: cosine similarity of predicted embeddings ``pred [N, target_dim]`` to the targets
+        of the ``retrieval_size`` most frequent training words (columns past the vocabulary: -2, never retrieved)."""
         K = min(self.cfg.retrieval_size, self.targets.shape[0])
         scores = F.normalize(pred, dim=-1) @ self.targets[:K].T
         if K < self.cfg.retrieval_size:  # fewer words than the retrieval set: pad with impossible candidates
             scores = F.pad(scores, (0, self.cfg.retrieval_size - K), value=-2.0)
-        self.retrieval[stage].update(scores, ids)
+        return scores
+
+    @torch.no_grad()
+    def word_hits(self, samples: Sequence[Dict[str, torch.Tensor]]) -> Tuple[np.ndarray, np.ndarray]:
+        """Per word of ``samples`` (items of a ``task=words`` split), in order: whether it is retrieved in the top
+        ``top_k`` (bool ``[N]``) and its word id (``[N]``); words outside the retrieval set are left out, as the
+        ``top{k}_acc`` metric leaves them out (so ``hits.mean()`` is that metric on the same words)."""
+        was_training = self.training
+        self.eval()
+        hits, ids = [], []
+        for item in samples:
+            batch = {k: v.unsqueeze(0).to(self.device) for k, v in item.items()}
+            scores = self.retrieval_scores(self(batch).flatten(0, 1))
+            words = batch["word_ids"].flatten()
+            keep = words < self.cfg.retrieval_size
+            top = scores[keep].topk(min(self.cfg.top_k, scores.shape[1]), dim=1).indices
+            hits.append((top == words[keep, None]).any(1).cpu().numpy())
+            ids.append(words[keep].cpu().numpy())
+        self.train(was_training)
+        return np.concatenate(hits), np.concatenate(ids)
+
+    def _eval(self, batch, stage):
+        pred, ids, loss = self._loss(batch)
+        self.retrieval[stage].update(self.retrieval_scores(pred), ids)
         self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True)
 
     def _log_retrieval(self, stage: str) -> None:

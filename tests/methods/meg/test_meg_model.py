@@ -470,3 +470,34 @@ def test_pretraining_init_from_also_carries_the_code_counts(tmp_path):
     torch.testing.assert_close(again.code_counts, pre.code_counts)
     assert again.counted and bool(again.tokenizer.fitted)
     torch.testing.assert_close(again.code_head.weight, head_before)
+
+
+def test_word_hits_are_the_top_k_metric_word_by_word():
+    """word_hits' mean over a set of samples equals RetrievalTopK's accuracy on the same predictions, words outside
+    the retrieval set are left out of both, and each hit is the label among the k best cosine scores (by hand)."""
+    torch.manual_seed(0)
+    dec = MEGXLWordDecoder({**TINY, "n_channels": 5, "head_hidden": 8, "target_dim": 6, "retrieval_size": 12,
+                            "top_k": 3, "pool_chunks": 1, "head_norm": "none"}).eval()
+    dec.tokenizer.fit(_signals(n=10, t=600))
+    dec.set_vocab([f"w{i}" for i in range(14)])  # 14 words, 12 in the retrieval set
+    g = torch.Generator().manual_seed(3)
+    samples = []
+    for s in range(3):
+        item = {k: v[0] for k, v in _batch(B=1, C=5, S=600, seed=s, padded=0).items()}
+        item["word_spans"] = torch.tensor([[k * 100, (k + 1) * 100] for k in range(6)])
+        item["word_ids"] = torch.randint(0, 14, (6,), generator=g)
+        samples.append(item)
+    hits, ids = dec.word_hits(samples)
+    metric = RetrievalTopK(12, 3)
+    manual = []
+    with torch.no_grad():
+        for item in samples:
+            pred = dec({k: v.unsqueeze(0) for k, v in item.items()}).flatten(0, 1)
+            metric.update(dec.retrieval_scores(pred), item["word_ids"])
+            cos = F.normalize(pred, dim=-1) @ F.normalize(dec.targets[:12], dim=-1).T * dec.targets[:12].norm(dim=-1)
+            for row, w in zip(cos, item["word_ids"].tolist()):
+                if w < 12:
+                    manual.append(int((row > row[w]).sum()) < 3)
+    assert len(hits) == len(ids) == len(manual) == int((torch.cat([s["word_ids"] for s in samples]) < 12).sum())
+    assert hits.tolist() == manual
+    assert float(hits.mean()) == pytest.approx(float(metric.compute()["acc"]))
