@@ -589,8 +589,9 @@ def gate_b_report(args, cache) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the oracle
-ORACLE_SYNTH = {"subjects": 6, "duration_s": 600.0}
-"""The main job's synthetic study (``configs/recipes/meg_xl.yaml``); ``slow_states`` is set per arm."""
+ORACLE_SYNTH = STUDY
+"""The claim study (also the main job's, ``configs/recipes/meg_xl.yaml``); ``slow_states`` is set per arm (off: the
+topics switch on their own, ``topic_source`` needs the slow states)."""
 
 
 def _settings(args) -> List[tuple]:
@@ -668,8 +669,8 @@ def oracle_report(args, cache) -> str:
              "(**long**, as log frequencies), and from **both**; multinomial logistic regression "
              "(`lightning_modules/meg/oracle.py`: "
              "standardised features, L2 1e-3, L-BFGS to convergence) fitted on subjects 01-03 and scored on the "
-             "held-out subject 04 of the main job's synthetic study (6 subjects x 600 s, 50 Hz). Gains are nats per "
-             "masked token below the marginal (the training codes' frequencies); the tokenizer is fitted as "
+             "held-out subject 04 of the claim study (`STUDY`: 6 subjects x 600 s, `topic_source: 0`; 50 Hz). "
+             "Gains are nats per masked token below the marginal (the training codes' frequencies); the tokenizer is fitted as "
              "`MEGXLPretrainModule.fit_tokenizer` does. Acceptance (issue 23, default study): short >= 0.15 and "
              "long >= short + 0.05.", "",
              "| slow states | tokenizer (levels x codes) | marginal CE | short gain | long gain | both gain | "
