@@ -671,8 +671,8 @@ def oracle_report(args, cache) -> str:
              "standardised features, L2 1e-3, L-BFGS to convergence) fitted on subjects 01-03 and scored on the "
              "held-out subject 04 of the claim study (`STUDY`: 6 subjects x 600 s, `topic_source: 0`; 50 Hz). "
              "Gains are nats per masked token below the marginal (the training codes' frequencies); the tokenizer is "
-             "fitted as `MEGXLPretrainModule.fit_tokenizer` does. Acceptance (issue 23, default study): short >= 0.15 and "
-             "long >= short + 0.05.", "",
+             "fitted as `MEGXLPretrainModule.fit_tokenizer` does. Acceptance (issue 23, default study): short >= 0.15 "
+             "and long >= short + 0.05.", "",
              "| slow states | tokenizer (levels x codes) | marginal CE | short gain | long gain | both gain | "
              "long - short | time |", "|---|---|---|---|---|---|---|---|"]
     for states in args.oracle_states:
