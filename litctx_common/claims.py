@@ -14,18 +14,26 @@ Each cell is judged in order (:func:`judge_cell`):
    that copies *some* candidate is not answering the question (records carry ``candidate`` 0/1 and ``chance``);
 4. **phenomenon** (when a control is named): reference minus control >= ``phenomenon_margin``, else
    ``void (phenomenon)``;
-5. **comparisons**: each is ``non_inferiority`` (the arm's paired difference to ``against`` is >= ``-margin``
-   (2 points) and its 95% lower bound >= ``lower`` (-5 points)) or ``superiority`` (the paired interval excludes 0
-   on the arm's side). All hold: ``reproduces``; otherwise ``does not reproduce``.
+5. **field gates** (``gates``, in order): the mean of a recorded field over one arm's records in the cell (a
+   study-level measurement every record carries, e.g. how much better long- than short-context pre-training
+   predicts) >= its bar, else ``void (<gate name>)``; a gate may apply to some cells only (``where``);
+6. **comparisons**: each is ``non_inferiority`` (the arm's paired difference to ``against`` is >= ``-margin``
+   (2 points) and its 95% lower bound >= ``lower`` (-5 points)), ``superiority`` (the paired interval excludes 0
+   on the arm's side, and the difference is >= ``effect``, 0 by default) or ``equivalence`` (the paired interval
+   lies within +-``margin``: a control condition where the effect should vanish). A comparison applies to every
+   cell, or to the cells its ``where`` selects. All that apply hold: ``reproduces``; otherwise
+   ``does not reproduce``.
 
 A cell that fails a gate is void: it never reads as "does not reproduce". The pooled verdict (:func:`judge_claim`)
-pools the samples of every cell that passed both gates (paired by sample); with none it is
-``void (no cell passed its gates)``. A claim that cannot be tested on this machine says so
-(``untestable: {reason, would_test}``). A **screen** (``screens: <claim>``) has gates and no comparisons: it runs
-the reference and control arms on candidate cells before the claim it screens is frozen, and a cell that passes
-every gate reads ``passes its gates`` (the screened claim then lists only those cells; with none it is
-untestable here, citing the screen's table). A paper judged elsewhere (a bench, a later issue) carries its current
-verdict and command (``recorded: {verdict, command, source}``), so ``docs/claims.md`` has one row per paper.
+pools, for each comparison, the samples of every cell that passed its gates and that the comparison applies to (paired
+by sample); with no such cell at all it is ``void (no cell passed its gates)``, and a comparison left without one
+makes an otherwise reproducing claim ``void (<k> comparison(s) without a cell that passed)``. ``capability: null``
+drops the capability gate (a claim whose gates are field gates). A claim that cannot be tested on this machine says so
+(``untestable: {reason, would_test}``). A **screen** (``screens: <claim>``) has gates and no comparisons: it runs the
+reference and control arms on candidate cells before the claim it screens is frozen, and a cell that passes every gate
+reads ``passes its gates`` (the screened claim then lists only those cells; with none it is untestable here, citing
+the screen's table). A paper judged elsewhere (a bench, a later issue) carries its current verdict and command
+(``recorded: {verdict, command, source}``), so ``docs/claims.md`` has one row per paper.
 
 Torch-free at import (the bootstrap imports torch when it runs); the samples are :mod:`datamodules.claims`, the
 kinds live with their methods (:data:`KINDS`), and :mod:`recipes.claim` (``litctx claim``) runs a claim into its
@@ -41,10 +49,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from litctx_common.stats import paired_bootstrap
 
-__all__ = ["ArmSpec", "Comparison", "CellSpec", "SplitSpec", "ClaimSpec", "ClaimError", "judge_cell", "judge_claim",
-           "cells_of", "TESTS", "VERDICTS", "KINDS", "discrimination_gate", "board", "board_table"]
+__all__ = ["ArmSpec", "Comparison", "FieldGate", "CellSpec", "SplitSpec", "ClaimSpec", "ClaimError", "judge_cell",
+           "judge_claim", "cells_of", "TESTS", "VERDICTS", "KINDS", "discrimination_gate", "board", "board_table"]
 
-TESTS = ("non_inferiority", "superiority")
+TESTS = ("non_inferiority", "superiority", "equivalence")
 #: kind name -> ``"module:Class"`` built with ``(spec, model, tokenizer)``: ``evaluate(built sample, arms)`` gives each
 #: arm's record, ``settings(arm spec)`` the arm's complete config (the kinds live with their methods)
 KINDS = {"suite_prefill": "lightning_modules.sparse_prefill.claims:SuitePrefill",
@@ -92,21 +100,60 @@ class Comparison:
     margin: float = 0.02
     lower: float = -0.05
     fraction: float = 1.0
+    effect: float = 0.0
+    """``superiority``: the smallest difference the paper's bar asks for (besides the interval above 0)."""
+    where: Dict[str, List[Any]] = field(default_factory=dict)
+    """The cells the comparison applies to (``{dim: [values]}``; empty: every cell)."""
 
     def holds(self, diff: float, lo: float, hi: float) -> bool:
         if self.test == "non_inferiority":
             return diff >= -self.margin - 1e-12 and lo >= self.lower - 1e-12
-        return lo > 0.0
+        if self.test == "equivalence":
+            return lo >= -self.margin - 1e-12 and hi <= self.margin + 1e-12
+        return lo > 0.0 and diff >= self.effect - 1e-12
+
+    def applies(self, cell: Mapping[str, Any]) -> bool:
+        return _matches(self.where, cell)
 
     @property
     def against_text(self) -> str:
         return self.against if self.fraction == 1.0 else f"{self.fraction:g} x {self.against}"
 
     def bar(self) -> str:
+        cells = f" (cells {_where_text(self.where)})" if self.where else ""
         if self.test == "non_inferiority":
             return (f"{self.arm} - {self.against_text} >= {(-100 * self.margin) or 0.0:+.0f} points, "
-                    f"95% lower bound >= {100 * self.lower:+.0f}")
-        return f"{self.arm} > {self.against_text} (paired 95% interval above 0)"
+                    f"95% lower bound >= {100 * self.lower:+.0f}{cells}")
+        if self.test == "equivalence":
+            return (f"{self.arm} - {self.against_text} within +-{100 * self.margin:g} points (paired 95% interval)"
+                    + cells)
+        effect = f" by >= {100 * self.effect:g} points" if self.effect else ""
+        return f"{self.arm} > {self.against_text}{effect} (paired 95% interval above 0){cells}"
+
+
+@dataclass
+class FieldGate:
+    """A gate on a recorded field: the mean of ``field`` over ``arm``'s records in a cell must be >= ``bar``
+    (cells of ``where`` only; empty: every cell), else the cell is ``void (<name>)``."""
+
+    name: str
+    field: str
+    arm: str
+    bar: float
+    where: Dict[str, List[Any]] = field(default_factory=dict)
+    text: str = ""
+    """What the gate measures, in words (the claim's bars and tables)."""
+
+    def applies(self, cell: Mapping[str, Any]) -> bool:
+        return _matches(self.where, cell)
+
+
+def _matches(where: Mapping[str, Sequence[Any]], cell: Mapping[str, Any]) -> bool:
+    return all(cell.get(k) in list(v) for k, v in where.items())
+
+
+def _where_text(where: Mapping[str, Sequence[Any]]) -> str:
+    return "; ".join(f"{k} {', '.join(str(x) for x in v)}" for k, v in where.items())
 
 
 @dataclass
@@ -152,8 +199,9 @@ class ClaimSpec:
     arms: List[ArmSpec] = field(default_factory=list)
     reference: Optional[str] = None
     control: Optional[str] = None
-    capability: float = 0.7
+    capability: Optional[float] = 0.7
     phenomenon_margin: float = 0.15
+    gates: List[FieldGate] = field(default_factory=list)
     comparisons: List[Comparison] = field(default_factory=list)
     cells: Optional[CellSpec] = None
     splits: Dict[str, SplitSpec] = field(default_factory=lambda: {"dev": SplitSpec(0, 10), "heldout": SplitSpec(100)})
@@ -183,6 +231,10 @@ class ClaimSpec:
             for i, c in enumerate(data.pop("comparisons", []) or []):
                 _unknown(Comparison, c, f"{where}: comparisons[{i}]")
                 comps.append(Comparison(**c))
+            gates = []
+            for i, g in enumerate(data.pop("gates", []) or []):
+                _unknown(FieldGate, g, f"{where}: gates[{i}]")
+                gates.append(FieldGate(**g))
             cells = data.pop("cells", None)
             if cells is not None:
                 _unknown(CellSpec, cells, f"{where}: cells")
@@ -192,7 +244,7 @@ class ClaimSpec:
             for k, v in dict(data.pop("splits", None) or default_splits).items():
                 _unknown(SplitSpec, v, f"{where}: splits.{k}")
                 splits[k] = SplitSpec(**v)
-            spec = cls(arms=arms, comparisons=comps, cells=cells, splits=splits, **data)
+            spec = cls(arms=arms, comparisons=comps, gates=gates, cells=cells, splits=splits, **data)
         except TypeError as err:
             raise ClaimError(f"{where}: {err}") from None
         spec.check(where)
@@ -234,6 +286,9 @@ class ClaimSpec:
                 problems.append(f"control={self.control!r}: not an arm ({', '.join(names)})")
             if not self.comparisons and not self.screens and not self.leaderboard:
                 problems.append("comparisons: at least one (the paper's bar) is required")
+            if self.leaderboard and self.capability is None:
+                problems.append(f"leaderboard={self.leaderboard!r}: a board keeps the cells the reference passes, so "
+                                "it needs capability")
             if self.leaderboard and self.leaderboard not in self.report:
                 problems.append(f"leaderboard={self.leaderboard!r}: must be one of report ({self.report})")
             if self.screens and self.comparisons:
@@ -248,6 +303,15 @@ class ClaimSpec:
                     problems.append(f"comparisons[{i}].test={c.test!r}: valid tests are {', '.join(TESTS)}")
                 if not 0.0 < c.fraction <= 1.0:
                     problems.append(f"comparisons[{i}].fraction={c.fraction!r}: must be in (0, 1]")
+                problems += self._where_problems(c.where, f"comparisons[{i}].where")
+            for i, g in enumerate(self.gates):
+                if g.arm not in names:
+                    problems.append(f"gates[{i}].arm={g.arm!r}: not an arm ({', '.join(names)})")
+                problems += self._where_problems(g.where, f"gates[{i}].where")
+            if len({g.name for g in self.gates}) != len(self.gates) or {g.name for g in self.gates} & {
+                    "capability", "discrimination", "phenomenon"}:
+                problems.append(f"gates: names must be distinct and not capability, discrimination or phenomenon "
+                                f"({[g.name for g in self.gates]})")
             if self.cells is None or not self.cells.dims or self.cells.n < 1:
                 problems.append("cells: dims (a mapping of sample fields to values) and n >= 1 are required")
             else:
@@ -255,8 +319,8 @@ class ClaimSpec:
                     if not isinstance(cell, Mapping) or set(cell) != set(self.cells.dims):
                         problems.append(f"cells.extra[{i}]={cell!r}: needs one value for each of "
                                         f"{', '.join(self.cells.dims)}")
-            if not 0.0 < self.capability <= 1.0:
-                problems.append(f"capability={self.capability!r}: must be in (0, 1]")
+            if self.capability is not None and not 0.0 < self.capability <= 1.0:
+                problems.append(f"capability={self.capability!r}: must be in (0, 1] or null (no capability gate)")
             starts = sorted((s.start, k) for k, s in self.splits.items())
             if "heldout" not in self.splits:
                 problems.append("splits: a heldout split is required")
@@ -266,6 +330,17 @@ class ClaimSpec:
                     problems.append(f"splits {ka} and {kb} overlap (indices {a}..{a + n - 1} and {b}..)")
         if problems:
             raise ClaimError(f"{where}: " + "; ".join(problems))
+
+    def _where_problems(self, where: Mapping[str, Any], key: str) -> List[str]:
+        """A ``where`` names cell dims and some of their values."""
+        dims = self.cells.dims if self.cells is not None else {}
+        out = []
+        for k, v in dict(where).items():
+            if k not in dims:
+                out.append(f"{key}.{k}: not a cell dim ({', '.join(dims)})")
+            elif not isinstance(v, (list, tuple)) or not set(v) <= set(dims[k]):
+                out.append(f"{key}.{k}={v!r}: expected a list of values of cells.dims.{k} ({dims[k]})")
+        return out
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -291,9 +366,10 @@ def _paired(records: Sequence[Mapping[str, Any]], metric: str) -> Dict[str, Dict
     return out
 
 
-def _compare(spec: ClaimSpec, by: Mapping[str, Mapping[str, float]], ids: Sequence[str]) -> List[Dict[str, Any]]:
+def _compare(spec: ClaimSpec, by: Mapping[str, Mapping[str, float]], ids: Sequence[str],
+             comparisons: Optional[Sequence[Comparison]] = None) -> List[Dict[str, Any]]:
     rows = []
-    for c in spec.comparisons:
+    for c in spec.comparisons if comparisons is None else comparisons:
         a = [by[c.arm][i] for i in ids]
         b = [c.fraction * by[c.against][i] for i in ids]
         bs = paired_bootstrap(a, b, seed=1)
@@ -327,7 +403,9 @@ def judge_cell(spec: ClaimSpec, cell: Mapping[str, Any], records: Sequence[Mappi
         out["arms"][a] = {"mean": sum(vals) / len(vals),
                           **{k: sum(v) / len(v) for k, v in extra.get(a, {}).items()}}
     ref = out["arms"][spec.reference]["mean"]
-    out["gates"]["capability"] = {"reference": ref, "bar": spec.capability, "passed": ref >= spec.capability - 1e-12}
+    if spec.capability is not None:
+        out["gates"]["capability"] = {"reference": ref, "bar": spec.capability,
+                                      "passed": ref >= spec.capability - 1e-12}
     if spec.discrimination is not None:
         out["gates"]["discrimination"] = discrimination_gate(
             [r for r in records if r["arm"] == spec.reference and r["id"] in ids], spec.metric, spec.discrimination)
@@ -335,7 +413,13 @@ def judge_cell(spec: ClaimSpec, cell: Mapping[str, Any], records: Sequence[Mappi
         gap = ref - out["arms"][spec.control]["mean"]
         out["gates"]["phenomenon"] = {"gap": gap, "bar": spec.phenomenon_margin,
                                       "passed": gap >= spec.phenomenon_margin - 1e-12}
-    out["comparisons"] = _compare(spec, by, ids)
+    for g in spec.gates:
+        if g.applies(cell):
+            vals = [float(r[g.field]) for r in records if r["arm"] == g.arm and r["id"] in ids
+                    and isinstance(r.get(g.field), (int, float))]
+            value = sum(vals) / len(vals) if vals else float("nan")
+            out["gates"][g.name] = {"value": value, "bar": g.bar, "passed": bool(vals) and value >= g.bar - 1e-12}
+    out["comparisons"] = _compare(spec, by, ids, [c for c in spec.comparisons if c.applies(cell)])
     out["verdict"] = _verdict(out, len(ids) >= want, want)
     out["ids"] = ids
     return out
@@ -355,8 +439,8 @@ def discrimination_gate(records: Sequence[Mapping[str, Any]], metric: str, margi
 def _verdict(out: Mapping[str, Any], complete: bool, want: int) -> str:
     if not complete:
         return f"pending ({out['n']}/{want})"
-    for gate in ("capability", "discrimination", "phenomenon"):
-        if not out["gates"].get(gate, {"passed": True})["passed"]:
+    for gate, g in out["gates"].items():  # capability, discrimination, phenomenon, then the field gates
+        if not g["passed"]:
             return f"void ({gate})"
     if not out["comparisons"]:  # a screen: gates only
         return "passes its gates"
@@ -391,16 +475,28 @@ def judge_claim(spec: ClaimSpec, records: Sequence[Mapping[str, Any]], n: Option
         verdict = (f"pending ({len(pending)} of {len(cells)} cells)" if pending
                    else "void (no cell passed its gates)")
         return {"cells": cells, "pooled": None, "verdict": verdict}
-    by: Dict[str, Dict[str, float]] = {}
-    for c in passed:  # pool the passing cells' samples, paired: an id is unique within its cell
-        mine = [r for r in records if all(r.get(k) == v for k, v in c["cell"].items()) and r["id"] in c["ids"]]
-        for arm, vals in _paired(mine, spec.metric).items():
-            by.setdefault(arm, {}).update({f"{c['name']}|{i}": v for i, v in vals.items()})
-    ids = sorted(set.intersection(*(set(v) for v in by.values())))
-    comps = _compare(spec, by, ids)
+    def pool(cells_: Sequence[Mapping[str, Any]]) -> Tuple[Dict[str, Dict[str, float]], List[str]]:
+        by: Dict[str, Dict[str, float]] = {}
+        for c in cells_:  # pool the cells' samples, paired: an id is unique within its cell
+            mine = [r for r in records if all(r.get(k) == v for k, v in c["cell"].items()) and r["id"] in c["ids"]]
+            for arm, vals in _paired(mine, spec.metric).items():
+                by.setdefault(arm, {}).update({f"{c['name']}|{i}": v for i, v in vals.items()})
+        return by, sorted(set.intersection(*(set(v) for v in by.values())))
+
+    by, ids = pool(passed)
+    comps, unjudged = [], 0
+    for comp in spec.comparisons:  # each comparison over the passing cells it applies to
+        mine = [c for c in passed if comp.applies(c["cell"])]
+        if not mine:
+            unjudged += 1
+            continue
+        comps += _compare(spec, *pool(mine), [comp])
+        comps[-1]["n"] = len(pool(mine)[1])
     pooled = {"n": len(ids), "cells": [c["name"] for c in passed], "comparisons": comps,
               "arms": {a: sum(by[a][i] for i in ids) / len(ids) for a in by}}
     verdict = "reproduces" if all(c["holds"] for c in comps) else "does not reproduce"
+    if unjudged and verdict == "reproduces":
+        verdict = f"void ({unjudged} comparison(s) without a cell that passed)"
     if pending:
         verdict += f" (so far; {len(pending)} of {len(cells)} cells pending)"
     return {"cells": cells, "pooled": pooled, "verdict": verdict}
@@ -419,20 +515,28 @@ def verdict_table(spec: ClaimSpec, judged: Mapping[str, Any]) -> List[str]:
     arms = [a.name for a in spec.arms]
     comps = [f"{c.arm} - {c.against_text}" for c in spec.comparisons]
     disc = ["discrimination"] if spec.discrimination is not None else []
-    head = ["cell", "n"] + [f"{a} %" for a in arms] + ["capability"] + disc + ["phenomenon"] + comps + ["verdict"]
+    cap_col = ["capability"] if spec.capability is not None else []
+    field_gates = [g.name for g in spec.gates]
+    head = (["cell", "n"] + [f"{a} %" for a in arms] + cap_col + disc + ["phenomenon"] + field_gates + comps
+            + ["verdict"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def row(name: str, c: Mapping[str, Any], gates: Mapping[str, Any]) -> str:
         vals = [name, str(c["n"])]
         vals += [f"{100 * c['arms'][a]['mean']:.1f}" if a in c.get("arms", {}) else "-" for a in arms]
-        cap = gates.get("capability")
-        vals.append("-" if cap is None else f"{100 * cap['reference']:.0f} {'pass' if cap['passed'] else 'FAIL'}")
+        if cap_col:
+            cap = gates.get("capability")
+            vals.append("-" if cap is None else f"{100 * cap['reference']:.0f} {'pass' if cap['passed'] else 'FAIL'}")
         if disc:
             d = gates.get("discrimination")
             vals.append("-" if d is None else f"{100 * d['given_candidate']:.0f} vs chance {100 * d['chance']:.0f} "
                         f"{'pass' if d['passed'] else 'FAIL'}")
         ph = gates.get("phenomenon")
         vals.append("-" if ph is None else f"{100 * ph['gap']:+.0f} {'pass' if ph['passed'] else 'FAIL'}")
+        for g in field_gates:
+            fg = gates.get(g)
+            vals.append("-" if fg is None else f"{fg['value']:.3g} (>= {fg['bar']:g}) "
+                        f"{'pass' if fg['passed'] else 'FAIL'}")
         by = {f"{x['arm']} - {x['against']}": x for x in c.get("comparisons", [])}
         vals += [interval_text(by[k]["diff"], by[k]["lo"], by[k]["hi"]) + (" ok" if by[k]["holds"] else "")
                  if k in by else "-" for k in comps]
@@ -452,12 +556,15 @@ def verdict_table(spec: ClaimSpec, judged: Mapping[str, Any]) -> List[str]:
 
 def bars(spec: ClaimSpec) -> List[str]:
     """The claim's bars in words (the gates and each comparison)."""
-    out = [f"capability: {spec.reference} >= {100 * spec.capability:.0f}% on the cell"]
+    out = [] if spec.capability is None else [f"capability: {spec.reference} >= {100 * spec.capability:.0f}% on the "
+                                                f"cell"]
     if spec.discrimination is not None:
         out.append(f"discrimination: {spec.reference}'s accuracy given a candidate answer >= chance + "
                    f"{100 * spec.discrimination:.0f} points")
     if spec.control:
         out.append(f"phenomenon: {spec.reference} - {spec.control} >= {100 * spec.phenomenon_margin:.0f} points")
+    out += [f"{g.name}: {g.text or g.field} ({g.arm}'s records) >= {g.bar:g}"
+            + (f" (cells {_where_text(g.where)})" if g.where else "") for g in spec.gates]
     out += [c.bar() for c in spec.comparisons]
     return out
 

@@ -240,3 +240,87 @@ def test_the_figure_hatches_only_void_cells_and_a_screen_gets_one_panel(tmp_path
     # 3 arms x 2 cells, arm-major: cell a reproduces (plain), cell b is void (capability: hatched)
     assert [h for h in bars[1]] == ["", "//"] * 3
     assert screen_bars[1] == ["", "//"] * 2 and (tmp_path / "screen.png").exists()
+
+
+# ------------------------------------------------------------------ field gates, scoped comparisons, equivalence
+def _study_spec(**over):
+    """A study without a capability bar: long vs short arms over labels x process cells, a field gate on the
+    process-on cells, the paper's superiority where the process is on and equivalence where it is off."""
+    raw = {"name": "t", "paper": "P", "claim": "C", "kind": "suite_prefill", "capability": None,
+           "arms": {"long": {"method": "a"}, "short": {"method": "b"}},
+           "reference": "long",
+           "gates": [{"name": "gate_a", "field": "gap", "arm": "long", "bar": 0.03, "where": {"process": ["on"]}}],
+           "comparisons": [
+               {"arm": "long", "against": "short", "test": "superiority", "effect": 0.1, "where": {"process": ["on"]}},
+               {"arm": "long", "against": "short", "test": "equivalence", "margin": 0.2,
+                "where": {"process": ["off"]}}],
+           "cells": {"dims": {"process": ["on", "off"]}, "n": 20}}
+    raw.update(over)
+    return ClaimSpec.from_dict(raw, "claims/t.yaml")
+
+
+def _cell_recs(process, scores, gap=None):
+    out = [{"id": f"s{i}", "arm": arm, "process": process, "score": float(v)} for arm, vals in scores.items()
+           for i, v in enumerate(vals)]
+    for r in out:
+        if gap is not None:
+            r["gap"] = gap
+    return out
+
+
+def test_a_field_gate_voids_its_cells_only_and_comparisons_apply_where_they_say():
+    s = _study_spec()
+    on_ok = _cell_recs("on", {"long": ones(16), "short": ones(6)}, gap=0.05)
+    on_void = _cell_recs("on", {"long": ones(16), "short": ones(6)}, gap=0.01)
+    off = _cell_recs("off", {"long": ones(10), "short": ones(10)})  # no gap field: the gate does not apply there
+    cell = judge_cell(s, {"process": "on"}, on_ok)
+    assert cell["verdict"] == "reproduces" and "capability" not in cell["gates"]
+    assert [c["test"] for c in cell["comparisons"]] == ["superiority"] and cell["gates"]["gate_a"]["passed"]
+    void = judge_cell(s, {"process": "on"}, on_void)
+    assert void["verdict"] == "void (gate_a)" and void["gates"]["gate_a"]["value"] == pytest.approx(0.01)
+    off_cell = judge_cell(s, {"process": "off"}, off)
+    assert off_cell["verdict"] == "reproduces" and [c["test"] for c in off_cell["comparisons"]] == ["equivalence"]
+    assert "gate_a" not in off_cell["gates"]
+    judged = judge_claim(s, on_ok + off)
+    assert judged["verdict"] == "reproduces" and [c["test"] for c in judged["pooled"]["comparisons"]] == [
+        "superiority", "equivalence"]
+    assert [c["n"] for c in judged["pooled"]["comparisons"]] == [20, 20]
+    # the on cell void: the superiority comparison has no cell left, so the claim cannot read "reproduces"
+    partial = judge_claim(s, on_void + off)
+    assert partial["verdict"] == "void (1 comparison(s) without a cell that passed)"
+    table = "\n".join(verdict_table(s, judged))
+    assert "gate_a" in table and "capability" not in table.split("\n")[0]
+
+
+def test_superiority_asks_for_its_effect_and_equivalence_for_an_interval_inside_the_margin():
+    s = _study_spec()
+    small = judge_cell(s, {"process": "on"}, _cell_recs("on", {"long": ones(12), "short": ones(10)}, gap=0.05))
+    # +10 points but with this n the interval includes 0 or the effect is below 0.1: not shown
+    assert small["verdict"] == "does not reproduce"
+    wide = judge_cell(s, {"process": "off"}, _cell_recs("off", {"long": ones(14), "short": ones(6)}))
+    assert wide["verdict"] == "does not reproduce" and wide["comparisons"][0]["hi"] > 0.2  # the gap did not vanish
+
+
+def test_gates_and_wheres_are_checked_against_the_arms_and_dims():
+    with pytest.raises(ClaimError, match=r"gates\[0\]\.arm='nope': not an arm"):
+        _study_spec(gates=[{"name": "g", "field": "gap", "arm": "nope", "bar": 0.0}])
+    with pytest.raises(ClaimError, match=r"comparisons\[0\]\.where\.labels: not a cell dim"):
+        _study_spec(comparisons=[{"arm": "long", "against": "short", "where": {"labels": [0.1]}}])
+    with pytest.raises(ClaimError, match=r"gates\[0\]\.where\.process=\['maybe'\]: expected a list of values"):
+        _study_spec(gates=[{"name": "g", "field": "gap", "arm": "long", "bar": 0.0, "where": {"process": ["maybe"]}}])
+    with pytest.raises(ClaimError, match="gates: names must be distinct and not capability"):
+        _study_spec(gates=[{"name": "capability", "field": "gap", "arm": "long", "bar": 0.0}])
+    with pytest.raises(ClaimError, match=r"gates\[0\]: unknown key\(s\) \['bars'\]"):
+        _study_spec(gates=[{"name": "g", "field": "gap", "arm": "long", "bars": 0.0}])
+
+
+def test_superiority_with_an_effect_fails_a_difference_that_is_clear_but_too_small():
+    comps = lambda effect: [{"arm": "long", "against": "short", "test": "superiority", "effect": effect}]  # noqa: E731
+    recs_ = _cell_recs("on", {"long": ones(58, 100), "short": ones(50, 100)}, gap=0.05)
+    strict = judge_cell(_study_spec(comparisons=comps(0.1), cells={"dims": {"process": ["on", "off"]}, "n": 100}),
+                        {"process": "on"}, recs_)
+    assert strict["comparisons"][0]["lo"] > 0 and strict["comparisons"][0]["diff"] == pytest.approx(0.08)
+    assert strict["verdict"] == "does not reproduce"
+    loose = judge_cell(_study_spec(comparisons=comps(0.05), cells={"dims": {"process": ["on", "off"]}, "n": 100}),
+                       {"process": "on"}, recs_)
+    assert loose["verdict"] == "reproduces"

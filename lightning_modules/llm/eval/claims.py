@@ -76,7 +76,8 @@ def plot_claim(spec: ClaimSpec, judged: Mapping[str, Any], path: Path) -> bool:
         bars = ax.bar(xs, ys, width, label=arm, color=colours(j % colours.N))
         for b, h in zip(bars, hatch):
             b.set_hatch(h)
-    ax.axhline(100 * spec.capability, color="grey", lw=0.8, ls="--")
+    if spec.capability is not None:
+        ax.axhline(100 * spec.capability, color="grey", lw=0.8, ls="--")
     labels = [_cell_values(c, "\n") + f"\nn {c['n']}" for c in cells]
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cells))], labels, fontsize=7)
     ax.set_ylabel("accuracy (%)")
