@@ -195,7 +195,8 @@ class ClaimSpec:
     method: str = ""
     kind: Optional[str] = None
     kind_args: Dict[str, Any] = field(default_factory=dict)
-    model: str = "smollm2-135m"
+    model: Optional[str] = "smollm2-135m"
+    """The language model the sample kinds load; null for a study kind (it trains its own models)."""
     arms: List[ArmSpec] = field(default_factory=list)
     reference: Optional[str] = None
     control: Optional[str] = None

@@ -81,21 +81,37 @@ def run_claim(spec: ClaimSpec, out: Path, split: str = "heldout", limit: Optiona
         limit: at most this many samples per cell (a quick look; the cells stay ``pending``).
         model, tok: an already loaded model (default: ``load_causal_lm(spec.model)``).
 
+    A **study kind** (one with ``run_split(split, store, folder, limit, log)``, built with the spec alone) trains
+    whatever its claim needs and appends its own records to ``store`` (resumably); the harness then judges them
+    the same way (``model: null`` in its claim file: no language model is loaded).
+
     Returns:
         :func:`litctx_common.claims.judge_claim`'s verdicts of the split (judged against the split's ``n``).
     """
+    from litctx_common.claims import KINDS
+    from litctx_common.plugins import import_object
+
+    kind_cls = import_object(KINDS[spec.kind])
+    if hasattr(kind_cls, "run_split"):  # a study kind: it trains what it needs and writes its records itself
+        store = _store(spec, out, split).load()
+        kind_cls(spec).run_split(split, store, Path(out) / spec.name, limit=limit, log=log)
+        return judge_claim(spec, store.records, spec.splits[split].n or spec.cells.n)
+    return _run_samples(spec, kind_cls, out, split, limit, log, model, tok)
+
+
+def _run_samples(spec: ClaimSpec, kind_cls: type, out: Path, split: str, limit: Optional[int],
+                 log: Callable[[str], None], model: Any, tok: Any) -> Dict[str, Any]:
+    """A sample kind's run: every arm evaluated on each sample of the split by one loaded model."""
     import torch
 
     from datamodules.claims import SAMPLES, claim_samples
-    from litctx_common.claims import KINDS
-    from litctx_common.plugins import import_object
 
     if model is None:
         from lightning_modules.llm.model.loading import load_causal_lm
 
         model, tok = load_causal_lm(spec.model)
     model.requires_grad_(False)
-    kind = import_object(KINDS[spec.kind])(spec, model, tok)
+    kind = kind_cls(spec, model, tok)
     built = SAMPLES[kind.samples](spec, tok).built
     if hasattr(kind, "prepare"):  # a kind that calibrates first does so on the dev split, once
         dev = claim_samples(spec, "dev") if "dev" in spec.splits else []

@@ -259,3 +259,45 @@ def test_a_composed_claim_stacks_prefill_eviction_and_verification_and_reports_e
                              [{"arm": "dense", "against": "dense"}], kind_args={"draft": {"num_layers": 1}},
                              cells={"dims": {"task": ["niah_single"], "length": [512]}, "n": 1}),
                   tmp_path / "bad", "heldout", model=model, tok=tok, log=lambda _: None)
+
+
+class FakeStudy:
+    """A study kind: it 'trains' nothing, writes one record per (seed x word, cell, arm) itself, and counts its
+    runs (resuming skips what is on file)."""
+
+    runs = 0
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def run_split(self, split, store, folder, limit=None, log=print):
+        for seed in range(3 if split == "heldout" else 1):
+            for process in ("on", "off"):
+                if store.get(id=f"s{seed}w0", process=process, arm="long"):
+                    continue
+                FakeStudy.runs += 1
+                gap = 0.06 if process == "on" else 0.0
+                for arm, k in (("long", 16 if process == "on" else 10), ("short", 8 if process == "on" else 10)):
+                    store.add({"id": f"s{seed}w{w}", "process": process, "arm": arm, "score": float(w < k),
+                               "gate_a": gap} for w in range(20))
+
+
+def test_a_study_kind_runs_without_a_language_model_and_its_records_are_judged(tmp_path, monkeypatch):
+    from litctx_common import claims as claims_mod
+    from recipes.claim import run_claim
+
+    monkeypatch.setitem(claims_mod.KINDS, "fake_study", f"{__name__}:FakeStudy")
+    spec = ClaimSpec.from_dict({
+        "name": "study", "paper": "P", "claim": "C", "kind": "fake_study", "model": None, "capability": None,
+        "arms": {"long": {"method": "meg_xl"}, "short": {"method": "meg_xl"}}, "reference": "long",
+        "gates": [{"name": "gate_a", "field": "gate_a", "arm": "long", "bar": 0.03, "where": {"process": ["on"]}}],
+        "comparisons": [{"arm": "long", "against": "short", "test": "superiority", "where": {"process": ["on"]}},
+                        {"arm": "long", "against": "short", "test": "equivalence", "margin": 0.1,
+                         "where": {"process": ["off"]}}],
+        "cells": {"dims": {"process": ["on", "off"]}, "n": 60}}, "study.yaml")
+    FakeStudy.runs = 0
+    judged = run_claim(spec, tmp_path, "heldout")
+    assert FakeStudy.runs == 6 and judged["verdict"] == "reproduces"
+    assert [c["n"] for c in judged["cells"]] == [60, 60] and (tmp_path / "study" / "heldout.jsonl").is_file()
+    again = run_claim(spec, tmp_path, "heldout")  # resumed: nothing runs twice
+    assert FakeStudy.runs == 6 and again["verdict"] == judged["verdict"]
