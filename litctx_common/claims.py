@@ -59,7 +59,8 @@ KINDS = {"suite_prefill": "lightning_modules.sparse_prefill.claims:SuitePrefill"
          "suite_eviction": "lightning_modules.kv_eviction.claims:SuiteEviction",
          "suite_speculative": "lightning_modules.speculative.claims:SuiteSpeculative",
          "rag_reuse": "lightning_modules.prophetkv.claims:RagReuse",
-         "suite_composed": "lightning_modules.speculative.claims:SuiteComposed"}
+         "suite_composed": "lightning_modules.speculative.claims:SuiteComposed",
+         "meg_transfer": "recipes.meg_claim:MEGTransfer"}
 VERDICTS = ("reproduces", "does not reproduce", "void (capability)", "void (discrimination)", "void (phenomenon)",
             "pending", "untestable here", "void (no cell passed its gates)", "passes its gates")
 

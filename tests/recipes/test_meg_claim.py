@@ -1,0 +1,91 @@
+"""recipes.meg_claim (the MEG-XL claim study): every word of a word-decoding split gets the latent topic at its own
+onset; the claim file builds its kind."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mne", reason="MEG needs mne>=1.12 (litctx[meg]); CI installs it through the dev extra")
+
+
+def test_word_topics_follow_each_words_onset(tmp_path):
+    """Brute force from the files: each word's onset in the events TSV, looked up in the topics TSV, in the split's
+    order (groups of consecutive words per recording); the topic is source 0's slow state, so it changes inside
+    the recording and a misaligned lookup would disagree."""
+    from recipes.meg_claim import word_topics
+    from datamodules.meg import MEGDataConfig, MEGDataModule
+    from datamodules.synth.meg import read_topics
+
+    synth = dict(subjects=2, duration_s=300.0, locations=2, vocab=8, seed=1, topic_source=0, state_min_s=30.0,
+                 state_max_s=60.0)
+    dm = MEGDataModule(MEGDataConfig(task="words", sfreq=50.0, holdout="none", val_fraction=0.0, test_fraction=0.2,
+                                     words_per_sample=20, synthetic=synth, cache_dir=str(tmp_path)))
+    dm.setup("fit")
+    for name in ("train", "test"):
+        ds = dm.split(name)
+        got = word_topics(ds)
+        want = []
+        for r, onsets, word_ids in ds.groups:
+            rec = ds.recordings[r]
+            rows = rec.path.with_name(rec.path.name.replace("_meg.fif", "_events.tsv")).read_text().splitlines()[1:]
+            times = {round(float(row.split("\t")[0]) * rec.sfreq): float(row.split("\t")[0]) for row in rows}
+            topics = read_topics(rec.path)
+            for s in onsets:
+                t = times[s]
+                want.append(next(k for a, b, k in topics if a <= t < b))
+        assert got == want and len(got) == sum(len(g[1]) for g in ds.groups)
+        assert len(set(got)) > 1  # the topic changes: the lookup is not trivially constant
+
+
+def test_the_claim_file_builds_its_kind_and_a_bad_arm_is_named():
+    from litctx_common.claims import ClaimSpec
+    from recipes.claim import load_claim
+    from recipes.meg_claim import MEGTransfer
+
+    spec = load_claim("meg_xl")
+    kind = MEGTransfer(spec)
+    assert spec.model is None and spec.capability is None and kind.study.seeds["heldout"] == [0, 1, 2]
+    assert kind.settings(spec.arm("scratch"))["backbone_lr_scale"] == 1.0
+    raw = {**spec.as_dict(), "arms": {a.name: {"method": a.method, "args": a.args} for a in spec.arms}}
+    raw["arms"]["short"] = {"method": "meg_xl_words", "args": {"init": "medium"}}
+    raw["gates"] = [{k: v for k, v in g.items()} for g in raw["gates"]]
+    bad = ClaimSpec.from_dict(raw, "meg_xl.yaml")
+    with pytest.raises(ValueError, match=r"arms\.short\.args\.init='medium': expected one of"):
+        MEGTransfer(bad)
+
+
+@pytest.mark.slow
+def test_the_study_kind_pretrains_gates_finetunes_and_resumes_on_a_tiny_study(tmp_path, monkeypatch):
+    """End to end at tiny settings: one seed, process on, two arms, one label budget: the records are the test
+    words of each arm (paired ids, 0/1 scores), they carry both gates, the runs cache holds the pre-training runs and
+    gates, and a second run trains nothing."""
+    import json
+
+    from litctx_common.claims import ClaimSpec
+    from recipes.claim import run_claim
+
+    monkeypatch.setenv("LITCTX_CACHE_DIR", str(tmp_path / "cache"))
+    spec = ClaimSpec.from_dict({
+        "name": "meg_tiny", "paper": "P", "claim": "C", "kind": "meg_transfer", "model": None, "capability": None,
+        "kind_args": {"pretrain_epochs": 1, "finetune_steps": 2, "val_every_steps": 1, "seeds": {"heldout": [0]},
+                      "runs_root": str(tmp_path / "runs"),
+                      "synthetic": {"duration_s": 330.0, "locations": 2, "vocab": 10}},
+        "arms": {"long": {"method": "meg_xl_words", "args": {"init": "long"}},
+                 "random": {"method": "meg_xl_words", "args": {"init": "random"}}},
+        "reference": "long",
+        "gates": [{"name": "gate_a", "field": "gate_a", "arm": "long", "bar": 0.03}],
+        "comparisons": [{"arm": "long", "against": "random", "test": "superiority"}],
+        "cells": {"dims": {"labels": [1.0], "process": ["on"]}, "n": 50},
+        "splits": {"heldout": {"start": 0, "n": 50}}}, "meg_tiny.yaml")
+    judged = run_claim(spec, tmp_path / "claims", "heldout")
+    records = [json.loads(line) for line in (tmp_path / "claims" / "meg_tiny" / "heldout.jsonl").open()]
+    by_arm = {a: sorted(r["id"] for r in records if r["arm"] == a) for a in ("long", "random")}
+    assert by_arm["long"] == by_arm["random"] and len(by_arm["long"]) > 0
+    assert {r["score"] for r in records} <= {0.0, 1.0} and all("gate_a" in r and "gate_b" in r for r in records)
+    runs = json.loads((tmp_path / "claims" / "meg_tiny" / "heldout_runs.json").read_text())
+    assert {"pre|on|long|0", "pre|on|short|0", "gate_a|on|0", "gate_b|on"} <= set(runs)
+    assert judged["cells"][0]["verdict"].startswith(("void (gate_a)", "reproduces", "does not reproduce", "pending"))
+    before = (tmp_path / "claims" / "meg_tiny" / "heldout_runs.json").read_text()
+    run_claim(spec, tmp_path / "claims", "heldout")
+    assert (tmp_path / "claims" / "meg_tiny" / "heldout_runs.json").read_text() == before
+    assert sum(1 for _ in (tmp_path / "claims" / "meg_tiny" / "heldout.jsonl").open()) == len(records)
