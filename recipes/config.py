@@ -247,6 +247,10 @@ class FollowUpConfig:
     """Dotted keys copied from this run's resolved config into the follow-up's (e.g. ``seed``, ``data.args.path``)."""
     overrides: List[str] = field(default_factory=list)
     """``key=value`` overrides of the follow-up, applied after the inherited keys."""
+    baseline: bool = False
+    """Also run the follow-up from scratch (as with ``init_from: none``, in ``<this run>/then-<recipe>-baseline``;
+    it runs no follow-up of its own), then print both test results on the follow-up's checkpoint monitor and
+    whether this run's checkpoint helped, and draw both validation curves (``<this run>/plots/baseline.png``)."""
 
 
 @dataclass

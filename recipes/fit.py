@@ -6,7 +6,8 @@ Builds the DataModule, the method, callbacks, loggers and the Trainer from the c
 can fix it (bad data or config: the message and "fix ... and run again"; otherwise ``resume=auto`` when a
 checkpoint exists) and exits with status 1. ``resume=auto`` continues an interrupted run of the same config from
 its last checkpoint (a checkpoint of another config is refused unless ``resume_mismatch=allow``). A recipe with ``then.recipe`` (e.g. pre-training, then
-fine-tuning) runs that recipe next, from this run's checkpoint, in ``<run dir>/then-<recipe>``.
+fine-tuning) runs that recipe next, from this run's checkpoint, in ``<run dir>/then-<recipe>``; with
+``then.baseline`` it then runs the same follow-up from scratch and prints whether the checkpoint helped.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 from recipes.cli import config_parser, guarded, split_overrides
 from recipes.config import DEFAULT, ConfigError, load_config, to_yaml
 
-__all__ = ["main", "run_stages", "outcome_markers", "failure_summary", "follow_up_overrides"]
+__all__ = ["main", "run_stages", "outcome_markers", "failure_summary", "follow_up_overrides", "baseline_overrides"]
 
 
 def _in_chain(err: BaseException, kinds: Tuple[type, ...]) -> Optional[BaseException]:
@@ -155,9 +156,9 @@ def _component_without_config(loaded, key: str) -> bool:
                       + (f"; valid keys of {key.rsplit('.', 1)[0]}: {', '.join(valid)}" if valid else ""))
 
 
-def follow_up_overrides(loaded, run_dir: Path, checkpoint: Optional[str]) -> List[str]:
+def follow_up_overrides(loaded, run_dir: Path, checkpoint: Optional[str], suffix: str = "") -> List[str]:
     """The overrides of ``loaded.run.then``'s recipe: the inherited keys, ``init_from``, its run directory
-    (``<run_dir>/then-<recipe>``), then ``then.overrides``. An inherited key inside the args of a component
+    (``<run_dir>/then-<recipe><suffix>``), then ``then.overrides``. An inherited key inside the args of a component
     without a config class that this run does not set is not copied (the follow-up keeps its own value); any
     other unknown key is an error (for a component with a config class, naming its valid keys)."""
     from omegaconf import OmegaConf
@@ -178,8 +179,31 @@ def follow_up_overrides(loaded, run_dir: Path, checkpoint: Optional[str]) -> Lis
         out.append(f"{key}={json.dumps(value)}")
     if checkpoint is not None:
         out.append(f"init_from={checkpoint}")
-    out.append(f"run_dir={run_dir / ('then-' + str(then.recipe))}")
+    out.append(f"run_dir={run_dir / ('then-' + str(then.recipe) + suffix)}")
     return out + list(then.overrides)
+
+
+def baseline_overrides(loaded, run_dir: Path) -> List[str]:
+    """The follow-up's baseline (``then.baseline``): the same overrides from scratch in ``then-<recipe>-baseline``,
+    with no follow-up of its own."""
+    return follow_up_overrides(loaded, run_dir, None, suffix="-baseline") + ["then.recipe=null"]
+
+
+def _run(build, export_run_dir, is_rank_zero, loaded):
+    """Build and run one recipe of the chain; ``(run, metrics)``, or ``(None, None)`` when it failed (recorded in
+    FAILED with the traceback and summarised on rank zero's stderr)."""
+    run = build(loaded=loaded, stage="fit")
+    export_run_dir(run)  # DDP ranks that re-execute this command and SLURM requeues land in the same directory
+    if is_rank_zero():
+        print(run.plan(), flush=True)
+    try:
+        metrics = run_stages(run)
+    except Exception:
+        return None, None
+    if is_rank_zero():
+        _print_metrics(metrics)
+        print(f"[litctx] done: config, logs and checkpoints in {run.run_dir}", flush=True)
+    return run, metrics
 
 
 def _print_metrics(metrics: dict) -> None:
@@ -208,21 +232,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(f"then.recipe: the chain {loaded.run.recipe} -> ... -> {current.run.then.recipe} "
                               "repeats a recipe or is longer than 8")
         probe = follow_up_overrides(current, Path("runs"), None if current.run.then.init_from == "none" else "ckpt")
+        if current.run.then.baseline:
+            load_config(current.run.then.recipe, baseline_overrides(current, Path("runs")), args.profile)
         current = load_config(current.run.then.recipe, probe, args.profile)
         chain.append(current)
 
+    baseline = None  # (its config, the run that handed its checkpoint on): run right after that follow-up
     while True:
-        run = build(loaded=loaded, stage="fit")
-        export_run_dir(run)  # DDP ranks that re-execute this command and SLURM requeues land in the same directory
-        if _is_rank_zero():
-            print(run.plan(), flush=True)
-        try:
-            metrics = run_stages(run)
-        except Exception:  # recorded in FAILED (traceback) and summarised on rank zero's stderr
+        run, metrics = _run(build, export_run_dir, _is_rank_zero, loaded)
+        if run is None:
             return 1
-        if _is_rank_zero():
-            _print_metrics(metrics)
-            print(f"[litctx] done: config, logs and checkpoints in {run.run_dir}", flush=True)
+        if baseline is not None:
+            from recipes.rundir import ENV_RUN_DIR
+
+            base_loaded, parent = baseline
+            os.environ.pop(ENV_RUN_DIR, None)  # the baseline names its own run directory
+            base_run, base_metrics = _run(build, export_run_dir, _is_rank_zero, base_loaded)
+            if base_run is None:
+                return 1
+            if _is_rank_zero():
+                from recipes.compare import compare_with_baseline
+
+                compare_with_baseline(run, metrics, base_run, base_metrics, parent / "plots" / "baseline.png")
+            baseline = None
         then = loaded.run.then
         if not then.recipe:
             return 0
@@ -231,10 +263,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(f"then.init_from={then.init_from}: run {run.run_dir} saved no checkpoint")
         next_overrides = follow_up_overrides(loaded, run.run_dir, checkpoint)
         if _is_rank_zero():
-            print(f"[litctx] then: recipe {then.recipe} from {checkpoint or 'scratch'}", flush=True)
+            print(f"[litctx] then: recipe {then.recipe} from {checkpoint or 'scratch'}"
+                  + (", then the same from scratch (baseline)" if then.baseline else ""), flush=True)
         from recipes.rundir import ENV_RUN_DIR
 
         os.environ.pop(ENV_RUN_DIR, None)  # the follow-up names its own run directory
+        if then.baseline:
+            baseline = (load_config(then.recipe, baseline_overrides(loaded, run.run_dir), args.profile), run.run_dir)
         loaded = load_config(then.recipe, next_overrides, args.profile)
 
 

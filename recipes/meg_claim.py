@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from litctx_common.io import atomic_write_text
+from recipes.compare import metric_history
 from litctx_common.records import ProvenanceError
 
 STUDY: Dict[str, Any] = {"subjects": 6, "duration_s": 600.0, "topic_source": 0}
@@ -231,7 +232,7 @@ class MEGStudy:
         run = build("meg_xl_finetune", overrides)
         metrics = run_stages(run)  # fit, then test on the best checkpoint by val/top10_acc (its weights stay loaded)
         hits, _ = run.model.word_hits(run.datamodule.split("test"))
-        curve = val_curve(run_dir / "logs" / "metrics.csv")
+        curve = [list(x) for x in metric_history(run_dir, "val/top10_acc")]
         return {"top10": float(metrics["test/top10_acc"]), "balanced": float(metrics["test/top10_balanced"]),
                 "chance": float(metrics["test/top10_chance"]), "seconds": time.time() - start,
                 "steps": int(run.trainer.global_step), "train_samples": batches, "val_curve": curve,
@@ -268,16 +269,6 @@ def word_topics(dataset) -> List[int]:
             timelines[r] = read_topics(rec.path)
         out += [topic_at(timelines[r], s / rec.sfreq) for s in onsets]
     return out
-
-
-def val_curve(path: Path) -> List[List[float]]:
-    """``[[step, val top-10], ...]`` from a run's CSV log (empty when it has none)."""
-    import csv
-
-    if not path.is_file():
-        return []
-    with path.open() as f:
-        return [[int(r["step"]), float(r["val/top10_acc"])] for r in csv.DictReader(f) if r.get("val/top10_acc")]
 
 
 # ---------------------------------------------------------------------------------------------- the claim kind

@@ -89,3 +89,16 @@ def test_the_study_kind_pretrains_gates_finetunes_and_resumes_on_a_tiny_study(tm
     run_claim(spec, tmp_path / "claims", "heldout")
     assert (tmp_path / "claims" / "meg_tiny" / "heldout_runs.json").read_text() == before
     assert sum(1 for _ in (tmp_path / "claims" / "meg_tiny" / "heldout.jsonl").open()) == len(records)
+
+
+def test_compare_line_says_which_way_and_metric_history_reads_the_csv(tmp_path):
+    from recipes.compare import compare_line, metric_history
+
+    assert "helped: acc 0.5000 from it vs 0.4000" in compare_line(0.5, 0.4, "acc", "max", "X")
+    assert "did not help" in compare_line(0.5, 0.4, "loss", "min", "X")
+    assert "made no difference" in compare_line(0.4, 0.4, "acc", "max", "X")
+    assert "nothing to compare" in compare_line(None, 0.4, "acc", "max", "X")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.csv").write_text("epoch,step,train/loss,val/acc\n0,4,1.0,\n0,4,,0.25\n1,9,,0.5\n")
+    assert metric_history(tmp_path, "val/acc") == [(4, 0.25), (9, 0.5)] and metric_history(tmp_path, "x") == []
+    assert metric_history(tmp_path / "none", "val/acc") == []

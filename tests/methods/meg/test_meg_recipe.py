@@ -32,8 +32,16 @@ def test_meg_xl_tiny_pretrains_then_finetunes_from_its_checkpoint(tmp_path, monk
     assert cfg["data"]["args"]["task"] == "words"
     assert (child / "plots" / "word_decoding.png").stat().st_size > 1000
     assert "test/top10_acc" in out and "MEG tokenizer fitted" in out
-    # the tokenizer came with the checkpoint: it is fitted once, in the pre-training run only
-    assert out.count("MEG tokenizer fitted") == 1
+    # the tokenizer came with the checkpoint: it is fitted in the pre-training run, and again only by the baseline
+    assert out.count("MEG tokenizer fitted") == 2
+    # issue 56: the same fine-tuning from scratch, then one line on whether pre-training helped, and both curves
+    base = run_dir / "then-meg_xl_finetune-baseline"
+    base_cfg = yaml.safe_load((base / "config.yaml").read_text())
+    assert (base / "DONE").is_file() and base_cfg["init_from"] is None and base_cfg["then"]["recipe"] is None
+    assert base_cfg["seed"] == 3 and base_cfg["data"]["args"] == cfg["data"]["args"]
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("[litctx] the pre-trained checkpoint ")]
+    assert "test/top10_acc" in line and "from scratch" in line
+    assert (run_dir / "plots" / "baseline.png").stat().st_size > 1000
     # issue 23: the per-level report, printed when pre-training ends and after its validate stage
     lines = [ln for ln in out.splitlines() if "for the training code marginals" in ln]
     assert len(lines) == 2 and lines[0].startswith("[litctx] pre-training, last validation at step")
