@@ -102,3 +102,12 @@ def test_compare_line_says_which_way_and_metric_history_reads_the_csv(tmp_path):
     (tmp_path / "logs" / "metrics.csv").write_text("epoch,step,train/loss,val/acc\n0,4,1.0,\n0,4,,0.25\n1,9,,0.5\n")
     assert metric_history(tmp_path, "val/acc") == [(4, 0.25), (9, 0.5)] and metric_history(tmp_path, "x") == []
     assert metric_history(tmp_path / "none", "val/acc") == []
+
+
+def test_the_main_job_runs_the_claim_study():
+    from recipes.config import load_config
+    from recipes.meg_claim import STUDY
+
+    for recipe in ("meg_xl", "meg_xl_finetune"):
+        assert load_config(recipe).run.data.args["synthetic"] == STUDY, recipe
+    assert load_config("meg_xl").run.then.baseline
