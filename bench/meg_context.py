@@ -63,50 +63,46 @@ def _study(args) -> MEGStudy:
     return MEGStudy(pretrain_epochs=args.pretrain_epochs, runs_root=str(args.runs_root), cache_dir=args.cache_dir)
 
 
-def _key(args, *parts) -> str:
-    # v4: the claim study (topic_source), one tokenizer and initial weights per seed, 6-s short context
-    return "|".join(str(p) for p in parts) + f"|pe{args.pretrain_epochs}|v4"
-
-
 def _fmt(values: List[float]) -> str:
     return mean_sd(values).text(3) if values else "-"
 
 
 # ---------------------------------------------------------------------------------------------- gate (a)
+def _tail(args, seed: int) -> str:
+    return f"{seed}|e{args.pretrain_epochs}"  # the keys of MEGStudy.pretrained's cache
+
+
 def gate_a_all(args, cache) -> None:
     s = _study(args)
     for context in args.contexts:
         windows = None
         for seed in args.seeds:
-            ckpts = {}
-            for kind in ("long", "short"):
-                key = _key(args, "pre", context, kind, seed)
-                if key not in cache["runs"] or not Path(cache["runs"][key]["ckpt"] or "").is_file():
-                    cache["runs"][key] = s.pretrain(context, kind, seed)
-                    save_json(args.cache, cache)
-                ckpts[kind] = cache["runs"][key]["ckpt"]
-                print(f"[meg_context] pre {context} {kind} seed {seed}: {cache['runs'][key]}", flush=True)
-            key = _key(args, "gate_a", context, seed)
-            if key not in cache["runs"]:
-                windows = windows if windows is not None else s.gate_a_windows(context)
-                cache["runs"][key] = s.gate_a(context, seed, ckpts, windows)
-                save_json(args.cache, cache)
-            print(f"[meg_context] gate (a) {context} seed {seed}: {cache['runs'][key]}", flush=True)
+            if f"gate_a|{context}|{_tail(args, seed)}" not in cache["runs"] and windows is None:
+                windows = s.gate_a_windows(context)
+            r = s.pretrained(context, seed, cache["runs"], lambda: save_json(args.cache, cache), windows)
+            print(f"[meg_context] gate (a) {context} seed {seed}: {r}", flush=True)
 
 
 def gate_a_report(args, cache) -> str:
     pre_rows = []
     for context in args.contexts:
         for kind in ("long", "short"):
-            runs = [r for r in (cache["runs"].get(_key(args, "pre", context, kind, s)) for s in args.seeds) if r]
+            runs = [r for r in (cache["runs"].get(f"pre|{context}|{kind}|{_tail(args, s)}") for s in args.seeds)
+                    if r]
             if runs:
                 pre_rows.append(f"| {context} | {kind} | {_fmt([r['val_loss'] for r in runs])} | {runs[0]['steps']} | "
                                 f"{sum(r['seconds'] for r in runs) / len(runs) / 60:.1f} min |")
-    lines = [f"`python -m bench.meg_context --seeds {' '.join(map(str, args.seeds))} --pretrain-epochs "
+    contexts = "" if args.contexts == ["on", "off"] else f" --contexts {' '.join(args.contexts)}"
+    lines = [f"`python -m bench.meg_context --seeds {' '.join(map(str, args.seeds))}{contexts} --pretrain-epochs "
              f"{args.pretrain_epochs}` (2 CPU threads): pre-training on subjects 01-03 (04 held out for checkpoint "
              "selection) of the claim study; each run's best validation masked-code cross-entropy on its own "
              "windows:", "", "| slow process | context | best val CE (nats) | steps | time per run |",
              "|---|---|---|---|---|", *pre_rows, ""]
+    missing = [f"{c} seed {s}" for c in args.contexts for s in args.seeds
+               if f"gate_a|{c}|{_tail(args, s)}" not in cache["runs"]]
+    if missing:
+        lines += [f"Gate (a) not scored yet for {', '.join(missing)} (a pre-training run is missing or unfinished; "
+                  "rerun the command to resume it).", ""]
     return "\n".join(lines + _gate_a_rows(args, cache))
 
 
@@ -116,7 +112,7 @@ def _gate_a_rows(args, cache) -> List[str]:
 
     rows = []
     for context in args.contexts:
-        runs = {s: cache["runs"].get(_key(args, "gate_a", context, s)) for s in args.seeds}
+        runs = {s: cache["runs"].get(f"gate_a|{context}|{_tail(args, s)}") for s in args.seeds}
         runs = {s: r for s, r in runs.items() if r}
         if not runs:
             continue

@@ -492,8 +492,8 @@ def judge_claim(spec: ClaimSpec, records: Sequence[Mapping[str, Any]], n: Option
         if not mine:
             unjudged += 1
             continue
-        comps += _compare(spec, *pool(mine), [comp])
-        comps[-1]["n"] = len(pool(mine)[1])
+        mine_by, mine_ids = pool(mine)
+        comps += [{**row, "n": len(mine_ids)} for row in _compare(spec, mine_by, mine_ids, [comp])]
     pooled = {"n": len(ids), "cells": [c["name"] for c in passed], "comparisons": comps,
               "arms": {a: sum(by[a][i] for i in ids) / len(ids) for a in by}}
     verdict = "reproduces" if all(c["holds"] for c in comps) else "does not reproduce"

@@ -189,18 +189,20 @@ def baseline_overrides(loaded, run_dir: Path) -> List[str]:
     return follow_up_overrides(loaded, run_dir, None, suffix="-baseline") + ["then.recipe=null"]
 
 
-def _run(build, export_run_dir, is_rank_zero, loaded):
+def _run(loaded):
     """Build and run one recipe of the chain; ``(run, metrics)``, or ``(None, None)`` when it failed (recorded in
     FAILED with the traceback and summarised on rank zero's stderr)."""
+    from recipes.api import _is_rank_zero, build, export_run_dir
+
     run = build(loaded=loaded, stage="fit")
     export_run_dir(run)  # DDP ranks that re-execute this command and SLURM requeues land in the same directory
-    if is_rank_zero():
+    if _is_rank_zero():
         print(run.plan(), flush=True)
     try:
         metrics = run_stages(run)
     except Exception:
         return None, None
-    if is_rank_zero():
+    if _is_rank_zero():
         _print_metrics(metrics)
         print(f"[litctx] done: config, logs and checkpoints in {run.run_dir}", flush=True)
     return run, metrics
@@ -223,7 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(to_yaml(loaded.run), end="")
         return 0
 
-    from recipes.api import _is_rank_zero, build, export_run_dir
+    from recipes.api import _is_rank_zero
 
     chain = []  # validate every follow-up's config before anything trains
     current = loaded
@@ -239,7 +241,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     baseline = None  # (its config, the run that handed its checkpoint on): run right after that follow-up
     while True:
-        run, metrics = _run(build, export_run_dir, _is_rank_zero, loaded)
+        run, metrics = _run(loaded)
         if run is None:
             return 1
         if baseline is not None:
@@ -247,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             base_loaded, parent = baseline
             os.environ.pop(ENV_RUN_DIR, None)  # the baseline names its own run directory
-            base_run, base_metrics = _run(build, export_run_dir, _is_rank_zero, base_loaded)
+            base_run, base_metrics = _run(base_loaded)
             if base_run is None:
                 return 1
             if _is_rank_zero():

@@ -19,7 +19,7 @@ words depend on a latent that tens of seconds of signal reveal), with the slow p
 4. **Fine-tuning** (:meth:`MEGStudy.finetune`) of each arm on each label budget (a fraction of the labelled
    training samples of subjects 05-06): the recipe ``meg_xl_finetune`` from the arm's start (``init``: the long or
    short checkpoint, or the seed's initial weights), the backbone at ``backbone_lr_scale`` of the head's rate, for
-   ``finetune_steps`` steps whatever the budget, validating about every ``val_every_steps`` steps; the test split
+   ``finetune_steps`` steps whatever the budget, validating every ``val_every_steps`` steps; the test split
    is scored with the best checkpoint by validation top-10 (so overfitting late cannot lower the score).
 
 Records (one per test word, cell and arm; :class:`MEGTransfer`): ``id`` ``s<seed>w<k>`` (the same test words in
@@ -32,13 +32,12 @@ gates read. Pre-training runs and gates are cached in ``<claim folder>/<split>_r
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-from litctx_common.io import atomic_write_text
+from litctx_common.io import atomic_path, atomic_write_text
 from recipes.compare import metric_history
 from litctx_common.records import ProvenanceError
 
@@ -73,7 +72,7 @@ class MEGStudy:
     finetune_steps: int = 300
     """Optimizer steps of every fine-tuning run, whatever its label budget."""
     val_every_steps: int = 25
-    """Validate about this often (in whole epochs); the best checkpoint by validation top-10 is tested."""
+    """Validate every this many steps (across epochs); the best checkpoint by validation top-10 is tested."""
     runs_root: str = "runs/meg-claim"
     """Checkpoints and run directories (resumable); the results live in the claim's records."""
     cache_dir: Optional[str] = None
@@ -124,10 +123,8 @@ class MEGStudy:
                         write=False)
             run.datamodule.setup("fit")
             run.model.prepare_from_datamodule(run.datamodule)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            torch.save(run.model.state_dict(), tmp)
-            tmp.replace(path)
+            with atomic_path(path) as tmp:
+                torch.save(run.model.state_dict(), tmp)
         return path
 
     def pretrain(self, process: str, kind: str, seed: int) -> Dict[str, Any]:
@@ -145,6 +142,26 @@ class MEGStudy:
         score = run.trainer.checkpoint_callback.best_model_score  # the recipe's monitor: val/loss
         return {"ckpt": run.checkpoint_path("best"), "val_loss": None if score is None else float(score),
                 "steps": int(run.trainer.global_step), "seconds": time.time() - start}
+
+    def pretrained(self, process: str, seed: int, runs: Dict[str, Any], save: Callable[[], None],
+                   windows=None) -> Dict[str, Any]:
+        """Both pre-training runs of a seed and its gate (a), through the cache ``runs`` (keys
+        ``pre|<process>|<kind>|<seed>|e<epochs>`` and ``gate_a|...``; ``save()`` is called after each new entry, so a
+        killed study resumes where it stopped). Returns the gate (a) entry, with the two checkpoints under
+        ``ckpts``."""
+        tail = f"{seed}|e{self.pretrain_epochs}"
+        ckpts = {}
+        for kind in PRE:
+            key = f"pre|{process}|{kind}|{tail}"
+            if key not in runs or not Path(runs[key]["ckpt"] or "").is_file():
+                runs[key] = self.pretrain(process, kind, seed)
+                save()
+            ckpts[kind] = runs[key]["ckpt"]
+        key = f"gate_a|{process}|{tail}"
+        if key not in runs:
+            runs[key] = {**self.gate_a(process, seed, ckpts, windows), "ckpts": ckpts}
+            save()
+        return runs[key]
 
     def gate_a_windows(self, process: str):
         """Non-overlapping 150-s windows of the fine-tuning subjects 05-06 (no pre-training run trained on them or
@@ -212,20 +229,14 @@ class MEGStudy:
         """Word decoding by ``meg_xl_finetune`` from ``start_from`` on ``fraction`` of the labelled training
         samples (see the module docstring); returns the test metrics of the best checkpoint by validation top-10,
         the validation curve and each test word's hit (in the test split's order)."""
-        from recipes import registry
         from recipes.api import build
-        from recipes.config import load_config
         from recipes.fit import run_stages
 
-        common = self._common(process, seed) + [f"data.args.train_fraction={fraction}"]
-        data = load_config("meg_xl_finetune", common).run.data
-        dm = registry.create_datamodule(data.name, data.args)
-        dm.setup("fit")
-        batches = len(dm.split("train"))
         run_dir = self._dir(f"ft-{process}-{name}-s{seed}-f{fraction:g}")
-        overrides = common + [
-            f"trainer.max_steps={self.finetune_steps}", "trainer.max_epochs=null",
-            f"trainer.check_val_every_n_epoch={max(1, math.ceil(self.val_every_steps / batches))}",
+        overrides = self._common(process, seed) + [
+            f"data.args.train_fraction={fraction}", f"trainer.max_steps={self.finetune_steps}",
+            "trainer.max_epochs=null", f"trainer.val_check_interval={self.val_every_steps}",
+            "trainer.check_val_every_n_epoch=null",  # validate every val_every_steps steps, across epochs
             f"run_dir={run_dir}", "~callbacks.report", f"init_from={start_from}",
             f"optim.lr_scale={{backbone: {backbone_lr_scale}}}"]
         start = time.time()
@@ -235,7 +246,8 @@ class MEGStudy:
         curve = [list(x) for x in metric_history(run_dir, "val/top10_acc")]
         return {"top10": float(metrics["test/top10_acc"]), "balanced": float(metrics["test/top10_balanced"]),
                 "chance": float(metrics["test/top10_chance"]), "seconds": time.time() - start,
-                "steps": int(run.trainer.global_step), "train_samples": batches, "val_curve": curve,
+                "steps": int(run.trainer.global_step), "train_samples": len(run.datamodule.split("train")),
+                "val_curve": curve,
                 "hits": [int(h) for h in hits]}
 
 
@@ -259,7 +271,7 @@ def signal_features(dataset, chunks: int):
 def word_topics(dataset) -> List[int]:
     """The true topic at every word onset of a :class:`datamodules.meg.WordSamples` split, in its order (from the
     synthetic recordings' ``_topics.tsv``)."""
-    from datamodules.synth.meg import read_topics, topic_at
+    from datamodules.synth.meg import read_topics, segment_at
 
     timelines: Dict[int, list] = {}
     out: List[int] = []
@@ -267,7 +279,7 @@ def word_topics(dataset) -> List[int]:
         rec = dataset.recordings[r]
         if r not in timelines:
             timelines[r] = read_topics(rec.path)
-        out += [topic_at(timelines[r], s / rec.sfreq) for s in onsets]
+        out += [segment_at(timelines[r], s / rec.sfreq) for s in onsets]
     return out
 
 
@@ -337,18 +349,8 @@ class MEGTransfer:
                                 rec.get("arm_settings"), self.settings(arm))}))
                 if not todo:
                     continue
-                ckpts = {}
-                for kind in PRE:
-                    key = f"pre|{process}|{kind}|{seed}"
-                    if key not in runs or not Path(runs[key]["ckpt"] or "").is_file():
-                        runs[key] = s.pretrain(process, kind, seed)
-                        self._save(folder, split, runs)
-                    ckpts[kind] = runs[key]["ckpt"]
-                key = f"gate_a|{process}|{seed}"
-                if key not in runs:
-                    runs[key] = s.gate_a(process, seed, ckpts)
-                    self._save(folder, split, runs)
-                gate_a = runs[key]["gate_a"]
+                pre = s.pretrained(process, seed, runs, lambda: self._save(folder, split, runs))
+                ckpts, gate_a = pre["ckpts"], pre["gate_a"]
                 log(f"[{self.spec.name} {split}] gate (a), process {process}, seed {seed}: {gate_a:+.4f} nats")
                 for fraction, arm in todo:
                     init = arm.args["init"]

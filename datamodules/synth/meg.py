@@ -76,7 +76,7 @@ from litctx_common.io import atomic_path, atomic_write_text
 from litctx_common.seeding import stable_seed
 
 __all__ = ["SyntheticMEGConfig", "generate_meg_dataset", "word_list", "select_locations", "canonical_info",
-           "read_topics", "topic_at"]
+           "read_topics", "segment_at"]
 
 SENSOR_SYSTEMS = ("neuromag", "ctf151", "ctf275")
 
@@ -372,7 +372,7 @@ def _state_bursts(rng: np.random.Generator, cfg: SyntheticMEGConfig, state_segme
             random_state = int(rng.integers(cfg.states))  # drawn either way: on and off share the burst times
             phase = rng.uniform(0, 2 * np.pi)
             if cfg.slow_states:
-                k = next(k for (a, b, k) in state_segments[j] if a <= start < b)
+                k = segment_at(state_segments[j], start)
             else:
                 k = random_state
             i0, i1 = int(np.ceil(start * cfg.sfreq)), min(n, int(np.ceil((start + length) * cfg.sfreq)))
@@ -380,10 +380,6 @@ def _state_bursts(rng: np.random.Generator, cfg: SyntheticMEGConfig, state_segme
             out[j, i0:i1] = np.sin(np.pi * tt / length) ** 2 * np.sin(2 * np.pi * freqs[k] * tt + phase)
             start += length + cfg.burst_gap_s * rng.uniform(0.5, 1.5)
     return out
-
-
-def _state_at(segments: List[tuple], t: float) -> int:
-    return next(k for (a, b, k) in segments if a <= t < b)
 
 
 def read_topics(fif: str | os.PathLike) -> List[tuple]:
@@ -403,8 +399,9 @@ def read_topics(fif: str | os.PathLike) -> List[tuple]:
     return out
 
 
-def topic_at(segments: Sequence[tuple], t: float) -> int:
-    """The topic of ``segments`` (:func:`read_topics`) at time ``t`` (s); past the end, the last one."""
+def segment_at(segments: Sequence[tuple], t: float) -> int:
+    """The label (topic or state) of the ``[(start_s, end_s, label), ...]`` segment holding time ``t`` (s); past the
+    end, the last one's (the generator's timelines and :func:`read_topics`)."""
     for a, b, k in segments:
         if a <= t < b:
             return int(k)
@@ -448,12 +445,12 @@ def _write_recording(path: Path, cfg: SyntheticMEGConfig, info_src, keep: np.nda
     t = rng.uniform(0.5, 2.0)
     n_ev = templates.shape[-1]
     while t < cfg.duration_s - cfg.evoked_s:
-        topic = next(k for (a, b, k) in segs if a <= t < b)
+        topic = segment_at(segs, t)
         w = int(rng.choice(cfg.vocab, p=topic_words[topic]))
         i0 = int(round(t * cfg.sfreq))
         gain = topic_gains[topic]
         if tie:
-            gain = gain * state_gains[[_state_at(state_segs[j], t) for j in range(n_src)], np.arange(n_src)]
+            gain = gain * state_gains[[segment_at(state_segs[j], t) for j in range(n_src)], np.arange(n_src)]
         evoked[:, i0:i0 + n_ev] += (gain[:, None] * templates[w])[:, :n - i0]
         onsets.append(i0 / cfg.sfreq)
         words.append(w)

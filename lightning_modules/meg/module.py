@@ -118,7 +118,11 @@ class MEGXLConfig(BackboneConfig):
         half up, at least 1); None when it is off."""
         if self.eval_short_context_s is None:
             return None
-        return max(1, int(math.floor(self.eval_short_context_s / self.subsegment_s + 0.5)))
+        return self.chunk_subsegments(self.eval_short_context_s)
+
+    def chunk_subsegments(self, seconds: float) -> int:
+        """Whole sub-segments in a context chunk of ``seconds`` (rounded half up, at least 1)."""
+        return max(1, int(math.floor(seconds / self.subsegment_s + 0.5)))
 
 
 @dataclass
@@ -593,9 +597,8 @@ class MEGXLPretrainModule(_MEGXLBase):
             g = torch.Generator().manual_seed(stable_seed("meg-eval-mask", stage, i))
             codes, mask, logits, target = self.masked_forward(batch, generator=g)
             if context_s is not None:
-                chunk = max(1, int(math.floor(context_s / c.subsegment_s + 0.5)))
-                chunks = context_chunks(codes.shape[2], c.subsegments(batch["meg"].shape[-1]), chunk, c.mask_tokens,
-                                        c.mask_ratio)
+                chunks = context_chunks(codes.shape[2], c.subsegments(batch["meg"].shape[-1]),
+                                        c.chunk_subsegments(context_s), c.mask_tokens, c.mask_ratio)
                 logits = self.short_context_logits(batch, codes, mask, chunks)
             m = int(target.shape[0])
             total += float(self.level_ce(logits, target).mean()) * m

@@ -345,9 +345,13 @@ def state_design(x: np.ndarray, states: np.ndarray, n_states: int) -> np.ndarray
 
 
 def topk_accuracy(logp: np.ndarray, labels: np.ndarray, k: int) -> float:
-    """Share of rows whose label is among the ``k`` highest scores of ``logp [N, V]`` (ties broken by index)."""
-    top = np.argsort(-np.asarray(logp), axis=1, kind="stable")[:, :k]
-    return float(np.mean([y in t for y, t in zip(np.asarray(labels), top)]))
+    """Share of rows whose label is among the ``k`` highest scores of ``logp [N, V]`` (torchmetrics' top-k
+    accuracy, micro-averaged: the same rule as the decoder's retrieval metric)."""
+    from torchmetrics.functional.classification import multiclass_accuracy
+
+    scores = torch.as_tensor(np.asarray(logp, dtype=np.float64))
+    return float(multiclass_accuracy(scores, torch.as_tensor(np.asarray(labels, dtype=np.int64)),
+                                     num_classes=scores.shape[1], top_k=min(k, scores.shape[1]), average="micro"))
 
 
 def word_state_probe(train: Tuple[np.ndarray, np.ndarray, np.ndarray], test: Tuple[np.ndarray, np.ndarray, np.ndarray],

@@ -83,7 +83,9 @@ def test_the_study_kind_pretrains_gates_finetunes_and_resumes_on_a_tiny_study(tm
     assert by_arm["long"] == by_arm["random"] and len(by_arm["long"]) > 0
     assert {r["score"] for r in records} <= {0.0, 1.0} and all("gate_a" in r and "gate_b" in r for r in records)
     runs = json.loads((tmp_path / "claims" / "meg_tiny" / "heldout_runs.json").read_text())
-    assert {"pre|on|long|0", "pre|on|short|0", "gate_a|on|0", "gate_b|on"} <= set(runs)
+    assert {"pre|on|long|0|e1", "pre|on|short|0|e1", "gate_a|on|0|e1", "gate_b|on"} <= set(runs)
+    assert runs["gate_a|on|0|e1"]["ckpts"]["long"] == runs["pre|on|long|0|e1"]["ckpt"]
+    assert [step for step, _ in runs["ft|on|long|0|1"]["val_curve"]] == [0, 1]  # every step (val_every_steps 1)
     assert judged["cells"][0]["verdict"].startswith(("void (gate_a)", "reproduces", "does not reproduce", "pending"))
     before = (tmp_path / "claims" / "meg_tiny" / "heldout_runs.json").read_text()
     run_claim(spec, tmp_path / "claims", "heldout")

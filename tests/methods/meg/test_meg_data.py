@@ -356,7 +356,7 @@ def test_topic_source_makes_a_sources_slow_state_the_topic(tmp_path):
     """With topic_source=j the topic timeline is source j's state timeline (60-180 s segments) and the words follow
     it (the events differ from the free topics'); the reader returns what was written; with the slow process off
     there is one topic, as without topic_source."""
-    from datamodules.synth.meg import read_topics, topic_at
+    from datamodules.synth.meg import read_topics, segment_at
 
     kw = dict(subjects=1, duration_s=400.0, locations=2, vocab=8, seed=5)
     tied = generate_meg_dataset(tmp_path / "tied", SyntheticMEGConfig(**kw, topic_source=2))[0]
@@ -367,7 +367,7 @@ def test_topic_source_makes_a_sources_slow_state_the_topic(tmp_path):
     assert [k for _, _, k in topics] == [k for _, _, k in source2]
     np.testing.assert_allclose([(a, b) for a, b, _ in topics], [(a, b) for a, b, _ in source2], atol=1e-3)
     assert read_topics(free) != topics and _events(free) != _events(tied)
-    assert topic_at(topics, topics[1][0] + 0.5) == topics[1][2] and topic_at(topics, 1e9) == topics[-1][2]
+    assert segment_at(topics, topics[1][0] + 0.5) == topics[1][2] and segment_at(topics, 1e9) == topics[-1][2]
     off = SyntheticMEGConfig(**kw, topic_source=2, context=False, slow_states=False)
     assert [k for _, _, k in read_topics(generate_meg_dataset(tmp_path / "off", off)[0])] == [0]
 
