@@ -60,11 +60,23 @@ def compare_with_baseline(run: Any, metrics: Mapping[str, Any], base_run: Any, b
     base, _ = _value(base_metrics, base_hist, monitor, mode)
     line = compare_line(ours, base, what, mode, start)
     print(line, flush=True)
-    _plot(ours_hist, base_hist, monitor, start, figure)
+    tested = what.startswith("test/")
+    _plot([(ours_hist, ours if tested else None), (base_hist, base if tested else None)], monitor, mode, start,
+          figure, _chance(metrics, what))
     return line
 
 
-def _plot(ours, base, monitor: str, start: str, figure: Path) -> None:
+def _chance(metrics: Mapping[str, Any], what: str) -> Optional[float]:
+    """The chance level a run logged beside a tested metric (``test/top10_acc`` -> ``test/top10_chance``)."""
+    if not what.startswith("test/") or "_" not in what:
+        return None
+    value = metrics.get(what.rsplit("_", 1)[0] + "_chance")
+    return None if value is None else float(value)
+
+
+def _plot(runs, monitor: str, mode: str, start: str, figure: Path, chance: Optional[float] = None) -> None:
+    """``runs``: ``[(validation history, test value or None)]`` of the follow-up and its baseline; each test value
+    is drawn as a star at the step of the run's best validation value (the checkpoint that was tested)."""
     try:
         import matplotlib
 
@@ -74,14 +86,22 @@ def _plot(ours, base, monitor: str, start: str, figure: Path) -> None:
         return
     from litctx_common.io import atomic_path
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for hist, label in ((ours, f"from {start}"), (base, "from scratch (baseline)")):
-        if hist:
-            ax.plot(*zip(*hist), marker="o", label=label)
+    fig, ax = plt.subplots(figsize=(8.5, 3.6))
+    pick = max if mode == "max" else min
+    for (hist, test), label in zip(runs, (f"from {start}", "from scratch (baseline)")):
+        if not hist:
+            continue
+        line, = ax.plot(*zip(*hist), marker="o", label=f"{label}, validation")
+        if test is not None:
+            step = pick(hist, key=lambda sv: sv[1])[0]
+            ax.plot([step], [test], marker="*", markersize=14, linestyle="none", color=line.get_color(),
+                    markeredgecolor="black", label=f"{label}, test of its best checkpoint")
+    if chance is not None:
+        ax.axhline(chance, color="grey", linestyle=":", label="chance")
     ax.set_xlabel("step")
     ax.set_ylabel(monitor)
-    ax.set_title("validation during the follow-up")
-    ax.legend()
+    ax.set_title("the follow-up against its baseline")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     figure.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(figure) as tmp:

@@ -139,10 +139,13 @@ class MEGXLWordConfig(MEGXLConfig):
     (batch norm without affine parameters). The pooled features carry large word-independent offsets (sensor
     embeddings); at CPU scale the head only learns the word frequencies without it."""
     head_hidden: int = 256
+    """Width of the head's hidden layer; 0: a linear head (dropout, then one linear map to ``target_dim``)."""
     head_dropout: float = 0.1
     target_dim: int = 32
     targets: str = "random"
-    """``random`` (seeded per word) or a ``.npz`` with ``words`` and ``vectors`` (e.g. T5 embeddings)."""
+    """``random`` (seeded per word), ``onehot`` (orthogonal targets: a cosine-softmax classifier over the
+    vocabulary; needs ``target_dim`` >= the vocabulary) or a ``.npz`` with ``words`` and ``vectors`` (e.g. T5
+    embeddings)."""
     target_seed: int = 0
     loss: str = "siglip"
     """``siglip`` (MEG-XL / d'Ascoli et al.: pairwise sigmoid over the words of a batch) or ``clip`` (softmax
@@ -156,10 +159,12 @@ class MEGXLWordConfig(MEGXLConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         problems = []
-        if self.targets != "random" and not str(self.targets).endswith(".npz"):
-            problems.append(f"targets={self.targets!r}: expected 'random' or a .npz file with words and vectors")
-        if self.target_dim < 2 or self.head_hidden < 1:
-            problems.append(f"target_dim={self.target_dim}, head_hidden={self.head_hidden}: too small")
+        if self.targets not in ("random", "onehot") and not str(self.targets).endswith(".npz"):
+            problems.append(f"targets={self.targets!r}: expected 'random', 'onehot' or a .npz file with words and "
+                            "vectors")
+        if self.target_dim < 2 or self.head_hidden < 0:
+            problems.append(f"target_dim={self.target_dim}, head_hidden={self.head_hidden}: need target_dim >= 2 "
+                            "and head_hidden >= 0 (0: a linear head)")
         if self.retrieval_size < 2 or self.top_k < 1:
             problems.append(f"retrieval_size={self.retrieval_size}, top_k={self.top_k}: need >= 2 and >= 1")
         if self.loss not in ("siglip", "clip"):
@@ -200,8 +205,15 @@ def context_chunks(n_tokens: int, n_subsegments: int, chunk_subsegments: int,
 
 
 def word_targets(words: Sequence[str], dim: int, seed: int = 0, path: Optional[str] = None) -> torch.Tensor:
-    """Unit-norm target vectors ``[len(words), dim]``: seeded random per word string (independent of the
-    vocabulary's order), or rows of ``path`` (``.npz`` with ``words`` and ``vectors``)."""
+    """Unit-norm target vectors ``[len(words), dim]``: seeded random per word string (``path`` None or
+    ``"random"``; independent of the vocabulary's order), one-hot rows (``"onehot"``: word ``i`` of the vocabulary
+    is axis ``i``, so every pair of targets is orthogonal; needs ``dim >= len(words)``), or rows of ``path``
+    (``.npz`` with ``words`` and ``vectors``)."""
+    if path == "onehot":
+        if len(words) > dim:
+            raise ValueError(f"targets=onehot: {len(words)} words need target_dim >= {len(words)} (it is {dim}); "
+                             f"set method.args.target_dim={len(words)} or use targets=random or a .npz")
+        return torch.eye(len(words), dim)
     if path is not None and path != "random":
         data = np.load(Path(path), allow_pickle=False)
         table = {str(w): v for w, v in zip(data["words"], data["vectors"])}
@@ -638,8 +650,11 @@ class MEGXLWordDecoder(_MEGXLBase):
         c = self.cfg
         width = c.pool_chunks * n_channels * c.d_model
         self.head_norm = _FeatureBatchNorm(width) if c.head_norm == "batch" else nn.Identity()
-        self.word_head = nn.Sequential(nn.Linear(c.pool_chunks * n_channels * c.d_model, c.head_hidden), nn.LayerNorm(c.head_hidden),
-                                       nn.GELU(), nn.Dropout(c.head_dropout), nn.Linear(c.head_hidden, c.target_dim))
+        if c.head_hidden == 0:  # a linear read-out of the pooled features
+            self.word_head = nn.Sequential(nn.Dropout(c.head_dropout), nn.Linear(width, c.target_dim))
+        else:
+            self.word_head = nn.Sequential(nn.Linear(width, c.head_hidden), nn.LayerNorm(c.head_hidden), nn.GELU(),
+                                           nn.Dropout(c.head_dropout), nn.Linear(c.head_hidden, c.target_dim))
         self.n_channels = n_channels
 
     def set_vocab(self, vocab: Sequence[str]) -> None:
@@ -675,7 +690,8 @@ class MEGXLWordDecoder(_MEGXLBase):
 
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        weight = checkpoint.get("state_dict", {}).get("word_head.0.weight")
+        state = checkpoint.get("state_dict", {})
+        weight = state.get("word_head.0.weight", state.get("word_head.1.weight"))  # the MLP's or the linear head's
         if self.word_head is None and weight is not None:
             self._build_head(weight.shape[1] // (self.cfg.d_model * self.cfg.pool_chunks))
         if checkpoint.get("meg_vocab") and not self.vocab:

@@ -47,7 +47,7 @@ METHODS = [
         kind="finetune",
         default_data="meg",
         default_data_args={"task": "words"},
-        tiny={**MEG_TINY, "head_hidden": 16, "target_dim": 8},
+        tiny={**MEG_TINY, "head_hidden": 16, "target_dim": 16},  # >= the tiny study's 12 words (targets: onehot)
         requires=("mne",),
         extra="meg",
         fsdp_wrap=("lightning_modules.meg.model:CrissCrossBlock",),

@@ -239,6 +239,32 @@ def test_word_targets_depend_on_the_word_not_the_order():
     assert not torch.allclose(a[0], word_targets(["baku"], 8, seed=1)[0])
 
 
+
+def test_onehot_targets_are_orthogonal_axes_and_need_the_dimensions():
+    t = word_targets(["baku", "dela", "fimo"], 5, path="onehot")
+    assert t.shape == (3, 5)
+    torch.testing.assert_close(t @ t.T, torch.eye(3))  # unit rows, every pair orthogonal
+    assert t.argmax(dim=-1).tolist() == [0, 1, 2]  # word i of the vocabulary is axis i
+    with pytest.raises(ValueError, match="3 words need target_dim >= 3"):
+        word_targets(["baku", "dela", "fimo"], 2, path="onehot")
+    with pytest.raises(ValueError, match="onehot"):
+        MEGXLWordDecoder({**TINY, "targets": "glove"})
+
+
+def test_a_linear_head_maps_pooled_features_to_targets_and_reloads_from_its_checkpoint():
+    torch.manual_seed(0)
+    dec = MEGXLWordDecoder({**TINY, "n_channels": 3, "head_hidden": 0, "target_dim": 4, "pool_chunks": 2})
+    linears = [m for m in dec.word_head if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 1 and linears[0].weight.shape == (4, 2 * 3 * TINY["d_model"])
+    fresh = MEGXLWordDecoder({**TINY, "head_hidden": 0, "target_dim": 4, "pool_chunks": 2})
+    assert fresh.word_head is None
+    fresh.on_load_checkpoint({"state_dict": dec.state_dict()})  # the head's width comes from the checkpoint
+    assert fresh.n_channels == 3
+    fresh.load_state_dict(dec.state_dict())
+    torch.testing.assert_close(fresh.word_head[1].weight, dec.word_head[1].weight)
+    with pytest.raises(ValueError, match="head_hidden >= 0"):
+        MEGXLWordDecoder({**TINY, "head_hidden": -1})
+
 def test_init_from_carries_tokenizer_and_backbone_only(tmp_path):
     from lightning_modules.io import load_weights
 
