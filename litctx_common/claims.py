@@ -45,7 +45,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from litctx_common.stats import paired_bootstrap
 
@@ -209,6 +209,10 @@ class ClaimSpec:
     splits: Dict[str, SplitSpec] = field(default_factory=lambda: {"dev": SplitSpec(0, 10), "heldout": SplitSpec(100)})
     metric: str = "score"
     report: List[str] = field(default_factory=list)
+    cluster: Optional[str] = None
+    """A record field whose equal values mark samples that are not independent draws (e.g. the test words of one
+    topic segment, shared by every seed): the paired intervals then resample whole clusters (a cluster bootstrap,
+    :func:`~litctx_common.stats.paired_bootstrap`); null: every sample is its own."""
     discrimination: Optional[float] = None
     screens: Optional[str] = None
     leaderboard: Optional[str] = None
@@ -368,15 +372,33 @@ def _paired(records: Sequence[Mapping[str, Any]], metric: str) -> Dict[str, Dict
     return out
 
 
+def _clusters(spec: ClaimSpec, records: Sequence[Mapping[str, Any]],
+              key: Optional[Callable[[Mapping[str, Any]], str]] = None) -> Optional[Dict[str, Any]]:
+    """``{sample key: cluster label}`` from the records' ``spec.cluster`` field (``key(record)``: the sample key,
+    default its ``id``); None when the spec has no ``cluster``. A record without the field is an error."""
+    if spec.cluster is None:
+        return None
+    out: Dict[str, Any] = {}
+    for r in records:
+        if spec.cluster not in r:
+            raise ClaimError(f"claim {spec.name}: record {r.get('id')!r} (arm {r.get('arm')!r}) has no "
+                             f"{spec.cluster!r} field, which cluster: names; rerun the records or drop cluster")
+        out[key(r) if key else r["id"]] = r[spec.cluster]
+    return out
+
+
 def _compare(spec: ClaimSpec, by: Mapping[str, Mapping[str, float]], ids: Sequence[str],
-             comparisons: Optional[Sequence[Comparison]] = None) -> List[Dict[str, Any]]:
+             comparisons: Optional[Sequence[Comparison]] = None,
+             clusters: Optional[Mapping[str, Any]] = None) -> List[Dict[str, Any]]:
     rows = []
+    labels = None if clusters is None else [clusters[i] for i in ids]
     for c in spec.comparisons if comparisons is None else comparisons:
         a = [by[c.arm][i] for i in ids]
         b = [c.fraction * by[c.against][i] for i in ids]
-        bs = paired_bootstrap(a, b, seed=1)
+        bs = paired_bootstrap(a, b, seed=1, clusters=labels)
         rows.append({"arm": c.arm, "against": c.against_text, "test": c.test, "diff": bs["diff"], "lo": bs["lo"],
-                     "hi": bs["hi"], "holds": c.holds(bs["diff"], bs["lo"], bs["hi"]), "bar": c.bar()})
+                     "hi": bs["hi"], "holds": c.holds(bs["diff"], bs["lo"], bs["hi"]), "bar": c.bar(),
+                     **({"clusters": bs["clusters"]} if "clusters" in bs else {})})
     return rows
 
 
@@ -421,7 +443,8 @@ def judge_cell(spec: ClaimSpec, cell: Mapping[str, Any], records: Sequence[Mappi
                     and isinstance(r.get(g.field), (int, float))]
             value = sum(vals) / len(vals) if vals else float("nan")
             out["gates"][g.name] = {"value": value, "bar": g.bar, "passed": bool(vals) and value >= g.bar - 1e-12}
-    out["comparisons"] = _compare(spec, by, ids, [c for c in spec.comparisons if c.applies(cell)])
+    out["comparisons"] = _compare(spec, by, ids, [c for c in spec.comparisons if c.applies(cell)],
+                                  _clusters(spec, [r for r in records if r["id"] in ids]))
     out["verdict"] = _verdict(out, len(ids) >= want, want)
     out["ids"] = ids
     return out
@@ -477,23 +500,26 @@ def judge_claim(spec: ClaimSpec, records: Sequence[Mapping[str, Any]], n: Option
         verdict = (f"pending ({len(pending)} of {len(cells)} cells)" if pending
                    else "void (no cell passed its gates)")
         return {"cells": cells, "pooled": None, "verdict": verdict}
-    def pool(cells_: Sequence[Mapping[str, Any]]) -> Tuple[Dict[str, Dict[str, float]], List[str]]:
+    def pool(cells_: Sequence[Mapping[str, Any]]) -> Tuple[Dict[str, Dict[str, float]], List[str], Any]:
         by: Dict[str, Dict[str, float]] = {}
+        clusters: Optional[Dict[str, Any]] = None if spec.cluster is None else {}
         for c in cells_:  # pool the cells' samples, paired: an id is unique within its cell
             mine = [r for r in records if all(r.get(k) == v for k, v in c["cell"].items()) and r["id"] in c["ids"]]
             for arm, vals in _paired(mine, spec.metric).items():
                 by.setdefault(arm, {}).update({f"{c['name']}|{i}": v for i, v in vals.items()})
-        return by, sorted(set.intersection(*(set(v) for v in by.values())))
+            if clusters is not None:  # a cluster spans the cells (the same words under every cell)
+                clusters.update(_clusters(spec, mine, key=lambda r, name=c["name"]: f"{name}|{r['id']}"))
+        return by, sorted(set.intersection(*(set(v) for v in by.values()))), clusters
 
-    by, ids = pool(passed)
+    by, ids, _ = pool(passed)
     comps, unjudged = [], 0
     for comp in spec.comparisons:  # each comparison over the passing cells it applies to
         mine = [c for c in passed if comp.applies(c["cell"])]
         if not mine:
             unjudged += 1
             continue
-        mine_by, mine_ids = pool(mine)
-        comps += [{**row, "n": len(mine_ids)} for row in _compare(spec, mine_by, mine_ids, [comp])]
+        mine_by, mine_ids, mine_clusters = pool(mine)
+        comps += [{**row, "n": len(mine_ids)} for row in _compare(spec, mine_by, mine_ids, [comp], mine_clusters)]
     pooled = {"n": len(ids), "cells": [c["name"] for c in passed], "comparisons": comps,
               "arms": {a: sum(by[a][i] for i in ids) / len(ids) for a in by}}
     verdict = "reproduces" if all(c["holds"] for c in comps) else "does not reproduce"

@@ -35,7 +35,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from litctx_common.io import atomic_path, atomic_write_text
 from recipes.compare import metric_history
@@ -242,13 +242,17 @@ class MEGStudy:
         start = time.time()
         run = build("meg_xl_finetune", overrides)
         metrics = run_stages(run)  # fit, then test on the best checkpoint by val/top10_acc (its weights stay loaded)
-        hits, _ = run.model.word_hits(run.datamodule.split("test"))
+        test = run.datamodule.split("test")
+        hits, _ = run.model.word_hits(test)
+        scored = [int(w) < run.model.cfg.retrieval_size for i in range(len(test)) for w in test[i]["word_ids"]]
+        segments = [seg for (seg, _), keep in zip(word_segments(test), scored) if keep]  # word_hits' words
+        if len(segments) != len(hits):
+            raise RuntimeError(f"{run_dir}: {len(hits)} scored test words but {len(segments)} topic segments")
         curve = [list(x) for x in metric_history(run_dir, "val/top10_acc")]
         return {"top10": float(metrics["test/top10_acc"]), "balanced": float(metrics["test/top10_balanced"]),
                 "chance": float(metrics["test/top10_chance"]), "seconds": time.time() - start,
                 "steps": int(run.trainer.global_step), "train_samples": len(run.datamodule.split("train")),
-                "val_curve": curve,
-                "hits": [int(h) for h in hits]}
+                "val_curve": curve, "hits": [int(h) for h in hits], "segments": segments}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -268,19 +272,27 @@ def signal_features(dataset, chunks: int):
     return torch.cat(feats).numpy(), torch.cat(ids).numpy()
 
 
-def word_topics(dataset) -> List[int]:
-    """The true topic at every word onset of a :class:`datamodules.meg.WordSamples` split, in its order (from the
-    synthetic recordings' ``_topics.tsv``)."""
-    from datamodules.synth.meg import read_topics, segment_at
+def word_segments(dataset) -> List[Tuple[str, int]]:
+    """``(segment, topic)`` at every word onset of a :class:`datamodules.meg.WordSamples` split, in its order (from
+    the synthetic recordings' ``_topics.tsv``): ``segment`` names the recording and the topic segment
+    (``sub-05_ses-01_task-listen_meg.fif#3``), the unit that words of one stretch share."""
+    from datamodules.synth.meg import read_topics, segment_index
 
     timelines: Dict[int, list] = {}
-    out: List[int] = []
+    out: List[Tuple[str, int]] = []
     for r, onsets, _ in dataset.groups:
         rec = dataset.recordings[r]
         if r not in timelines:
             timelines[r] = read_topics(rec.path)
-        out += [segment_at(timelines[r], s / rec.sfreq) for s in onsets]
+        for s in onsets:
+            i = segment_index(timelines[r], s / rec.sfreq)
+            out.append((f"{Path(rec.path).name}#{i}", int(timelines[r][i][2])))
     return out
+
+
+def word_topics(dataset) -> List[int]:
+    """The true topic at every word onset of a split, in its order (:func:`word_segments`)."""
+    return [topic for _, topic in word_segments(dataset)]
 
 
 # ---------------------------------------------------------------------------------------------- the claim kind
@@ -360,9 +372,10 @@ class MEGTransfer:
                     common = {"labels": fraction, "process": process, "arm": arm.name, "seed": seed,
                               "top10": r["top10"], "gate_a": gate_a, "gate_b": gate_b,
                               "arm_settings": self.settings(arm)}
-                    store.add([{"id": f"s{seed}w{k:03d}", **common, "score": float(h)}
-                               for k, h in enumerate(r["hits"])])
-                    runs[f"ft|{process}|{arm.name}|{seed}|{fraction:g}"] = {k: v for k, v in r.items() if k != "hits"}
+                    store.add([{"id": f"s{seed}w{k:03d}", **common, "score": float(h), "segment": seg}
+                               for k, (h, seg) in enumerate(zip(r["hits"], r["segments"]))])
+                    runs[f"ft|{process}|{arm.name}|{seed}|{fraction:g}"] = {
+                        k: v for k, v in r.items() if k not in ("hits", "segments")}
                     self._save(folder, split, runs)
                     log(f"[{self.spec.name} {split}] process {process}, seed {seed}, labels {fraction:g}, {arm.name}: "
                         f"top-10 {r['top10']:.3f} (best of {len(r['val_curve'])} validations; "

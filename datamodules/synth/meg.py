@@ -399,13 +399,18 @@ def read_topics(fif: str | os.PathLike) -> List[tuple]:
     return out
 
 
-def segment_at(segments: Sequence[tuple], t: float) -> int:
-    """The label (topic or state) of the ``[(start_s, end_s, label), ...]`` segment holding time ``t`` (s); past the
-    end, the last one's (the generator's timelines and :func:`read_topics`)."""
-    for a, b, k in segments:
+def segment_index(segments: Sequence[tuple], t: float) -> int:
+    """The index of the ``[(start_s, end_s, label), ...]`` segment holding time ``t`` (s); past the end, the last
+    one (the generator's timelines and :func:`read_topics`)."""
+    for i, (a, b, _) in enumerate(segments):
         if a <= t < b:
-            return int(k)
-    return int(segments[-1][2])
+            return i
+    return len(segments) - 1
+
+
+def segment_at(segments: Sequence[tuple], t: float) -> int:
+    """The label (topic or state) of the segment holding time ``t`` (s) (:func:`segment_index`)."""
+    return int(segments[segment_index(segments, t)][2])
 
 
 def _write_recording(path: Path, cfg: SyntheticMEGConfig, info_src, keep: np.ndarray, templates: np.ndarray,

@@ -324,3 +324,29 @@ def test_superiority_with_an_effect_fails_a_difference_that_is_clear_but_too_sma
     loose = judge_cell(_study_spec(comparisons=comps(0.05), cells={"dims": {"process": ["on", "off"]}, "n": 100}),
                        {"process": "on"}, recs_)
     assert loose["verdict"] == "reproduces"
+
+
+def test_a_cluster_field_widens_the_paired_interval_to_whole_clusters_across_the_pooled_cells():
+    """20 words in 2 segments ('long' right on all 10 words of segment a and 5 of segment b, 'short' on none):
+    counted as 20 independent words the interval is tight; resampling the two segments shows how little two
+    segments say. The cluster label must be on every record."""
+    s = _study_spec(cluster="segment")
+    recs_ = _cell_recs("on", {"long": [1] * 15 + [0] * 5, "short": [0] * 10 + [0] * 10}, gap=0.05)
+    for r in recs_:
+        r["segment"] = "a" if int(r["id"][1:]) < 10 else "b"
+    plain = judge_cell(_study_spec(), {"process": "on"}, recs_)["comparisons"][0]
+    clustered = judge_cell(s, {"process": "on"}, recs_)["comparisons"][0]
+    assert clustered["diff"] == pytest.approx(plain["diff"]) == pytest.approx(0.75)
+    assert clustered["clusters"] == 2 and "clusters" not in plain
+    # two segments: a replicate is (a, a) = 1.0, (b, b) = 0.5 or a mix = 0.75; the plain interval is far tighter
+    assert clustered["lo"] == pytest.approx(0.5) and clustered["hi"] == pytest.approx(1.0)
+    assert plain["hi"] - plain["lo"] < 0.5
+    # pooled over two cells, a segment is one cluster in both (the same words under every cell)
+    other = [{**r, "labels": 0.5} for r in recs_]
+    s2 = _study_spec(cluster="segment", cells={"dims": {"process": ["on", "off"], "labels": [0.1, 0.5]}, "n": 20})
+    judged = judge_claim(s2, [{**r, "labels": 0.1} for r in recs_] + other)
+    pooled = judged["pooled"]["comparisons"][0]
+    assert pooled["clusters"] == 2 and pooled["n"] == 40
+    del recs_[3]["segment"]
+    with pytest.raises(ClaimError, match="record 's3' .* has no 'segment' field"):
+        judge_cell(s, {"process": "on"}, recs_)

@@ -36,3 +36,33 @@ def test_summaries_report_mean_and_standard_error():
     assert cell["n"] == 5 and cell["mean"] == pytest.approx(np.mean(scores))
     assert cell["sem"] == pytest.approx(np.std(scores, ddof=1) / math.sqrt(5))
     assert summarise(records[:1])["overall"] == {"mean": 1.0, "n": 1, "sem": 0.0}
+
+
+def test_the_cluster_bootstrap_is_the_plain_one_over_cluster_means_when_clusters_are_equal_and_uniform():
+    """Equal-sized clusters whose pairs share one difference: resampling clusters is exactly the plain bootstrap of
+    the cluster-level differences (the same generator draws), and the interval is wider than the pair-level one
+    that counts each pair as independent."""
+    rng = np.random.default_rng(0)
+    per_cluster = rng.standard_normal(12)
+    size = 10
+    a = np.repeat(per_cluster, size).tolist()
+    b = [0.0] * len(a)
+    labels = [f"seg{k}" for k in range(12) for _ in range(size)]
+    clustered = paired_bootstrap(a, b, seed=5, clusters=labels)
+    plain_on_means = paired_bootstrap(per_cluster.tolist(), [0.0] * 12, seed=5)
+    assert clustered["clusters"] == 12 and clustered["n"] == 120
+    assert clustered["diff"] == pytest.approx(plain_on_means["diff"], rel=1e-12)
+    assert clustered["lo"] == pytest.approx(plain_on_means["lo"], rel=1e-12)
+    assert clustered["hi"] == pytest.approx(plain_on_means["hi"], rel=1e-12)
+    naive = paired_bootstrap(a, b, seed=5)
+    assert clustered["hi"] - clustered["lo"] > 2.5 * (naive["hi"] - naive["lo"])  # sqrt(10) wider, roughly
+
+
+def test_the_cluster_bootstrap_weighs_clusters_by_their_pairs_and_checks_its_labels():
+    # one cluster of 3 pairs (difference 1) and one of 1 pair (difference 0): a replicate drawing both once has
+    # mean 3/4, not the mean of the two cluster means (1/2)
+    out = paired_bootstrap([1.0, 1.0, 1.0, 0.0], [0.0] * 4, n_boot=4000, seed=0, clusters=["x", "x", "x", "y"])
+    assert out["diff"] == pytest.approx(0.75) and out["clusters"] == 2
+    assert out["lo"] == pytest.approx(0.0) and out["hi"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="3 cluster labels for 4 pairs"):
+        paired_bootstrap([1.0] * 4, [0.0] * 4, clusters=["x", "y", "z"])

@@ -12,7 +12,7 @@ def test_word_topics_follow_each_words_onset(tmp_path):
     """Brute force from the files: each word's onset in the events TSV, looked up in the topics TSV, in the split's
     order (groups of consecutive words per recording); the topic is source 0's slow state, so it changes inside
     the recording and a misaligned lookup would disagree."""
-    from recipes.meg_claim import word_topics
+    from recipes.meg_claim import word_segments, word_topics
     from datamodules.meg import MEGDataConfig, MEGDataModule
     from datamodules.synth.meg import read_topics
 
@@ -24,7 +24,7 @@ def test_word_topics_follow_each_words_onset(tmp_path):
     for name in ("train", "test"):
         ds = dm.split(name)
         got = word_topics(ds)
-        want = []
+        want, want_segments = [], []
         for r, onsets, word_ids in ds.groups:
             rec = ds.recordings[r]
             rows = rec.path.with_name(rec.path.name.replace("_meg.fif", "_events.tsv")).read_text().splitlines()[1:]
@@ -33,8 +33,11 @@ def test_word_topics_follow_each_words_onset(tmp_path):
             for s in onsets:
                 t = times[s]
                 want.append(next(k for a, b, k in topics if a <= t < b))
+                want_segments.append(f"{rec.path.name}#{next(i for i, (a, b, _) in enumerate(topics) if a <= t < b)}")
         assert got == want and len(got) == sum(len(g[1]) for g in ds.groups)
         assert len(set(got)) > 1  # the topic changes: the lookup is not trivially constant
+        assert word_segments(ds) == list(zip(want_segments, want))
+        assert len({seg.split("#")[0] for seg in want_segments}) == 2  # segments are named per recording
 
 
 def test_the_claim_file_builds_its_kind_and_a_bad_arm_is_named():
@@ -75,13 +78,14 @@ def test_the_study_kind_pretrains_gates_finetunes_and_resumes_on_a_tiny_study(tm
         "reference": "long",
         "gates": [{"name": "gate_a", "field": "gate_a", "arm": "long", "bar": 0.03}],
         "comparisons": [{"arm": "long", "against": "random", "test": "superiority"}],
-        "cells": {"dims": {"labels": [1.0], "process": ["on"]}, "n": 50},
+        "cells": {"dims": {"labels": [1.0], "process": ["on"]}, "n": 50}, "cluster": "segment",
         "splits": {"heldout": {"start": 0, "n": 50}}}, "meg_tiny.yaml")
     judged = run_claim(spec, tmp_path / "claims", "heldout")
     records = [json.loads(line) for line in (tmp_path / "claims" / "meg_tiny" / "heldout.jsonl").open()]
     by_arm = {a: sorted(r["id"] for r in records if r["arm"] == a) for a in ("long", "random")}
     assert by_arm["long"] == by_arm["random"] and len(by_arm["long"]) > 0
     assert {r["score"] for r in records} <= {0.0, 1.0} and all("gate_a" in r and "gate_b" in r for r in records)
+    assert all("_meg.fif#" in r["segment"] for r in records)  # the cluster of each test word
     runs = json.loads((tmp_path / "claims" / "meg_tiny" / "heldout_runs.json").read_text())
     assert {"pre|on|long|0|e1", "pre|on|short|0|e1", "gate_a|on|0|e1", "gate_b|on"} <= set(runs)
     assert runs["gate_a|on|0|e1"]["ckpts"]["long"] == runs["pre|on|long|0|e1"]["ckpt"]
