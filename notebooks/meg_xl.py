@@ -127,7 +127,7 @@ print(val[["step", "val/loss", "val/marginal_ce", "val/loss_gap"]].tail(3).to_st
 
 # %% [markdown]
 # ## 5. Word decoding, per word
-# Fine-tuning from the best pre-training checkpoint (by `val/loss`) on subjects 05-06: top-10 retrieval among the
+# Fine-tuning from the best pre-training checkpoint (by `val/loss`) on subjects 05-12: top-10 retrieval among the
 # vocabulary's words, and each word's test accuracy against its training frequency.
 
 # %%

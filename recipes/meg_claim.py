@@ -17,15 +17,16 @@ words depend on a latent that tens of seconds of signal reveal), with the slow p
    word's window by a logistic regression, with and without the true latent topic
    (:func:`~lightning_modules.meg.oracle.word_state_probe`); ``gate_b`` = the gain.
 4. **Fine-tuning** (:meth:`MEGStudy.finetune`) of each arm on each label budget (a fraction of the labelled
-   training samples of subjects 05-06): the recipe ``meg_xl_finetune`` from the arm's start (``init``: the long or
+   training samples of subjects 05-12): the recipe ``meg_xl_finetune`` from the arm's start (``init``: the long or
    short checkpoint, or the seed's initial weights), the backbone at ``backbone_lr_scale`` of the head's rate, for
    ``finetune_steps`` steps whatever the budget, validating every ``val_every_steps`` steps; the test split
    is scored with the best checkpoint by validation top-10 (so overfitting late cannot lower the score).
 
 Records (one per test word, cell and arm; :class:`MEGTransfer`): ``id`` ``s<seed>w<k>`` (the same test words in
 every arm of a seed: paired), ``labels``, ``process``, ``arm``, ``score`` (1 when the word is in the top 10 of 40),
-the run's ``top10`` and validation curve, and the study-level ``gate_a`` and ``gate_b`` that the claim's field
-gates read. Pre-training runs and gates are cached in ``<claim folder>/<split>_runs.json`` (checkpoints under
+``segment`` (the recording and topic segment of the word, :func:`word_segments`: the claim's ``cluster``, since
+every seed tests the same words and words of one segment share their topic), the run's ``top10``, and the
+study-level ``gate_a`` and ``gate_b`` that the claim's field gates read. Pre-training runs and gates are cached in ``<claim folder>/<split>_runs.json`` (checkpoints under
 ``runs_root``), so a killed study resumes where it stopped.
 """
 
@@ -41,7 +42,7 @@ from litctx_common.io import atomic_path, atomic_write_text
 from recipes.compare import metric_history
 from litctx_common.records import ProvenanceError
 
-STUDY: Dict[str, Any] = {"subjects": 6, "duration_s": 600.0, "topic_source": 0}
+STUDY: Dict[str, Any] = {"subjects": 12, "duration_s": 600.0, "topic_source": 0}
 """The claim study: the main job's synthetic study with the topic tied to source 0's slow state."""
 PRE = {"long": {"context_s": 150.0, "stride_s": 15.0, "batch_size": 1, "mask_s": 3.0},
        "short": {"context_s": 6.0, "stride_s": 0.6, "batch_size": 25, "mask_s": 3.0}}

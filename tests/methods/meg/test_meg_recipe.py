@@ -111,14 +111,14 @@ def _data_cfg(recipe, overrides=()):
 
 def test_synthetic_default_selects_what_it_always_did():
     """``make run`` (meg_xl, then meg_xl_finetune, on the synthetic study): subjects 01-04 pre-train with 04 held out
-    for validation; 05-06 fine-tune, cut in time."""
+    for validation; 05-12 fine-tune, cut in time."""
     from datamodules.meg import subject_splits
 
-    study = [f"{i:02d}" for i in range(1, 7)]
+    study = [f"{i:02d}" for i in range(1, 13)]
     pre = subject_splits(study, _data_cfg("meg_xl"), synthetic=True)
     assert (pre["train"], pre["val"], pre["test"], pre["time"]) == (["01", "02", "03"], ["04"], [], [])
     fine = subject_splits(study, _data_cfg("meg_xl_finetune"), synthetic=True)
-    assert (fine["train"], fine["val"], fine["test"], fine["time"]) == (["05", "06"], [], [], ["val", "test"])
+    assert (fine["train"], fine["val"], fine["test"], fine["time"]) == ([f"{i:02d}" for i in range(5, 13)], [], [], ["val", "test"])
 
 
 def test_real_data_splits_come_from_the_data():
