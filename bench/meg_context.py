@@ -157,8 +157,9 @@ def _gate_b_key(context: str) -> str:
 
 def gate_b_report(args, cache) -> str:
     lines = [f"`python -m bench.meg_context --gate-b`: can context help word decoding at all? Top-10 accuracy on the "
-             "held-out words (10% of every recording, in time) of the claim study (`STUDY`: "
-             f"{STUDY['subjects']} subjects x {STUDY['duration_s']:g} s, `topic_source: 0`) by a multinomial logistic regression (L2 {GATE_B_L2}, L-BFGS) on the preprocessed "
+             "held-out words (10% of every recording, in time) of the claim study "
+             f"(`STUDY`: {STUDY['subjects']} subjects x {STUDY['duration_s']:g} s, `topic_source: 0`) "
+             f"by a multinomial logistic regression (L2 {GATE_B_L2}, L-BFGS) on the preprocessed "
              f"signal of each word's 3-s window pooled in {GATE_B_CHUNKS} parts, alone (**window**) and with the "
              "true latent topic at the word (**window + topic**: shared weights plus a correction and a word prior "
              "per topic; `lightning_modules/meg/oracle.py: word_state_probe`). No network. Gate (b) of issue 56: "

@@ -26,8 +26,8 @@ Records (one per test word, cell and arm; :class:`MEGTransfer`): ``id`` ``s<seed
 every arm of a seed: paired), ``labels``, ``process``, ``arm``, ``score`` (1 when the word is in the top 10 of 40),
 ``segment`` (the recording and topic segment of the word, :func:`word_segments`: the claim's ``cluster``, since
 every seed tests the same words and words of one segment share their topic), the run's ``top10``, and the
-study-level ``gate_a`` and ``gate_b`` that the claim's field gates read. Pre-training runs and gates are cached in ``<claim folder>/<split>_runs.json`` (checkpoints under
-``runs_root``), so a killed study resumes where it stopped.
+study-level ``gate_a`` and ``gate_b`` that the claim's field gates read. Pre-training runs and gates are cached in
+``<claim folder>/<split>_runs.json`` (checkpoints under ``runs_root``), so a killed study resumes where it stopped.
 """
 
 from __future__ import annotations

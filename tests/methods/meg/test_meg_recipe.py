@@ -118,7 +118,8 @@ def test_synthetic_default_selects_what_it_always_did():
     pre = subject_splits(study, _data_cfg("meg_xl"), synthetic=True)
     assert (pre["train"], pre["val"], pre["test"], pre["time"]) == (["01", "02", "03"], ["04"], [], [])
     fine = subject_splits(study, _data_cfg("meg_xl_finetune"), synthetic=True)
-    assert (fine["train"], fine["val"], fine["test"], fine["time"]) == ([f"{i:02d}" for i in range(5, 13)], [], [], ["val", "test"])
+    assert (fine["train"], fine["val"], fine["test"], fine["time"]) == (
+        [f"{i:02d}" for i in range(5, 13)], [], [], ["val", "test"])
 
 
 def test_real_data_splits_come_from_the_data():
