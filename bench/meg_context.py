@@ -127,7 +127,9 @@ def _gate_a_rows(args, cache) -> List[str]:
     return ["Gate (a): masked-code cross-entropy (nats per masked token, mean over levels) on the same masked tokens "
             "of the fine-tuning subjects' 150-s windows (05-06; no run trained on or was selected on them), one "
             "tokenizer and one initial backbone per seed: the long model with its 150 s, the long and the short model "
-            f"on {SHORT_EVAL_S:g}-s chunks. Gate: short - long >= 0.03 with the slow process on, ~0 off.", "",
+            f"on {SHORT_EVAL_S:g}-s chunks; the tokens are those whose {SHORT_EVAL_S:g}-s chunk is not masked "
+            "entirely (the short model never trained on a chunk with nothing visible; over every masked token: "
+            "`gate_a_all` in the cache). Gate: short - long >= 0.03 with the slow process on, ~0 off.", "",
             "| slow process | marginals | initial weights | long (150 s) | long on 6-s chunks | short (6 s) | "
             "short - long | 95% interval | per seed |", "|---|---|---|---|---|---|---|---|---|", *rows, ""]
 

@@ -178,7 +178,10 @@ class MEGStudy:
     def gate_a(self, process: str, seed: int, ckpts: Mapping[str, str], windows=None) -> Dict[str, float]:
         """Masked-code cross-entropy on the same masked tokens (one tokenizer per seed): the long model with its
         150 s, the short one on 6-s chunks (its training context), the long one on 6-s chunks, and the untrained
-        starting point; ``gate_a`` = short - long (> 0: the long pre-training predicts better)."""
+        starting point; ``gate_a`` = short - long (> 0: the long pre-training predicts better). The tokens are the
+        masked ones whose 6-s chunk is not masked entirely (``seen_within_s``): the short model trained with one
+        masked sub-segment of two never met a blind chunk, and scoring it there would count that against it, not
+        the context; the same numbers over every masked token are kept as ``*_all``."""
         from lightning_modules.io import load_weights
         from lightning_modules.meg.module import MEGXLPretrainModule
         from recipes.config import load_config
@@ -193,11 +196,17 @@ class MEGStudy:
             return m
 
         long_, short = model(ckpts["long"], True), model(ckpts["short"], True)
-        out = {"long": long_.masked_ce(windows)["ce"], "short": short.masked_ce(windows, SHORT_EVAL_S)["ce"],
-               "long_chunked": long_.masked_ce(windows, SHORT_EVAL_S)["ce"]}
-        init = model(str(self.initial_weights(process, seed)), False).masked_ce(windows)
-        out.update(initial=init["ce"], marginal=init["marginal"], tokens=init["tokens"],
-                   gate_a=out["short"] - out["long"], seconds=time.time() - start)
+        init_model = model(str(self.initial_weights(process, seed)), False)
+        out: Dict[str, float] = {}
+        for suffix, seen in (("", SHORT_EVAL_S), ("_all", None)):
+            init = init_model.masked_ce(windows, seen_within_s=seen)
+            out.update({f"long{suffix}": long_.masked_ce(windows, seen_within_s=seen)["ce"],
+                        f"short{suffix}": short.masked_ce(windows, SHORT_EVAL_S, seen_within_s=seen)["ce"],
+                        f"long_chunked{suffix}": long_.masked_ce(windows, SHORT_EVAL_S, seen_within_s=seen)["ce"],
+                        f"initial{suffix}": init["ce"], f"marginal{suffix}": init["marginal"],
+                        f"tokens{suffix}": init["tokens"]})
+            out[f"gate_a{suffix}"] = out[f"short{suffix}"] - out[f"long{suffix}"]
+        out["seconds"] = time.time() - start
         return out
 
     # ------------------------------------------------------------------ gate (b)

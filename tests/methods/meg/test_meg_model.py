@@ -480,6 +480,49 @@ def test_masked_ce_scores_every_window_on_validation_masks_with_full_or_chunked_
     assert other.masked_ce(windows)["tokens"] == n
 
 
+def test_seen_tokens_drops_the_masked_tokens_of_chunks_with_nothing_visible():
+    """Brute force per token: a masked token is kept unless every token of its chunk (same sample and channel) is
+    masked; the order is codes[mask]'s."""
+    from lightning_modules.meg.module import seen_tokens
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(2, 3, 20, generator=g) < 0.6
+    mask[0, 1, 4:8] = True  # one chunk certainly blind
+    chunks = [(0, 4), (4, 8), (8, 12), (12, 16)]  # tokens 16-19 in no chunk: kept
+    keep = seen_tokens(mask, chunks)
+    want = []
+    for b in range(2):
+        for c in range(3):
+            for t in range(20):
+                if mask[b, c, t]:
+                    chunk = next(((a, e) for a, e in chunks if a <= t < e), None)
+                    want.append(chunk is None or not bool(mask[b, c, chunk[0]:chunk[1]].all()))
+    assert keep.tolist() == want and not all(want) and any(want)
+
+
+def test_masked_ce_seen_within_scores_the_same_reduced_tokens_for_any_context():
+    from litctx_common.seeding import stable_seed
+    from lightning_modules.meg.module import seen_tokens
+
+    torch.manual_seed(0)
+    m = MEGXLPretrainModule(TINY)
+    m.tokenizer.fit(_signals(n=30, t=3000))
+    batches = [_batch(B=1, S=3000, seed=s) for s in range(3)]
+    windows = [{k: v[0] for k, v in b.items()} for b in batches]
+    full = m.masked_ce(windows, seen_within_s=5.0)
+    short = m.masked_ce(windows, context_s=5.0, seen_within_s=5.0)
+    want, n, all_tokens = 0.0, 0, 0
+    with torch.no_grad():
+        for i, b in enumerate(batches):
+            codes, mask, logits, target = m.masked_forward(
+                b, generator=torch.Generator().manual_seed(stable_seed("meg-eval-mask", "val", i)))
+            keep = seen_tokens(mask, context_chunks(250, 20, 2, m.cfg.mask_tokens, 0.4))
+            want += float(m.level_ce(logits[keep], target[keep]).mean()) * int(keep.sum())
+            n += int(keep.sum())
+            all_tokens += len(target)
+    assert full["tokens"] == short["tokens"] == n and 0 < n < all_tokens == m.masked_ce(windows)["tokens"]
+    assert full["ce"] == pytest.approx(want / n, rel=1e-6)
+
 def test_pretraining_init_from_also_carries_the_code_counts(tmp_path):
     from lightning_modules.io import load_weights
 
