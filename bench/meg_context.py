@@ -68,8 +68,8 @@ def _fmt(values: List[float]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- gate (a)
-def _tail(args, seed: int) -> str:
-    return f"{seed}|e{args.pretrain_epochs}"  # the keys of MEGStudy.pretrained's cache
+def _key(args, what: str, process: str, seed: int, kind=None) -> str:
+    return _study(args).cache_key(what, process, seed, kind)  # the keys of MEGStudy.pretrained's cache
 
 
 def gate_a_all(args, cache) -> None:
@@ -77,7 +77,7 @@ def gate_a_all(args, cache) -> None:
     for context in args.contexts:
         windows = None
         for seed in args.seeds:
-            if f"gate_a|{context}|{_tail(args, seed)}" not in cache["runs"] and windows is None:
+            if _key(args, "gate_a", context, seed) not in cache["runs"] and windows is None:
                 windows = s.gate_a_windows(context)
             r = s.pretrained(context, seed, cache["runs"], lambda: save_json(args.cache, cache), windows)
             print(f"[meg_context] gate (a) {context} seed {seed}: {r}", flush=True)
@@ -87,7 +87,7 @@ def gate_a_report(args, cache) -> str:
     pre_rows = []
     for context in args.contexts:
         for kind in ("long", "short"):
-            runs = [r for r in (cache["runs"].get(f"pre|{context}|{kind}|{_tail(args, s)}") for s in args.seeds)
+            runs = [r for r in (cache["runs"].get(_key(args, "pre", context, s, kind)) for s in args.seeds)
                     if r]
             if runs:
                 pre_rows.append(f"| {context} | {kind} | {_fmt([r['val_loss'] for r in runs])} | {runs[0]['steps']} | "
@@ -99,7 +99,7 @@ def gate_a_report(args, cache) -> str:
              "windows:", "", "| slow process | context | best val CE (nats) | steps | time per run |",
              "|---|---|---|---|---|", *pre_rows, ""]
     missing = [f"{c} seed {s}" for c in args.contexts for s in args.seeds
-               if f"gate_a|{c}|{_tail(args, s)}" not in cache["runs"]]
+               if _key(args, "gate_a", c, s) not in cache["runs"]]
     if missing:
         lines += [f"Gate (a) not scored yet for {', '.join(missing)} (a pre-training run is missing or unfinished; "
                   "rerun the command to resume it).", ""]
@@ -112,7 +112,7 @@ def _gate_a_rows(args, cache) -> List[str]:
 
     rows = []
     for context in args.contexts:
-        runs = {s: cache["runs"].get(f"gate_a|{context}|{_tail(args, s)}") for s in args.seeds}
+        runs = {s: cache["runs"].get(_key(args, "gate_a", context, s)) for s in args.seeds}
         runs = {s: r for s, r in runs.items() if r}
         if not runs:
             continue
@@ -258,7 +258,7 @@ def oracle_report(args, cache) -> str:
              "(**long**, as log frequencies), and from **both**; multinomial logistic regression "
              "(`lightning_modules/meg/oracle.py`: "
              "standardised features, L2 1e-3, L-BFGS to convergence) fitted on subjects 01-03 and scored on the "
-             f"held-out subject 04 of the claim study (`STUDY`, `topic_source: 0`; 50 Hz). "
+             "held-out subject 04 of the claim study (`STUDY`, `topic_source: 0`; 50 Hz). "
              "Gains are nats per masked token below the marginal (the training codes' frequencies); the tokenizer is "
              "fitted as `MEGXLPretrainModule.fit_tokenizer` does. Acceptance (issue 23, default study): short >= 0.15 "
              "and long >= short + 0.05.", "",

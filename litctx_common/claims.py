@@ -443,8 +443,9 @@ def judge_cell(spec: ClaimSpec, cell: Mapping[str, Any], records: Sequence[Mappi
                     and isinstance(r.get(g.field), (int, float))]
             value = sum(vals) / len(vals) if vals else float("nan")
             out["gates"][g.name] = {"value": value, "bar": g.bar, "passed": bool(vals) and value >= g.bar - 1e-12}
+    paired = set(ids)
     out["comparisons"] = _compare(spec, by, ids, [c for c in spec.comparisons if c.applies(cell)],
-                                  _clusters(spec, [r for r in records if r["id"] in ids]))
+                                  _clusters(spec, [r for r in records if r["id"] in paired]))
     out["verdict"] = _verdict(out, len(ids) >= want, want)
     out["ids"] = ids
     return out

@@ -144,21 +144,25 @@ class MEGStudy:
         return {"ckpt": run.checkpoint_path("best"), "val_loss": None if score is None else float(score),
                 "steps": int(run.trainer.global_step), "seconds": time.time() - start}
 
+    def cache_key(self, what: str, process: str, seed: int, kind: Optional[str] = None) -> str:
+        """The runs-cache key of a pre-training run (``what="pre"``, ``kind`` long/short) or of a seed's gate (a)
+        (``what="gate_a"``): ``pre|<process>|<kind>|<seed>|e<epochs>``, ``gate_a|<process>|<seed>|e<epochs>``."""
+        return "|".join([what, process] + ([kind] if kind else []) + [str(seed), f"e{self.pretrain_epochs}"])
+
     def pretrained(self, process: str, seed: int, runs: Dict[str, Any], save: Callable[[], None],
                    windows=None) -> Dict[str, Any]:
         """Both pre-training runs of a seed and its gate (a), through the cache ``runs`` (keys
         ``pre|<process>|<kind>|<seed>|e<epochs>`` and ``gate_a|...``; ``save()`` is called after each new entry, so a
         killed study resumes where it stopped). Returns the gate (a) entry, with the two checkpoints under
         ``ckpts``."""
-        tail = f"{seed}|e{self.pretrain_epochs}"
         ckpts = {}
         for kind in PRE:
-            key = f"pre|{process}|{kind}|{tail}"
+            key = self.cache_key("pre", process, seed, kind)
             if key not in runs or not Path(runs[key]["ckpt"] or "").is_file():
                 runs[key] = self.pretrain(process, kind, seed)
                 save()
             ckpts[kind] = runs[key]["ckpt"]
-        key = f"gate_a|{process}|{tail}"
+        key = self.cache_key("gate_a", process, seed)
         if key not in runs:
             runs[key] = {**self.gate_a(process, seed, ckpts, windows), "ckpts": ckpts}
             save()
@@ -190,22 +194,23 @@ class MEGStudy:
         cfg = load_config("meg_xl", self._pre_overrides(process, "long", seed)).run.method.args
         start = time.time()
 
-        def model(path: str, full: bool):
+        def model(path: str):  # every weight from the file (the initial weights' code head too: deterministic)
             m = MEGXLPretrainModule(cfg)
-            load_weights(m, path, strict=True, prefixes=None if full else m.init_prefixes)
+            load_weights(m, path, strict=True)
             return m
 
-        long_, short = model(ckpts["long"], True), model(ckpts["short"], True)
-        init_model = model(str(self.initial_weights(process, seed)), False)
+        long_, short = model(ckpts["long"]), model(ckpts["short"])
+        scores = {"long": long_.masked_ce(windows, seen_within_s=SHORT_EVAL_S),
+                  "short": short.masked_ce(windows, SHORT_EVAL_S, seen_within_s=SHORT_EVAL_S),
+                  "long_chunked": long_.masked_ce(windows, SHORT_EVAL_S, seen_within_s=SHORT_EVAL_S),
+                  "initial": model(str(self.initial_weights(process, seed))).masked_ce(
+                      windows, seen_within_s=SHORT_EVAL_S)}
         out: Dict[str, float] = {}
-        for suffix, seen in (("", SHORT_EVAL_S), ("_all", None)):
-            init = init_model.masked_ce(windows, seen_within_s=seen)
-            out.update({f"long{suffix}": long_.masked_ce(windows, seen_within_s=seen)["ce"],
-                        f"short{suffix}": short.masked_ce(windows, SHORT_EVAL_S, seen_within_s=seen)["ce"],
-                        f"long_chunked{suffix}": long_.masked_ce(windows, SHORT_EVAL_S, seen_within_s=seen)["ce"],
-                        f"initial{suffix}": init["ce"], f"marginal{suffix}": init["marginal"],
-                        f"tokens{suffix}": init["tokens"]})
-            out[f"gate_a{suffix}"] = out[f"short{suffix}"] - out[f"long{suffix}"]
+        for suffix in ("", "_all"):
+            out.update({f"{name}{suffix}": r[f"ce{suffix}"] for name, r in scores.items()})
+            out.update({f"marginal{suffix}": scores["initial"][f"marginal{suffix}"],
+                        f"tokens{suffix}": scores["initial"][f"tokens{suffix}"],
+                        f"gate_a{suffix}": out[f"short{suffix}"] - out[f"long{suffix}"]})
         out["seconds"] = time.time() - start
         return out
 
@@ -254,7 +259,7 @@ class MEGStudy:
         metrics = run_stages(run)  # fit, then test on the best checkpoint by val/top10_acc (its weights stay loaded)
         test = run.datamodule.split("test")
         hits, _ = run.model.word_hits(test)
-        scored = [int(w) < run.model.cfg.retrieval_size for i in range(len(test)) for w in test[i]["word_ids"]]
+        scored = [bool(k) for i in range(len(test)) for k in run.model.scored(test[i]["word_ids"])]
         segments = [seg for (seg, _), keep in zip(word_segments(test), scored) if keep]  # word_hits' words
         if len(segments) != len(hits):
             raise RuntimeError(f"{run_dir}: {len(hits)} scored test words but {len(segments)} topic segments")

@@ -612,13 +612,23 @@ class MEGXLPretrainModule(_MEGXLBase):
 
         Returns:
             ``{"ce": nats per masked token (mean over levels, weighted by tokens), "marginal": the same under the
-            training code marginals (nan when not counted), "tokens": masked tokens scored}``.
+            training code marginals (nan when not counted), "tokens": masked tokens scored}``; with
+            ``seen_within_s`` also ``ce_all``, ``marginal_all`` and ``tokens_all`` over every masked token (the same
+            forward passes).
         """
         c = self.cfg
         was_training = self.training
         self.eval()
-        total = marginal = 0.0
-        tokens = 0
+        sums = {"": [0.0, 0.0, 0], "_all": [0.0, 0.0, 0]}  # suffix -> [CE * tokens, marginal CE * tokens, tokens]
+
+        def add(suffix: str, logits: torch.Tensor, target: torch.Tensor) -> None:
+            m = int(target.shape[0])
+            if m:
+                acc = sums[suffix]
+                acc[0] += float(self.level_ce(logits, target).mean()) * m
+                acc[1] += float(self.marginal_ce(target).mean()) * m if self.counted else float("nan")
+                acc[2] += m
+
         for i, item in enumerate(windows):
             batch = {k: v.unsqueeze(0).to(self.device) for k, v in item.items()}
             g = torch.Generator().manual_seed(stable_seed("meg-eval-mask", stage, i))
@@ -629,19 +639,20 @@ class MEGXLPretrainModule(_MEGXLBase):
                                         c.mask_ratio)
                 logits = self.short_context_logits(batch, codes, mask, chunks)
             if seen_within_s is not None:
+                add("_all", logits, target)
                 keep = seen_tokens(mask, context_chunks(codes.shape[2], n_sub, c.chunk_subsegments(seen_within_s),
                                                         c.mask_tokens, c.mask_ratio))
                 logits, target = logits[keep], target[keep]
-            m = int(target.shape[0])
-            if m == 0:
-                continue
-            total += float(self.level_ce(logits, target).mean()) * m
-            marginal += float(self.marginal_ce(target).mean()) * m if self.counted else float("nan")
-            tokens += m
+            add("", logits, target)
         self.train(was_training)
-        if tokens == 0:
+        if sums[""][2] == 0:
             raise ValueError("masked_ce: no masked tokens in the windows (is the split empty?)")
-        return {"ce": total / tokens, "marginal": marginal / tokens, "tokens": tokens}
+        out = {}
+        for suffix, (ce, marginal, tokens) in sums.items():
+            if suffix == "" or seen_within_s is not None:
+                out.update({f"ce{suffix}": ce / tokens, f"marginal{suffix}": marginal / tokens,
+                            f"tokens{suffix}": tokens})
+        return out
 
     def masking_summary(self, n_samples: int) -> str:
         """One line on how a context of ``n_samples`` samples is masked."""
@@ -750,6 +761,11 @@ class MEGXLWordDecoder(_MEGXLBase):
         return scores
 
     @torch.no_grad()
+    def scored(self, word_ids: torch.Tensor) -> torch.Tensor:
+        """Which words of ``word_ids`` (any shape) the retrieval metrics score: those of the ``retrieval_size`` most
+        frequent training words (bool, same shape)."""
+        return word_ids < self.cfg.retrieval_size
+
     def word_hits(self, samples: Sequence[Dict[str, torch.Tensor]]) -> Tuple[np.ndarray, np.ndarray]:
         """Per word of ``samples`` (items of a ``task=words`` split), in order: whether it is retrieved in the top
         ``top_k`` (bool ``[N]``) and its word id (``[N]``); words outside the retrieval set are left out, as the
@@ -761,7 +777,7 @@ class MEGXLWordDecoder(_MEGXLBase):
             batch = {k: v.unsqueeze(0).to(self.device) for k, v in item.items()}
             scores = self.retrieval_scores(self(batch).flatten(0, 1))
             words = batch["word_ids"].flatten()
-            keep = words < self.cfg.retrieval_size
+            keep = self.scored(words)
             top = scores[keep].topk(min(self.cfg.top_k, scores.shape[1]), dim=1).indices
             hits.append((top == words[keep, None]).any(1).cpu().numpy())
             ids.append(words[keep].cpu().numpy())
