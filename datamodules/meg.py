@@ -126,6 +126,12 @@ def _subject_of(path: Path) -> str:
     return match.group(1) if match else path.stem
 
 
+def _session_of(path: Path) -> Optional[str]:
+    """The BIDS session label of a recording (``ses-02`` -> ``"02"``), or None when its name has none."""
+    match = re.search(r"ses-([A-Za-z0-9]+)", Path(path).name)
+    return match.group(1) if match else None
+
+
 def find_recordings(path: str | os.PathLike, subjects: Optional[Sequence[str]] = None) -> List[Path]:
     """Raw recordings under ``path`` (a file, a CTF/BTi directory, or a tree searched for :data:`RAW_PATTERNS`),
     sorted; ``subjects`` keeps BIDS ``sub-<label>`` entries whose label is listed."""
@@ -599,6 +605,13 @@ class MEGDataConfig(LoaderConfig):
     test_subjects: Optional[List[str]] = None
     """Subjects held out whole for testing (then ``test_fraction`` is not used); ``[]``: cut in time; null:
     chosen by ``holdout``."""
+    sessions: Optional[List[str]] = None
+    """BIDS session labels to use (``["01"]``, from ``ses-<label>`` in the file names; each must be found); null:
+    every recording, with or without a session."""
+    test_sessions: Optional[List[str]] = None
+    """Sessions held out whole for testing: every recording of these sessions is test data, the other recordings
+    are cut in time into train | val only (``test_fraction`` and ``test_subjects`` are not used; real-MEG
+    decoding often tests on a held-out session). Null: not used."""
     holdout: str = "none"
     """How whole subjects are held out for a split whose ``<split>_subjects`` is null and whose fraction is
     above 0: ``last`` (the last ``holdout_subjects`` subjects by sorted label; test takes the very last, val
@@ -636,6 +649,15 @@ class MEGDataConfig(LoaderConfig):
                             "with a sum below 1")
         if not 0 < self.train_fraction <= 1:
             problems.append(f"train_fraction={self.train_fraction}: must be in (0, 1]")
+        if self.test_sessions is not None:
+            if not self.test_sessions:
+                problems.append("test_sessions=[]: list the held-out sessions, or null to not hold out by session")
+            if self.test_subjects:
+                problems.append(f"test_sessions={self.test_sessions} and test_subjects={self.test_subjects}: "
+                                "hold the test data out by session or by subject, not both")
+            if self.sessions is not None and set(_labels(self.test_sessions, "ses-")) - set(
+                    _labels(self.sessions, "ses-")):
+                problems.append(f"test_sessions={self.test_sessions}: not all among sessions={self.sessions}")
         overlap = set(_labels(self.val_subjects)) & set(_labels(self.test_subjects))
         if overlap:
             problems.append(f"val_subjects and test_subjects share {sorted(overlap)}")
@@ -672,8 +694,8 @@ HOLDOUT_RULES = ("last", "seeded", "none")
 """``MEGDataConfig.holdout``: how whole subjects are held out for validation and testing."""
 
 
-def _labels(subjects: Optional[Sequence[Any]]) -> List[str]:
-    return [str(s).removeprefix("sub-") for s in subjects or []]
+def _labels(subjects: Optional[Sequence[Any]], prefix: str = "sub-") -> List[str]:
+    return [str(s).removeprefix(prefix) for s in subjects or []]
 
 
 def subject_splits(labels: Sequence[str], cfg: MEGDataConfig, synthetic: bool = False) -> Dict[str, Any]:
@@ -722,7 +744,8 @@ def subject_splits(labels: Sequence[str], cfg: MEGDataConfig, synthetic: bool = 
                                 f"subjects used ({', '.join(selected)})")
         else:
             held[name] = []
-            if cfg.holdout != "none" and getattr(cfg, f"{name}_fraction") > 0:
+            if cfg.holdout != "none" and getattr(cfg, f"{name}_fraction") > 0 and not (
+                    name == "test" and cfg.test_sessions):
                 auto.append(name)
     rest = [s for s in selected if s not in held["val"] + held["test"]]
     need = len(auto) * cfg.holdout_subjects
@@ -738,7 +761,8 @@ def subject_splits(labels: Sequence[str], cfg: MEGDataConfig, synthetic: bool = 
         notes.append(f"{len(rest)} subject(s) are too few to hold out {cfg.holdout_subjects} per split for "
                      f"{' and '.join(auto)} (holdout={cfg.holdout}) and keep one for training: cut in time")
     train = [s for s in selected if s not in held["val"] + held["test"]]
-    time = [name for name in ("val", "test") if not held[name] and getattr(cfg, f"{name}_fraction") > 0]
+    time = [name for name in ("val", "test") if not held[name] and getattr(cfg, f"{name}_fraction") > 0
+            and not (name == "test" and cfg.test_sessions)]
     return {"train": train, "val": held["val"], "test": held["test"], "time": time, "notes": notes}
 
 
@@ -748,6 +772,8 @@ def describe_splits(plan: Dict[str, Any], cfg: MEGDataConfig) -> str:
     for name in ("val", "test"):
         if plan[name]:
             parts.append(f"{name} {', '.join(plan[name])}")
+        elif name == "test" and cfg.test_sessions:
+            parts.append(f"test: sessions {', '.join(_labels(cfg.test_sessions, 'ses-'))} (whole recordings)")
         elif name in plan["time"]:
             parts.append(f"{name}: time split ({name}_fraction={getattr(cfg, f'{name}_fraction')})")
         else:
@@ -797,6 +823,15 @@ class MEGDataModule(SplitsDataModule):
         """Find the recordings, decide the subject splits (:func:`subject_splits`, kept as ``self.plan``) and
         return the recordings of the subjects used."""
         paths = find_recordings(self.data_root())
+        wanted = [_labels(getattr(self.cfg, k), "ses-") for k in ("sessions", "test_sessions")]
+        found = sorted({_session_of(p) for p in paths if _session_of(p) is not None})
+        for key, labels in zip(("sessions", "test_sessions"), wanted):
+            missing = [s for s in labels if s not in found]
+            if missing:
+                raise DataError(f"data.args.{key}: {', '.join(repr(s) for s in missing)} not in the data "
+                                f"({self.data_root()}); sessions found: {', '.join(found) or 'none (no ses-<label>)'}")
+        if self.cfg.sessions is not None:
+            paths = [p for p in paths if _session_of(p) in wanted[0]]
         self.plan = subject_splits([_subject_of(p) for p in paths], self.cfg, synthetic=not self.cfg.path)
         used = set(self.plan["train"] + self.plan["val"] + self.plan["test"])
         return [p for p in paths if _subject_of(p) in used]
@@ -804,12 +839,15 @@ class MEGDataModule(SplitsDataModule):
     def _load_recordings(self) -> List[Recording]:
         """Every selected recording, preprocessed into the cache on first use, memory-mapped."""
         return [preprocess_recording(p, self._pre_cfg(), self.cache_dir / "meg" / "preprocessed",
-                                     split_of=self._split_of(_subject_of(p)))
+                                     split_of=self._split_of(_subject_of(p), _session_of(p)))
                 for p in self._plan_splits()]
 
-    def _split_of(self, subject: str) -> SplitOf:
-        """For messages: the split(s) a stretch ``[t0, t1]`` s of a recording of ``subject`` falls in."""
+    def _split_of(self, subject: str, session: Optional[str] = None) -> SplitOf:
+        """For messages: the split(s) a stretch ``[t0, t1]`` s of a recording of ``subject`` (``session``) falls
+        in."""
         def split_of(t0: float, t1: float, duration: float) -> str:
+            if session in _labels(self.cfg.test_sessions, "ses-"):
+                return f"the test split (session {session} is held out for test)"
             for name in ("val", "test"):
                 if subject in self.plan[name]:
                     return f"the {name} split (subject {subject} is held out for {name})"
@@ -835,6 +873,8 @@ class MEGDataModule(SplitsDataModule):
         """Sample ranges of train | val | test on a recording: a held-out subject's recording belongs whole to
         its split; the others are cut in time for the splits in ``plan["time"]`` (the others count as 0)."""
         c, n = self.cfg, rec.n_samples
+        if _session_of(rec.path) in _labels(c.test_sessions, "ses-"):
+            return {"train": (0, 0), "val": (0, 0), "test": (0, n)}
         for name in ("val", "test"):
             if rec.subject in self.plan[name]:
                 return {k: (0, n) if k == name else (0, 0) for k in ("train", "val", "test")}
@@ -883,7 +923,8 @@ class MEGDataModule(SplitsDataModule):
                                   window, offset, **kw)
                 for name, gs in groups.items()}
         for name, ds in self._splits.items():
-            wanted = name == "train" or bool(self.plan[name]) or name in self.plan["time"]
+            wanted = (name == "train" or bool(self.plan[name]) or name in self.plan["time"]
+                      or (name == "test" and bool(c.test_sessions)))
             if len(ds) == 0 and wanted:
                 raise ValueError(self._empty_message(name))
 

@@ -17,17 +17,29 @@ words depend on a latent that tens of seconds of signal reveal), with the slow p
    word's window by a logistic regression, with and without the true latent topic
    (:func:`~lightning_modules.meg.oracle.word_state_probe`); ``gate_b`` = the gain.
 4. **Fine-tuning** (:meth:`MEGStudy.finetune`) of each arm on each label budget (a fraction of the labelled
-   training samples of subjects 05-12): the recipe ``meg_xl_finetune`` from the arm's start (``init``: the long or
-   short checkpoint, or the seed's initial weights), the backbone at ``backbone_lr_scale`` of the head's rate, for
-   ``finetune_steps`` steps whatever the budget, validating every ``val_every_steps`` steps; the test split
-   is scored with the best checkpoint by validation top-10 (so overfitting late cannot lower the score).
+   training samples of subjects 05-12): the recipe ``meg_xl_finetune`` (plus ``finetune_overrides``) from the
+   arm's start (``init``: the long or short checkpoint, or the seed's initial weights), the backbone at
+   ``backbone_lr_scale`` of the head's rate, for ``finetune_steps`` steps whatever the budget, validating every
+   ``val_every_steps`` steps; the test split is scored with the best checkpoint by validation top-10 (so
+   overfitting late cannot lower the score).
 
-Records (one per test word, cell and arm; :class:`MEGTransfer`): ``id`` ``s<seed>w<k>`` (the same test words in
-every arm of a seed: paired), ``labels``, ``process``, ``arm``, ``score`` (1 when the word is in the top 10 of 40),
-``segment`` (the recording and topic segment of the word, :func:`word_segments`: the claim's ``cluster``, since
-every seed tests the same words and words of one segment share their topic), the run's ``top10``, and the
-study-level ``gate_a`` and ``gate_b`` that the claim's field gates read. Pre-training runs and gates are cached in
-``<claim folder>/<split>_runs.json`` (checkpoints under ``runs_root``), so a killed study resumes where it stopped.
+**Sessions.** With ``sessions: n > 1`` in the study, every subject has ``n`` recordings (each seeded by subject and
+session, so session 01 is the same data as in a one-session study): pre-training and both gates read session 01
+only, and fine-tuning trains and validates on session 01 (cut in time, 90% | 10%) and tests on the whole
+recordings of sessions 02..n (``data.args.test_sessions``), as real-MEG decoding is often tested on a held-out
+session. Words of one topic segment share their topic, so the independent test units are the segments: with one
+session the test was the last tenth of 8 recordings, 9 segments, too few for a 3-point bar.
+
+Records (one per test **30-s block** of a recording, :data:`BLOCK_S`, cell and arm; :class:`MEGTransfer`): ``id``
+``s<seed>:<block>`` (the same blocks in every arm of a seed: paired), ``labels``, ``process``, ``arm``, ``score``
+(the block's top-10 accuracy: the fraction of its scored words in the top 10), ``words`` (how many), ``prior`` (the
+fraction that the run's 10 most frequent training words would get: the frequency prior), ``above_prior`` (score -
+prior, the ``decodes`` gate's field), ``segment`` (the topic segment of most of the block's words: the claim's
+``cluster``, since every seed tests the same words and words of one segment share their topic; with the process off
+a recording is one segment), the run's word-level ``top10``, and the study-level ``gate_a`` and ``gate_b`` that the
+claim's field gates read. Pre-training
+runs and gates are cached in ``<claim folder>/<split>_runs.json`` (checkpoints under ``runs_root``), so a killed
+study resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -53,6 +65,9 @@ SHORT_EVAL_S = 6.0
 GATE_B_L2 = 0.1
 """The word-state probe's L2 (both arms): at 1e-2 the per-state corrections overfit on a first study draw
 (window + state below the window alone), so it was raised once, before the claim study's gate was measured."""
+BLOCK_S = 30.0
+"""A record covers the test words of one 30-s block of a recording (20 per 600-s recording, with the slow process on
+or off alike, so every cell has the same records); its ``segment`` is the bootstrap's cluster."""
 GATE_B_CHUNKS = 12
 """Gate (b) pools each 3-s word window of the signal in 12 parts (about one token each)."""
 
@@ -81,10 +96,22 @@ class MEGStudy:
     seeds: Dict[str, List[int]] = field(default_factory=lambda: {"dev": [100], "heldout": [0, 1, 2]})
     """The seeds of each split (a seed pre-trains its own backbones and fine-tunes every arm)."""
     synthetic: Dict[str, Any] = field(default_factory=dict)
-    """Overrides of :data:`STUDY` (tests use a smaller study; the claim keeps it as it is)."""
+    """Overrides of :data:`STUDY` (tests use a smaller study); ``sessions: n > 1`` tests on sessions 02..n (see the
+    module docstring)."""
+    finetune_overrides: List[str] = field(default_factory=list)
+    """Overrides of ``meg_xl_finetune`` for every fine-tuning run of the claim (e.g. its head)."""
 
     def study(self, process: str) -> Dict[str, Any]:
         return study(process, self.synthetic)
+
+    @property
+    def test_sessions(self) -> List[str]:
+        """The sessions fine-tuning tests on (``02``..``n``); empty with one session (then a time cut)."""
+        return [f"{e:02d}" for e in range(2, int(self.study("on").get("sessions", 1)) + 1)]
+
+    def _sessions(self) -> List[str]:
+        """Overrides that keep a run on session 01 (none with one session)."""
+        return ["data.args.sessions=[\"01\"]"] if self.test_sessions else []
 
     def __post_init__(self) -> None:
         problems = [f"{k}={getattr(self, k)!r}: must be >= 1" for k in ("pretrain_epochs", "finetune_steps",
@@ -104,7 +131,8 @@ class MEGStudy:
         return self._common(process, seed) + [
             f"data.args.context_s={p['context_s']}", f"data.args.stride_s={p['stride_s']}",
             f"data.args.batch_size={p['batch_size']}", f"method.args.mask_s={p['mask_s']}",
-            f"trainer.max_epochs={self.pretrain_epochs}", "stages=[fit]", "method.args.eval_short_context_s=null"]
+            f"trainer.max_epochs={self.pretrain_epochs}", "stages=[fit]",
+            "method.args.eval_short_context_s=null"] + self._sessions()
 
     def _dir(self, name: str) -> Path:
         return Path(self.runs_root) / name
@@ -175,7 +203,8 @@ class MEGStudy:
 
         dm = MEGDataModule(MEGDataConfig(task="pretrain", sfreq=50.0, context_s=150.0, holdout="none",
                                          val_fraction=0.0, test_fraction=0.0, synthetic_subjects=["05", "06"],
-                                         cache_dir=self.cache_dir, synthetic=self.study(process)))
+                                         cache_dir=self.cache_dir, synthetic=self.study(process),
+                                         sessions=["01"] if self.test_sessions else None))
         dm.setup("fit")
         return dm.split("train")
 
@@ -228,7 +257,7 @@ class MEGStudy:
         start = time.time()
         dm = MEGDataModule(MEGDataConfig(task="words", sfreq=50.0, holdout="none", val_fraction=0.1,
                                          test_fraction=0.1, cache_dir=self.cache_dir, synthetic=self.study(process),
-                                         synthetic_subjects=None))
+                                         synthetic_subjects=None, sessions=["01"] if self.test_sessions else None))
         dm.setup("fit")
         sets = []
         for name in ("train", "test"):
@@ -253,21 +282,27 @@ class MEGStudy:
             "trainer.max_epochs=null", f"trainer.val_check_interval={self.val_every_steps}",
             "trainer.check_val_every_n_epoch=null",  # validate every val_every_steps steps, across epochs
             f"run_dir={run_dir}", "~callbacks.report", f"init_from={start_from}",
-            f"optim.lr_scale={{backbone: {backbone_lr_scale}}}"]
+            f"optim.lr_scale={{backbone: {backbone_lr_scale}}}"] + list(self.finetune_overrides)
+        if self.test_sessions:
+            overrides.append(f"data.args.test_sessions={json.dumps(self.test_sessions)}")
         start = time.time()
         run = build("meg_xl_finetune", overrides)
         metrics = run_stages(run)  # fit, then test on the best checkpoint by val/top10_acc (its weights stay loaded)
         test = run.datamodule.split("test")
-        hits, _ = run.model.word_hits(test)
+        hits, test_ids = run.model.word_hits(test)
         scored = [bool(k) for i in range(len(test)) for k in run.model.scored(test[i]["word_ids"])]
         segments = [seg for (seg, _), keep in zip(word_segments(test), scored) if keep]  # word_hits' words
-        if len(segments) != len(hits):
+        blocks = [b for b, keep in zip(word_blocks(test, BLOCK_S), scored) if keep]
+        if not len(segments) == len(blocks) == len(hits):
             raise RuntimeError(f"{run_dir}: {len(hits)} scored test words but {len(segments)} topic segments")
+        prior = frequency_prior_hits(run.datamodule.split("train"), test_ids, run.model.scored,
+                                     run.model.cfg.top_k)
         curve = [list(x) for x in metric_history(run_dir, "val/top10_acc")]
         return {"top10": float(metrics["test/top10_acc"]), "balanced": float(metrics["test/top10_balanced"]),
                 "chance": float(metrics["test/top10_chance"]), "seconds": time.time() - start,
                 "steps": int(run.trainer.global_step), "train_samples": len(run.datamodule.split("train")),
-                "val_curve": curve, "hits": [int(h) for h in hits], "segments": segments}
+                "prior_top10": float(prior.mean()), "val_curve": curve, "hits": [int(h) for h in hits],
+                "prior": [int(p) for p in prior], "segments": segments, "blocks": blocks}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -302,6 +337,51 @@ def word_segments(dataset) -> List[Tuple[str, int]]:
         for s in onsets:
             i = segment_index(timelines[r], s / rec.sfreq)
             out.append((f"{Path(rec.path).name}#{i}", int(timelines[r][i][2])))
+    return out
+
+
+def frequency_prior_hits(train, test_ids, scored: Callable, k: int):
+    """Per test word (``test_ids [N]``, the scored ones in order): whether it is among the ``k`` most frequent
+    scored words of the ``train`` split (ties: the smaller word id, i.e. the more frequent in the vocabulary) -- what
+    a decoder that ignores the signal and predicts the word frequencies scores (bool ``[N]``)."""
+    import numpy as np
+
+    counts: Dict[int, int] = {}
+    for i in range(len(train)):
+        words = train[i]["word_ids"]
+        for w in words[scored(words)].tolist():
+            counts[int(w)] = counts.get(int(w), 0) + 1
+    top = set(sorted(counts, key=lambda w: (-counts[w], w))[:k])
+    return np.asarray([int(w) in top for w in np.asarray(test_ids).tolist()], dtype=bool)
+
+
+def word_blocks(dataset, block_s: float) -> List[str]:
+    """The fixed time block of every word onset of a split, in its order: ``<recording>@<k>`` for onsets in
+    ``[k * block_s, (k + 1) * block_s)`` s of the recording."""
+    out: List[str] = []
+    for r, onsets, _ in dataset.groups:
+        rec = dataset.recordings[r]
+        out += [f"{Path(rec.path).name}@{int(s / rec.sfreq // block_s)}" for s in onsets]
+    return out
+
+
+def block_records(hits, prior, blocks, segments) -> List[Dict[str, Any]]:
+    """One record part per time block (``blocks``, one per word), in order of first appearance: ``block``,
+    ``segment`` (the topic segment of most of its words, the first on a tie: the bootstrap's cluster), ``words``,
+    ``score`` (the fraction of its words hit), ``prior`` (the fraction the frequency prior hits), ``above_prior``."""
+    import numpy as np
+    from collections import Counter
+
+    hits, prior = np.asarray(hits, dtype=float), np.asarray(prior, dtype=float)
+    where: Dict[str, List[int]] = {}
+    for i, b in enumerate(blocks):
+        where.setdefault(b, []).append(i)
+    out = []
+    for b, idx in where.items():
+        seg = Counter(segments[i] for i in idx).most_common(1)[0][0]
+        score, p = float(hits[idx].mean()), float(prior[idx].mean())
+        out.append({"block": b, "segment": seg, "words": len(idx), "score": score, "prior": p,
+                    "above_prior": score - p})
     return out
 
 
@@ -358,6 +438,7 @@ class MEGTransfer:
             raise ValueError(f"claim {self.spec.name}: kind_args.seeds has no {split!r} seeds ({s.seeds})")
         seeds = seeds[:limit] if limit else seeds
         runs = self._runs(folder, split)
+        done = {(r.get("seed"), r.get("labels"), r.get("process"), r.get("arm")): r for r in store.records}
         for process in self.spec.cells.dims["process"]:
             if f"gate_b|{process}" not in runs:
                 runs[f"gate_b|{process}"] = s.gate_b(process)
@@ -368,7 +449,7 @@ class MEGTransfer:
                 todo = []
                 for fraction in self.spec.cells.dims["labels"]:
                     for arm in self.spec.arms:
-                        rec = store.get(id=f"s{seed}w000", labels=fraction, process=process, arm=arm.name)
+                        rec = done.get((seed, fraction, process, arm.name))
                         if rec is None:
                             todo.append((fraction, arm))
                         elif rec.get("arm_settings") != self.settings(arm):
@@ -387,11 +468,12 @@ class MEGTransfer:
                     common = {"labels": fraction, "process": process, "arm": arm.name, "seed": seed,
                               "top10": r["top10"], "gate_a": gate_a, "gate_b": gate_b,
                               "arm_settings": self.settings(arm)}
-                    store.add([{"id": f"s{seed}w{k:03d}", **common, "score": float(h), "segment": seg}
-                               for k, (h, seg) in enumerate(zip(r["hits"], r["segments"]))])
+                    store.add([{"id": f"s{seed}:{part['block']}", **common, **part}
+                               for part in block_records(r["hits"], r["prior"], r["blocks"], r["segments"])])
                     runs[f"ft|{process}|{arm.name}|{seed}|{fraction:g}"] = {
-                        k: v for k, v in r.items() if k not in ("hits", "segments")}
+                        k: v for k, v in r.items() if k not in ("hits", "prior", "segments", "blocks")}
                     self._save(folder, split, runs)
                     log(f"[{self.spec.name} {split}] process {process}, seed {seed}, labels {fraction:g}, {arm.name}: "
-                        f"top-10 {r['top10']:.3f} (best of {len(r['val_curve'])} validations; "
+                        f"top-10 {r['top10']:.3f}, frequency prior {r['prior_top10']:.3f} (best of "
+                        f"{len(r['val_curve'])} validations; "
                         f"{r['seconds']:.0f} s)")

@@ -132,6 +132,11 @@ class MEGXLWordConfig(MEGXLConfig):
 
     n_channels: Optional[int] = None
     """Channels the head flattens (``C * d_model`` inputs); null: taken from the data at setup."""
+    channel_pool: str = "flatten"
+    """How the head sees a word's channels: ``flatten`` (MEG-XL: ``C * d_model`` inputs per pooled part) or
+    ``mean`` (the mean over the real channels, ``sensor_mask``: ``d_model`` inputs per part, independent of the
+    sensor count; at CPU scale a 9,216-input head fits a few hundred labelled words at once and then only tells the
+    word frequencies, docs/meg.md "Fine-tuning")."""
     pool_chunks: int = 1
     """1: mean-pool each word's tokens over time (MEG-XL); k > 1: mean over k consecutive parts of the word's
     window, concatenated (keeps the time course at CPU scale, where a tiny backbone cannot learn to)."""
@@ -170,6 +175,8 @@ class MEGXLWordConfig(MEGXLConfig):
             problems.append(f"retrieval_size={self.retrieval_size}, top_k={self.top_k}: need >= 2 and >= 1")
         if self.loss not in ("siglip", "clip"):
             problems.append(f"loss={self.loss!r}: expected 'siglip' or 'clip'")
+        if self.channel_pool not in ("flatten", "mean"):
+            problems.append(f"channel_pool={self.channel_pool!r}: expected 'flatten' or 'mean'")
         if self.head_norm not in ("none", "batch"):
             problems.append(f"head_norm={self.head_norm!r}: expected 'none' or 'batch'")
         if self.pool_chunks < 1:
@@ -681,7 +688,7 @@ class MEGXLWordDecoder(_MEGXLBase):
 
     def _build_head(self, n_channels: int) -> None:
         c = self.cfg
-        width = c.pool_chunks * n_channels * c.d_model
+        width = c.pool_chunks * (n_channels if c.channel_pool == "flatten" else 1) * c.d_model
         self.head_norm = _FeatureBatchNorm(width) if c.head_norm == "batch" else nn.Identity()
         if c.head_hidden == 0:  # a linear read-out of the pooled features
             self.word_head = nn.Sequential(nn.Dropout(c.head_dropout), nn.Linear(width, c.target_dim))
@@ -713,7 +720,7 @@ class MEGXLWordDecoder(_MEGXLBase):
         channels = int(dm.n_channels)
         if self.word_head is None:
             self._build_head(channels)
-        elif channels != self.n_channels:
+        elif channels != self.n_channels and self.cfg.channel_pool == "flatten":
             raise ValueError(f"the word head flattens {self.n_channels} channels but the data has {channels}; "
                              f"set method.args.n_channels={channels} or data.args.max_channels={self.n_channels}")
 
@@ -725,8 +732,10 @@ class MEGXLWordDecoder(_MEGXLBase):
         super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("state_dict", {})
         weight = state.get("word_head.0.weight", state.get("word_head.1.weight"))  # the MLP's or the linear head's
-        if self.word_head is None and weight is not None:
-            self._build_head(weight.shape[1] // (self.cfg.d_model * self.cfg.pool_chunks))
+        if self.word_head is None and weight is not None:  # (with channel_pool=mean the width has no channel count)
+            per_channel = self.cfg.d_model * self.cfg.pool_chunks
+            self._build_head(weight.shape[1] // per_channel if self.cfg.channel_pool == "flatten"
+                             else int(self.cfg.n_channels or 1))
         if checkpoint.get("meg_vocab") and not self.vocab:
             self.set_vocab(checkpoint["meg_vocab"])
 
@@ -735,7 +744,11 @@ class MEGXLWordDecoder(_MEGXLBase):
         if self.word_head is None:
             raise RuntimeError("the word head is not built: set method.args.n_channels or run inside a Trainer")
         pooled = pool_spans(self.features(batch), batch["word_spans"], self.cfg.stride, self.cfg.pool_chunks)
-        return self.word_head(self.head_norm(pooled.flatten(2)))  # [B, W, (chunks*) C*d] -> [B, W, target_dim]
+        if self.cfg.channel_pool == "mean":  # [B, W, (chunks,) C, d] -> [B, W, (chunks,) d] over the real channels
+            real = batch["sensor_mask"].to(pooled.dtype)  # [B, C]
+            real = real.view(real.shape[0], 1, *([1] * (pooled.dim() - 4)), real.shape[1], 1)
+            pooled = (pooled * real).sum(-2) / real.sum(-2).clamp_min(1.0)
+        return self.word_head(self.head_norm(pooled.flatten(2)))  # [B, W, (chunks*) (C*) d] -> [B, W, target_dim]
 
     def _loss(self, batch):
         pred = self(batch).flatten(0, 1)

@@ -59,9 +59,10 @@ def test_the_claim_file_builds_its_kind_and_a_bad_arm_is_named():
 
 @pytest.mark.slow
 def test_the_study_kind_pretrains_gates_finetunes_and_resumes_on_a_tiny_study(tmp_path, monkeypatch):
-    """End to end at tiny settings: one seed, process on, two arms, one label budget: the records are the test
-    words of each arm (paired ids, 0/1 scores), they carry both gates, the runs cache holds the pre-training runs and
-    gates, and a second run trains nothing."""
+    """End to end at tiny settings: one seed, process on, two arms, one label budget, two sessions (the second the
+    test): the records are the test topic segments of each arm (paired ids, each the fraction of its words hit,
+    averaging to the run's top-10 by words), all of session 02, with the frequency prior, both gates; the runs cache
+    holds the pre-training runs and gates, and a second run trains nothing."""
     import json
 
     from litctx_common.claims import ClaimSpec
@@ -72,7 +73,8 @@ def test_the_study_kind_pretrains_gates_finetunes_and_resumes_on_a_tiny_study(tm
         "name": "meg_tiny", "paper": "P", "claim": "C", "kind": "meg_transfer", "model": None, "capability": None,
         "kind_args": {"pretrain_epochs": 1, "finetune_steps": 2, "val_every_steps": 1, "seeds": {"heldout": [0]},
                       "runs_root": str(tmp_path / "runs"),
-                      "synthetic": {"duration_s": 330.0, "locations": 2, "vocab": 10}},
+                      "synthetic": {"duration_s": 330.0, "locations": 2, "vocab": 10, "sessions": 2},
+                      "finetune_overrides": ["method.args.channel_pool=mean", "method.args.head_hidden=0"]},
         "arms": {"long": {"method": "meg_xl_words", "args": {"init": "long"}},
                  "random": {"method": "meg_xl_words", "args": {"init": "random"}}},
         "reference": "long",
@@ -84,9 +86,18 @@ def test_the_study_kind_pretrains_gates_finetunes_and_resumes_on_a_tiny_study(tm
     records = [json.loads(line) for line in (tmp_path / "claims" / "meg_tiny" / "heldout.jsonl").open()]
     by_arm = {a: sorted(r["id"] for r in records if r["arm"] == a) for a in ("long", "random")}
     assert by_arm["long"] == by_arm["random"] and len(by_arm["long"]) > 0
-    assert {r["score"] for r in records} <= {0.0, 1.0} and all("gate_a" in r and "gate_b" in r for r in records)
-    assert all("_meg.fif#" in r["segment"] for r in records)  # the cluster of each test word
+    assert all(0.0 <= r["score"] <= 1.0 and r["words"] > 0 and "gate_a" in r and "gate_b" in r for r in records)
+    assert all("_ses-02_" in r["segment"] and r["id"] == f"s0:{r['block']}" for r in records)  # held-out session
+    assert len({r["block"] for r in records}) == len(records) // 2  # one record per block and arm
+    assert {int(r["block"].split("@")[1]) for r in records} <= set(range(11))  # 330 s in 30-s blocks
+    assert all(r["above_prior"] == pytest.approx(r["score"] - r["prior"]) for r in records)
     runs = json.loads((tmp_path / "claims" / "meg_tiny" / "heldout_runs.json").read_text())
+    for arm in ("long", "random"):
+        mine = [r for r in records if r["arm"] == arm]
+        top10 = sum(r["score"] * r["words"] for r in mine) / sum(r["words"] for r in mine)
+        prior = sum(r["prior"] * r["words"] for r in mine) / sum(r["words"] for r in mine)
+        assert top10 == pytest.approx(runs[f"ft|on|{arm}|0|1"]["top10"], abs=1e-6)
+        assert prior == pytest.approx(runs[f"ft|on|{arm}|0|1"]["prior_top10"])
     assert {"pre|on|long|0|e1", "pre|on|short|0|e1", "gate_a|on|0|e1", "gate_b|on"} <= set(runs)
     assert runs["gate_a|on|0|e1"]["ckpts"]["long"] == runs["pre|on|long|0|e1"]["ckpt"]
     assert [step for step, _ in runs["ft|on|long|0|1"]["val_curve"]] == [0, 1]  # every step (val_every_steps 1)
@@ -117,3 +128,26 @@ def test_the_main_job_runs_the_claim_study():
     for recipe in ("meg_xl", "meg_xl_finetune"):
         assert load_config(recipe).run.data.args["synthetic"] == STUDY, recipe
     assert load_config("meg_xl").run.then.baseline
+
+
+def test_frequency_prior_and_segment_records_against_a_hand_count():
+    """The prior hits a test word when it is among the k most frequent scored training words (ties: the smaller
+    id); a block's record is the mean over its words, in order of first appearance, clustered by the topic segment
+    of most of its words."""
+    import numpy as np
+    import torch
+
+    from recipes.meg_claim import block_records, frequency_prior_hits
+
+    train = [{"word_ids": torch.tensor([3, 3, 3, 1, 1, 7, 9, 9])}, {"word_ids": torch.tensor([2, 2, 9, 40, 40, 40])}]
+    scored = lambda w: w < 10  # noqa: E731 (word 40 is outside the retrieval set: not counted)
+    # counts: 3 -> 3, 9 -> 3, 1 -> 2, 2 -> 2, 7 -> 1; k=3: 3 and 9, then 1 (ties with 2, smaller id first)
+    test_ids = np.array([3, 2, 1, 9, 7])
+    assert frequency_prior_hits(train, test_ids, scored, 3).tolist() == [True, False, True, True, False]
+    parts = block_records([1, 0, 1, 1, 0, 1], [1, 1, 0, 0, 0, 1], ["r@1", "r@0", "r@1", "r@0", "r@0", "r@1"],
+                          ["r#1", "r#0", "r#1", "r#0", "r#1", "r#2"])
+    assert [p["block"] for p in parts] == ["r@1", "r@0"]
+    assert parts[0] == {"block": "r@1", "segment": "r#1", "words": 3, "score": 1.0, "prior": pytest.approx(2 / 3),
+                        "above_prior": pytest.approx(1 / 3)}
+    assert parts[1]["segment"] == "r#0" and parts[1]["words"] == 3  # most of its words in segment 0
+    assert parts[1]["score"] == pytest.approx(1 / 3) and parts[1]["prior"] == pytest.approx(1 / 3)

@@ -180,6 +180,36 @@ def test_held_out_subjects_and_padding(study, tmp_path):
     assert item["sensor_mask"].sum() == 12 and not item["meg"][12:].any()
 
 
+def test_held_out_sessions_are_whole_test_recordings_and_sessions_filter(tmp_path):
+    """test_sessions: every recording of those sessions is test data, the others are cut into train | val only;
+    sessions keeps only the listed ones; a session the data lacks, or both ways of holding out test, are errors."""
+    root = tmp_path / "study"
+    generate_meg_dataset(root, SyntheticMEGConfig(**{**SMALL, "sessions": 3}))
+    kw = dict(path=str(root), cache_dir=str(tmp_path / "cache"), context_s=4.0, val_fraction=0.2, test_fraction=0.3)
+    dm = MEGDataModule(MEGDataConfig(**kw, test_sessions=["02", "ses-03"]))
+    dm.setup()
+    session = {r: rec.path.name.split("_")[1] for r, rec in enumerate(dm.recordings)}
+    assert sorted(session.values()) == ["ses-01"] * 2 + ["ses-02"] * 2 + ["ses-03"] * 2
+    n = dm.recordings[0].n_samples
+    test = dm.split("test").windows
+    assert {session[r] for r, _ in test} == {"ses-02", "ses-03"}
+    assert len(test) == 4 * (n // 200)  # whole recordings, non-overlapping 4-s windows
+    for name, (lo, hi) in (("train", (0, 0.8 * n)), ("val", (0.8 * n, n))):  # test_fraction unused
+        windows = dm.split(name).windows
+        assert windows and {session[r] for r, _ in windows} == {"ses-01"}
+        assert all(lo <= start and start + 200 <= hi for _, start in windows)
+    only = MEGDataModule(MEGDataConfig(**kw, sessions=["01"]))
+    only.setup()
+    assert [rec.path.name.split("_")[1] for rec in only.recordings] == ["ses-01", "ses-01"]
+    assert only.split("test").windows  # cut in time, as without sessions
+    with pytest.raises(Exception, match="test_sessions: '07' not in the data.*sessions found: 01, 02, 03"):
+        MEGDataModule(MEGDataConfig(**kw, test_sessions=["07"])).setup()
+    with pytest.raises(ValueError, match="by session or by subject"):
+        MEGDataConfig(**kw, test_sessions=["02"], test_subjects=["01"])
+    with pytest.raises(ValueError, match="not all among sessions"):
+        MEGDataConfig(**kw, test_sessions=["02"], sessions=["01"])
+
+
 def test_scarce_label_fraction_is_a_seeded_subset(study, tmp_path):
     root, _ = study
     kw = dict(path=str(root), cache_dir=str(tmp_path), task="words", words_per_sample=5)

@@ -265,6 +265,32 @@ def test_a_linear_head_maps_pooled_features_to_targets_and_reloads_from_its_chec
     with pytest.raises(ValueError, match="head_hidden >= 0"):
         MEGXLWordDecoder({**TINY, "head_hidden": -1})
 
+def test_a_channel_mean_head_reads_the_mean_of_the_real_channels_only():
+    """channel_pool=mean: the head's input is each pooled part's mean over the real channels (a loop by hand),
+    its width has no channel count, and any sensor count fits one head."""
+    torch.manual_seed(0)
+    dec = MEGXLWordDecoder({**TINY, "channel_pool": "mean", "n_channels": 4, "head_hidden": 0, "target_dim": 4,
+                            "pool_chunks": 2}).eval()
+    assert dec.word_head[1].weight.shape == (4, 2 * TINY["d_model"])
+    dec.tokenizer.fit(_signals(n=10, t=600))
+    batch = _batch(B=2, C=4, S=600, seed=1, padded=1)
+    batch["word_spans"] = torch.tensor([[[0, 150], [150, 420]], [[60, 300], [300, 600]]])
+    with torch.no_grad():
+        out = dec(batch)
+        feats = pool_spans(dec.features(batch), batch["word_spans"], dec.cfg.stride, 2)  # [B, W, 2, C, d]
+        for b in range(2):
+            for w in range(2):
+                real = feats[b, w][:, batch["sensor_mask"][b]]  # [2, C_real, d]
+                torch.testing.assert_close(out[b, w], dec.word_head(real.mean(1).flatten()))
+        assert not torch.allclose(out[0, 0], dec.word_head(feats[0, 0].mean(1).flatten()))  # padded one left out
+    dec._adopt_vocab(type("DM", (), {"vocab": ["a", "b"], "n_channels": 7})())  # another sensor count: same head
+    fresh = MEGXLWordDecoder({**TINY, "channel_pool": "mean", "head_hidden": 0, "target_dim": 4, "pool_chunks": 2})
+    fresh.on_load_checkpoint({"state_dict": dec.state_dict()})
+    fresh.load_state_dict(dec.state_dict())
+    with pytest.raises(ValueError, match="channel_pool"):
+        MEGXLWordDecoder({**TINY, "channel_pool": "max"})
+
+
 def test_init_from_carries_tokenizer_and_backbone_only(tmp_path):
     from lightning_modules.io import load_weights
 
