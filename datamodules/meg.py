@@ -25,7 +25,9 @@ files and the columns seen; pre-training needs no words.
 
 **Subjects** (:func:`subject_splits`, printed at setup): ``subjects`` if set, else every subject found (the
 synthetic study: ``synthetic_subjects``); ``val_subjects``/``test_subjects`` if set, else whole subjects chosen by
-``holdout`` (``last``, ``seeded``) or, with ``holdout: none`` or too few subjects, a cut in time.
+``holdout`` (``last``, ``seeded``) or, with ``holdout: none`` or too few subjects, a cut in time. **Sessions**
+(``ses-<label>`` in the file names): ``sessions`` keeps only those; ``test_sessions`` makes every recording of
+those sessions test data and cuts the others into train | val only (testing on a held-out session).
 
 **Scaling** (per sample, :func:`robust_scale`): each ``subsegment_s`` (3 s) piece of a channel has the mean of
 its first ``baseline_s`` (0.5 s) subtracted, then is robustly scaled (median 0, inter-quartile range 1) and

@@ -87,6 +87,8 @@ class SyntheticMEGConfig:
 
     subjects: int = 6
     sessions: int = 1
+    """Recordings per subject (``ses-01``, ``ses-02``, ...), each seeded by subject and session: adding sessions
+    leaves the others' data unchanged (the subject's head, ``G``, is the same in every session)."""
     duration_s: float = 600.0
     sfreq: float = 200.0
     """Sampling rate written to the FIF (the loader filters and resamples it, e.g. to 50 Hz)."""
