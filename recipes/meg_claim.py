@@ -37,9 +37,8 @@ fraction that the run's 10 most frequent training words would get: the frequency
 prior, the ``decodes`` gate's field), ``segment`` (the topic segment of most of the block's words: the claim's
 ``cluster``, since every seed tests the same words and words of one segment share their topic; with the process off
 a recording is one segment), the run's word-level ``top10``, and the study-level ``gate_a`` and ``gate_b`` that the
-claim's field gates read. Pre-training
-runs and gates are cached in ``<claim folder>/<split>_runs.json`` (checkpoints under ``runs_root``), so a killed
-study resumes where it stopped.
+claim's field gates read. Pre-training runs and gates are cached in ``<claim folder>/<split>_runs.json``
+(checkpoints under ``runs_root``), so a killed study resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -273,6 +272,8 @@ class MEGStudy:
         """Word decoding by ``meg_xl_finetune`` from ``start_from`` on ``fraction`` of the labelled training
         samples (see the module docstring); returns the test metrics of the best checkpoint by validation top-10,
         the validation curve and each test word's hit (in the test split's order)."""
+        import torch
+
         from recipes.api import build
         from recipes.fit import run_stages
 
@@ -294,9 +295,10 @@ class MEGStudy:
         segments = [seg for (seg, _), keep in zip(word_segments(test), scored) if keep]  # word_hits' words
         blocks = [b for b, keep in zip(word_blocks(test, BLOCK_S), scored) if keep]
         if not len(segments) == len(blocks) == len(hits):
-            raise RuntimeError(f"{run_dir}: {len(hits)} scored test words but {len(segments)} topic segments")
-        prior = frequency_prior_hits(run.datamodule.split("train"), test_ids, run.model.scored,
-                                     run.model.cfg.top_k)
+            raise RuntimeError(f"{run_dir}: {len(hits)} scored test words but {len(segments)} topic segments and "
+                               f"{len(blocks)} blocks")
+        train_ids = [torch.as_tensor(ids) for _, _, ids in run.datamodule.split("train").groups]
+        prior = frequency_prior_hits(train_ids, test_ids, run.model.scored, run.model.cfg.top_k)
         curve = [list(x) for x in metric_history(run_dir, "val/top10_acc")]
         return {"top10": float(metrics["test/top10_acc"]), "balanced": float(metrics["test/top10_balanced"]),
                 "chance": float(metrics["test/top10_chance"]), "seconds": time.time() - start,
@@ -340,15 +342,15 @@ def word_segments(dataset) -> List[Tuple[str, int]]:
     return out
 
 
-def frequency_prior_hits(train, test_ids, scored: Callable, k: int):
+def frequency_prior_hits(train_ids, test_ids, scored: Callable, k: int):
     """Per test word (``test_ids [N]``, the scored ones in order): whether it is among the ``k`` most frequent
-    scored words of the ``train`` split (ties: the smaller word id, i.e. the more frequent in the vocabulary) -- what
-    a decoder that ignores the signal and predicts the word frequencies scores (bool ``[N]``)."""
+    scored words of the training samples (``train_ids``: one word-id tensor per sample; ties: the smaller word id,
+    i.e. the more frequent in the vocabulary) -- what a decoder that ignores the signal and predicts the word
+    frequencies scores (bool ``[N]``)."""
     import numpy as np
 
     counts: Dict[int, int] = {}
-    for i in range(len(train)):
-        words = train[i]["word_ids"]
+    for words in train_ids:
         for w in words[scored(words)].tolist():
             counts[int(w)] = counts.get(int(w), 0) + 1
     top = set(sorted(counts, key=lambda w: (-counts[w], w))[:k])

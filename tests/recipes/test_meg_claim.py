@@ -139,7 +139,7 @@ def test_frequency_prior_and_segment_records_against_a_hand_count():
 
     from recipes.meg_claim import block_records, frequency_prior_hits
 
-    train = [{"word_ids": torch.tensor([3, 3, 3, 1, 1, 7, 9, 9])}, {"word_ids": torch.tensor([2, 2, 9, 40, 40, 40])}]
+    train = [torch.tensor([3, 3, 3, 1, 1, 7, 9, 9]), torch.tensor([2, 2, 9, 40, 40, 40])]
     scored = lambda w: w < 10  # noqa: E731 (word 40 is outside the retrieval set: not counted)
     # counts: 3 -> 3, 9 -> 3, 1 -> 2, 2 -> 2, 7 -> 1; k=3: 3 and 9, then 1 (ties with 2, smaller id first)
     test_ids = np.array([3, 2, 1, 9, 7])
