@@ -657,8 +657,7 @@ class MEGDataConfig(LoaderConfig):
             if self.test_subjects:
                 problems.append(f"test_sessions={self.test_sessions} and test_subjects={self.test_subjects}: "
                                 "hold the test data out by session or by subject, not both")
-            if self.sessions is not None and set(_labels(self.test_sessions, "ses-")) - set(
-                    _labels(self.sessions, "ses-")):
+            if self.sessions is not None and set(self.held_out_sessions) - set(_labels(self.sessions, "ses-")):
                 problems.append(f"test_sessions={self.test_sessions}: not all among sessions={self.sessions}")
         overlap = set(_labels(self.val_subjects)) & set(_labels(self.test_subjects))
         if overlap:
@@ -686,6 +685,11 @@ class MEGDataConfig(LoaderConfig):
             return [f"{where}: {str(err).removeprefix('SyntheticMEGConfig: ')}" if not str(err).startswith(
                 "unknown key") else str(err)]
         return []
+
+    @property
+    def held_out_sessions(self) -> List[str]:
+        """The ``test_sessions`` labels without ``ses-`` (empty: test is not held out by session)."""
+        return _labels(self.test_sessions, "ses-")
 
     @property
     def context_samples(self) -> int:
@@ -747,7 +751,7 @@ def subject_splits(labels: Sequence[str], cfg: MEGDataConfig, synthetic: bool = 
         else:
             held[name] = []
             if cfg.holdout != "none" and getattr(cfg, f"{name}_fraction") > 0 and not (
-                    name == "test" and cfg.test_sessions):
+                    name == "test" and cfg.held_out_sessions):
                 auto.append(name)
     rest = [s for s in selected if s not in held["val"] + held["test"]]
     need = len(auto) * cfg.holdout_subjects
@@ -764,7 +768,7 @@ def subject_splits(labels: Sequence[str], cfg: MEGDataConfig, synthetic: bool = 
                      f"{' and '.join(auto)} (holdout={cfg.holdout}) and keep one for training: cut in time")
     train = [s for s in selected if s not in held["val"] + held["test"]]
     time = [name for name in ("val", "test") if not held[name] and getattr(cfg, f"{name}_fraction") > 0
-            and not (name == "test" and cfg.test_sessions)]
+            and not (name == "test" and cfg.held_out_sessions)]
     return {"train": train, "val": held["val"], "test": held["test"], "time": time, "notes": notes}
 
 
@@ -774,8 +778,8 @@ def describe_splits(plan: Dict[str, Any], cfg: MEGDataConfig) -> str:
     for name in ("val", "test"):
         if plan[name]:
             parts.append(f"{name} {', '.join(plan[name])}")
-        elif name == "test" and cfg.test_sessions:
-            parts.append(f"test: sessions {', '.join(_labels(cfg.test_sessions, 'ses-'))} (whole recordings)")
+        elif name == "test" and cfg.held_out_sessions:
+            parts.append(f"test: sessions {', '.join(cfg.held_out_sessions)} (whole recordings)")
         elif name in plan["time"]:
             parts.append(f"{name}: time split ({name}_fraction={getattr(cfg, f'{name}_fraction')})")
         else:
@@ -825,8 +829,8 @@ class MEGDataModule(SplitsDataModule):
         """Find the recordings, decide the subject splits (:func:`subject_splits`, kept as ``self.plan``) and
         return the recordings of the subjects used."""
         paths = find_recordings(self.data_root())
-        wanted = [_labels(getattr(self.cfg, k), "ses-") for k in ("sessions", "test_sessions")]
-        found = sorted({_session_of(p) for p in paths if _session_of(p) is not None})
+        wanted = [_labels(self.cfg.sessions, "ses-"), self.cfg.held_out_sessions]
+        found = sorted({_session_of(p) for p in paths} - {None})
         for key, labels in zip(("sessions", "test_sessions"), wanted):
             missing = [s for s in labels if s not in found]
             if missing:
@@ -848,7 +852,7 @@ class MEGDataModule(SplitsDataModule):
         """For messages: the split(s) a stretch ``[t0, t1]`` s of a recording of ``subject`` (``session``) falls
         in."""
         def split_of(t0: float, t1: float, duration: float) -> str:
-            if session in _labels(self.cfg.test_sessions, "ses-"):
+            if session in self.cfg.held_out_sessions:
                 return f"the test split (session {session} is held out for test)"
             for name in ("val", "test"):
                 if subject in self.plan[name]:
@@ -875,7 +879,7 @@ class MEGDataModule(SplitsDataModule):
         """Sample ranges of train | val | test on a recording: a held-out subject's recording belongs whole to
         its split; the others are cut in time for the splits in ``plan["time"]`` (the others count as 0)."""
         c, n = self.cfg, rec.n_samples
-        if _session_of(rec.path) in _labels(c.test_sessions, "ses-"):
+        if _session_of(rec.path) in c.held_out_sessions:
             return {"train": (0, 0), "val": (0, 0), "test": (0, n)}
         for name in ("val", "test"):
             if rec.subject in self.plan[name]:
@@ -926,7 +930,7 @@ class MEGDataModule(SplitsDataModule):
                 for name, gs in groups.items()}
         for name, ds in self._splits.items():
             wanted = (name == "train" or bool(self.plan[name]) or name in self.plan["time"]
-                      or (name == "test" and bool(c.test_sessions)))
+                      or (name == "test" and bool(c.held_out_sessions)))
             if len(ds) == 0 and wanted:
                 raise ValueError(self._empty_message(name))
 

@@ -291,7 +291,7 @@ class MEGStudy:
         metrics = run_stages(run)  # fit, then test on the best checkpoint by val/top10_acc (its weights stay loaded)
         test = run.datamodule.split("test")
         hits, test_ids = run.model.word_hits(test)
-        scored = [bool(k) for i in range(len(test)) for k in run.model.scored(test[i]["word_ids"])]
+        scored = [bool(k) for _, _, ids in test.groups for k in run.model.scored(torch.as_tensor(ids))]
         segments = [seg for (seg, _), keep in zip(word_segments(test), scored) if keep]  # word_hits' words
         blocks = [b for b, keep in zip(word_blocks(test, BLOCK_S), scored) if keep]
         if not len(segments) == len(blocks) == len(hits):
@@ -332,14 +332,18 @@ def word_segments(dataset) -> List[Tuple[str, int]]:
 
     timelines: Dict[int, list] = {}
     out: List[Tuple[str, int]] = []
-    for r, onsets, _ in dataset.groups:
-        rec = dataset.recordings[r]
+    for r, t in word_onsets(dataset):
         if r not in timelines:
-            timelines[r] = read_topics(rec.path)
-        for s in onsets:
-            i = segment_index(timelines[r], s / rec.sfreq)
-            out.append((f"{Path(rec.path).name}#{i}", int(timelines[r][i][2])))
+            timelines[r] = read_topics(dataset.recordings[r].path)
+        i = segment_index(timelines[r], t)
+        out.append((f"{Path(dataset.recordings[r].path).name}#{i}", int(timelines[r][i][2])))
     return out
+
+
+def word_onsets(dataset) -> List[Tuple[int, float]]:
+    """``(recording index, onset in s)`` of every word of a :class:`datamodules.meg.WordSamples` split, in its
+    order (no signal is loaded)."""
+    return [(r, s / dataset.recordings[r].sfreq) for r, onsets, _ in dataset.groups for s in onsets]
 
 
 def frequency_prior_hits(train_ids, test_ids, scored: Callable, k: int):
@@ -347,12 +351,11 @@ def frequency_prior_hits(train_ids, test_ids, scored: Callable, k: int):
     scored words of the training samples (``train_ids``: one word-id tensor per sample; ties: the smaller word id,
     i.e. the more frequent in the vocabulary) -- what a decoder that ignores the signal and predicts the word
     frequencies scores (bool ``[N]``)."""
+    from collections import Counter
+
     import numpy as np
 
-    counts: Dict[int, int] = {}
-    for words in train_ids:
-        for w in words[scored(words)].tolist():
-            counts[int(w)] = counts.get(int(w), 0) + 1
+    counts = Counter(int(w) for words in train_ids for w in words[scored(words)].tolist())
     top = set(sorted(counts, key=lambda w: (-counts[w], w))[:k])
     return np.asarray([int(w) in top for w in np.asarray(test_ids).tolist()], dtype=bool)
 
@@ -360,11 +363,7 @@ def frequency_prior_hits(train_ids, test_ids, scored: Callable, k: int):
 def word_blocks(dataset, block_s: float) -> List[str]:
     """The fixed time block of every word onset of a split, in its order: ``<recording>@<k>`` for onsets in
     ``[k * block_s, (k + 1) * block_s)`` s of the recording."""
-    out: List[str] = []
-    for r, onsets, _ in dataset.groups:
-        rec = dataset.recordings[r]
-        out += [f"{Path(rec.path).name}@{int(s / rec.sfreq // block_s)}" for s in onsets]
-    return out
+    return [f"{Path(dataset.recordings[r].path).name}@{int(t // block_s)}" for r, t in word_onsets(dataset)]
 
 
 def block_records(hits, prior, blocks, segments) -> List[Dict[str, Any]]:

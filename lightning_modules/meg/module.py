@@ -773,12 +773,12 @@ class MEGXLWordDecoder(_MEGXLBase):
             scores = F.pad(scores, (0, self.cfg.retrieval_size - K), value=-2.0)
         return scores
 
-    @torch.no_grad()
     def scored(self, word_ids: torch.Tensor) -> torch.Tensor:
         """Which words of ``word_ids`` (any shape) the retrieval metrics score: those of the ``retrieval_size`` most
         frequent training words (bool, same shape)."""
         return word_ids < self.cfg.retrieval_size
 
+    @torch.no_grad()
     def word_hits(self, samples: Sequence[Dict[str, torch.Tensor]]) -> Tuple[np.ndarray, np.ndarray]:
         """Per word of ``samples`` (items of a ``task=words`` split), in order: whether it is retrieved in the top
         ``top_k`` (bool ``[N]``) and its word id (``[N]``); words outside the retrieval set are left out, as the
