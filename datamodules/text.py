@@ -10,9 +10,13 @@ Sources (``data.path``):
   ``text_field``) below it, in sorted order;
 * a single ``.txt`` or ``.jsonl`` file.
 
-Documents are split into train/validation/test by a seeded shuffle of whole documents (no block straddles a
-split), tokenised, joined with the tokenizer's EOS token and cut into blocks of ``seq_len`` tokens
-(non-overlapping; the tail shorter than a block is dropped). Batches are ``{"input_ids": [B, seq_len]}``.
+Documents are split into train/validation/test as whole documents (no block straddles a split): by default
+(``split: hash``) each document's split is decided by a hash of its own text and the seed
+(:func:`hash_split`), so adding or removing other documents (a package installed into the environment that
+builds ``installed_docs``) never moves a document to another split, and identical documents share a split;
+``split: shuffle`` is the seeded permutation of the document list that runs before 2026-12 used
+(:func:`shuffle_split`). Each split is then tokenised, joined with the tokenizer's EOS token and cut into blocks
+of ``seq_len`` tokens (non-overlapping; the tail shorter than a block is dropped). Batches are ``{"input_ids": [B, seq_len]}``.
 The tokens of each split are cached under ``$LITCTX_CACHE_DIR/tokens`` (keyed on the documents, the tokenizer
 and the split), so a large corpus is tokenised once.
 
@@ -53,7 +57,11 @@ from litctx_common.paths import default_cache_dir
 from litctx_common.seeding import stable_seed
 
 __all__ = ["TextDataConfig", "TextDataModule", "read_documents", "pydoc_documents", "PackedBlocks", "MixedBlocks",
-           "PasskeyProbes", "collate_probes", "load_tokenizer_folder", "split_documents"]
+           "PasskeyProbes", "collate_probes", "load_tokenizer_folder", "split_documents", "hash_split", "shuffle_split",
+           "SPLITS"]
+
+SPLITS = ("hash", "shuffle")
+"""How :class:`TextDataConfig` assigns documents to train / val / test (see :func:`split_documents`)."""
 
 
 @dataclass
@@ -63,7 +71,10 @@ class TextDataConfig(LoaderConfig):
         corpus: ``pydoc`` or ``installed_docs`` (see the module docstring); used when ``path`` is None.
         tokenizer: a registered model name or a local Hugging Face tokenizer folder.
         seq_len: tokens per block.
-        val_fraction, test_fraction: fractions of the documents held out (at least one document each).
+        val_fraction, test_fraction: fractions of the documents held out (at least one document each; with
+            ``split: hash`` each document's chance of landing there, so the counts vary around them).
+        split: how documents are assigned to splits: ``hash`` (stable per document: :func:`hash_split`) or
+            ``shuffle`` (a seeded permutation of the list, the split of earlier runs: :func:`shuffle_split`).
         text_field: the field of ``.jsonl`` records that holds the text.
         encoding: the text encoding of the ``path`` documents (strict: a byte that is not this encoding is refused
             naming the file and offset; ``latin-1`` for such a collection).
@@ -87,6 +98,7 @@ class TextDataConfig(LoaderConfig):
     seq_len: int = 512
     val_fraction: float = 0.1
     test_fraction: float = 0.1
+    split: str = "hash"
     text_field: str = "text"
     encoding: str = "utf-8"
     max_documents: Optional[int] = None
@@ -106,6 +118,8 @@ class TextDataConfig(LoaderConfig):
         problems = self.loader_problems()
         if self.corpus not in CORPORA:
             problems.append(f"corpus={self.corpus!r}: valid corpora are {', '.join(CORPORA)}")
+        if self.split not in SPLITS:
+            problems.append(f"split={self.split!r}: valid values are {', '.join(SPLITS)}")
         bad_encoding = encoding_problem(self.encoding, "encoding")
         if bad_encoding:
             problems.append(bad_encoding)
@@ -218,10 +232,18 @@ class PasskeyProbes(Dataset):
     """Passkey retrieval probes of about ``length`` tokens, teacher-forced: the suite's ``task`` prompt (its
     haystack from ``documents``) followed by the answer and EOS. Item ``i``: ``input_ids [T]`` and
     ``answer_mask [T]`` (True at the answer's tokens, the positions whose next-token prediction is scored);
-    ``length``: the nominal length. Samples are built lazily and cached; seeded by ``(seed, task, length, i)``."""
+    ``length``: the nominal length. Samples are built lazily and cached; seeded by ``(seed, task, length, i)``.
 
-    def __init__(self, task: str, length: int, n: int, documents: Sequence[str], tokenizer: Any, seed: int = 0) -> None:
+    ``within``: build the prompt at ``within`` tokens instead and put prose of ``documents`` before it up to
+    ``length`` tokens, so the answer's distance to what it copies stays that of a ``within``-token prompt however long
+    the sequence grows (attention diluted by more tokens, but no unseen distance)."""
+
+    def __init__(self, task: str, length: int, n: int, documents: Sequence[str], tokenizer: Any, seed: int = 0,
+                 within: Optional[int] = None) -> None:
         self.task, self.length, self.n, self.seed = task, int(length), int(n), int(seed)
+        self.within = None if within is None else int(within)
+        if self.within is not None and not 64 <= self.within <= self.length:
+            raise ValueError(f"within={within}: expected 64 <= within <= length ({length})")
         self.documents, self.tokenizer = documents, tokenizer
         self._haystack = None
         self._cache: Dict[int, Dict[str, Any]] = {}
@@ -229,15 +251,27 @@ class PasskeyProbes(Dataset):
     def __len__(self) -> int:
         return self.n
 
+    def _prose(self, n_tokens: int, i: int) -> List[int]:
+        """Exactly ``n_tokens`` tokens of consecutive haystack sentences (seeded by ``(seed, length, i)``)."""
+        rng = random.Random(stable_seed("probe-prose", self.seed, self.task, self.length, i))
+        ids: List[int] = []
+        while len(ids) < n_tokens:
+            sentences, _ = self._haystack.run(rng, n_tokens - len(ids) + 8)
+            ids += self.tokenizer(" ".join(sentences) + " ", add_special_tokens=False)["input_ids"]
+        return ids[:n_tokens]
+
     def __getitem__(self, i: int) -> Dict[str, Any]:
         if i not in self._cache:
             from datamodules.longctx_tasks import Haystack, build_sample
 
             if self._haystack is None:
                 self._haystack = Haystack(self.documents, self.tokenizer)
-            sample = build_sample(self.task, self.length, i, self._haystack, self.tokenizer, seed=self.seed)
+            size = self.length if self.within is None else self.within
+            sample = build_sample(self.task, size, i, self._haystack, self.tokenizer, seed=self.seed)
             answer = self.tokenizer(" " + ", ".join(sample["answers"]), add_special_tokens=False)["input_ids"]
             prompt = sample["context_ids"].tolist() + sample["question_ids"].tolist()
+            if self.within is not None:
+                prompt = self._prose(max(0, self.length - len(prompt)), i) + prompt
             ids = prompt + answer + [self.tokenizer.eos_token_id]
             mask = [False] * len(prompt) + [True] * len(answer) + [False]
             self._cache[i] = {"input_ids": torch.tensor(ids, dtype=torch.long),
@@ -260,16 +294,63 @@ def collate_probes(samples: Sequence[Dict[str, Any]], pad_id: int = 0) -> Dict[s
             "depth": [s["depth"] for s in samples]}
 
 
-def split_documents(n: int, val_fraction: float, test_fraction: float, seed: int) -> Dict[str, List[int]]:
-    """Seeded document indices per split; val and test get at least one document each."""
+def _check_count(n: int) -> None:
     if n < 3:
         raise ValueError(f"{n} document(s): need at least 3 to hold out validation and test documents")
+
+
+def shuffle_split(n: int, val_fraction: float, test_fraction: float, seed: int) -> Dict[str, List[int]]:
+    """Document indices per split from a seeded permutation of ``range(n)``: val and test get
+    ``round(n * fraction)`` documents (at least one each). Adding a document reshuffles every split."""
+    _check_count(n)
     order = list(range(n))
     random.Random(seed).shuffle(order)
     n_val = max(1, int(round(n * val_fraction)))
     n_test = max(1, int(round(n * test_fraction)))
     return {"val": sorted(order[:n_val]), "test": sorted(order[n_val:n_val + n_test]),
             "train": sorted(order[n_val + n_test:])}
+
+
+def document_draw(text: str, seed: int) -> float:
+    """A uniform number in [0, 1) fixed by a document's text and the seed (sha1 of both)."""
+    digest = hashlib.sha1(f"{int(seed)}\0".encode() + text.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0 ** 64
+
+
+def hash_split(documents: Sequence[str], val_fraction: float, test_fraction: float, seed: int) -> Dict[str, List[int]]:
+    """Document indices per split, each document placed by its own draw :func:`document_draw` (``u < val_fraction``:
+    val, ``u < val_fraction + test_fraction``: test, else train), so a document keeps its split whatever other
+    documents the collection holds, and identical documents share one. A split left empty by the draws (a
+    collection of a few documents) takes the train document whose draw lies nearest its interval; only then can
+    adding documents move one."""
+    _check_count(len(documents))
+    draws = [document_draw(d, seed) for d in documents]
+    edges = {"val": (0.0, val_fraction), "test": (val_fraction, val_fraction + test_fraction)}
+    parts: Dict[str, List[int]] = {"val": [], "test": [], "train": []}
+    for i, u in enumerate(draws):
+        name = next((k for k, (a, b) in edges.items() if a <= u < b), "train")
+        parts[name].append(i)
+    for name, (a, b) in edges.items():
+        if not parts[name]:
+            donors = parts["train"] if len(parts["train"]) > 1 else max(parts.values(), key=len)
+            pick = min(donors, key=lambda i: min(abs(draws[i] - a), abs(draws[i] - b)))
+            donors.remove(pick)
+            parts[name].append(pick)
+    if not parts["train"]:
+        donor = max(("val", "test"), key=lambda k: len(parts[k]))
+        parts["train"].append(parts[donor].pop())
+    return {k: sorted(v) for k, v in parts.items()}
+
+
+def split_documents(documents: Sequence[str], val_fraction: float, test_fraction: float, seed: int,
+                    how: str = "hash") -> Dict[str, List[int]]:
+    """Document indices per split (``val``, ``test``, ``train``; each non-empty): :func:`hash_split` or
+    :func:`shuffle_split` (``how``, :data:`SPLITS`)."""
+    if how == "hash":
+        return hash_split(documents, val_fraction, test_fraction, seed)
+    if how == "shuffle":
+        return shuffle_split(len(documents), val_fraction, test_fraction, seed)
+    raise ValueError(f"split={how!r}: valid values are {', '.join(SPLITS)}")
 
 
 class TextDataModule(SplitsDataModule):
@@ -280,6 +361,8 @@ class TextDataModule(SplitsDataModule):
         self.cfg = cfg if cfg is not None else TextDataConfig(**kwargs)
         self.tokenizer = tokenizer
         self._eval_blocks: Dict[Any, PackedBlocks] = {}
+        self._documents: Dict[str, List[str]] = {}
+        self._tokens: Dict[str, torch.Tensor] = {}
 
     def _tokenize(self, docs: Sequence[str]) -> torch.Tensor:
         tok = self.tokenizer
@@ -305,10 +388,12 @@ class TextDataModule(SplitsDataModule):
             docs = corpus_documents(self.cfg.corpus)
         if self.cfg.max_documents is not None:
             docs = docs[: self.cfg.max_documents]
-        parts = split_documents(len(docs), self.cfg.val_fraction, self.cfg.test_fraction, self.cfg.seed)
+        parts = split_documents(docs, self.cfg.val_fraction, self.cfg.test_fraction, self.cfg.seed, self.cfg.split)
         self._eval_blocks = {}
+        self._documents, self._tokens = {}, {}
         for name, idx in parts.items():
             tokens = self._cached_tokens(name, [docs[i] for i in idx])
+            self._documents[name], self._tokens[name] = [docs[i] for i in idx], tokens
             lengths = [self.cfg.seq_len] if name == "train" else self.eval_lengths()
             for n in lengths:
                 cap = None if name == "train" or self.cfg.eval_tokens is None else max(1, self.cfg.eval_tokens // n)
@@ -327,6 +412,16 @@ class TextDataModule(SplitsDataModule):
             if name == "train" and self.cfg.mix:
                 self._splits[name] = MixedBlocks(self._splits[name], tokens, self.cfg.mix, self.cfg.mix_seed,
                                                  self.tokenizer, [docs[i] for i in idx])
+
+    def documents(self, split: str) -> List[str]:
+        """The documents of ``split`` (``train``, ``val`` or ``test``), in corpus order."""
+        self.setup()
+        return list(self._documents[split])
+
+    def tokens(self, split: str) -> torch.Tensor:
+        """The token stream ``[n]`` of ``split``: its documents tokenised, each followed by EOS (unpacked)."""
+        self.setup()
+        return self._tokens[split]
 
     def eval_lengths(self) -> List[int]:
         """Validation/test block lengths: ``seq_len`` first, then the other ``eval_seq_lens``."""

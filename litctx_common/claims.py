@@ -60,7 +60,8 @@ KINDS = {"suite_prefill": "lightning_modules.sparse_prefill.claims:SuitePrefill"
          "suite_speculative": "lightning_modules.speculative.claims:SuiteSpeculative",
          "rag_reuse": "lightning_modules.prophetkv.claims:RagReuse",
          "suite_composed": "lightning_modules.speculative.claims:SuiteComposed",
-         "meg_transfer": "recipes.meg_claim:MEGTransfer"}
+         "meg_transfer": "recipes.meg_claim:MEGTransfer",
+         "lm_scratch": "recipes.lm_claim:ScratchLM"}
 VERDICTS = ("reproduces", "does not reproduce", "void (capability)", "void (discrimination)", "void (phenomenon)",
             "pending", "untestable here", "void (no cell passed its gates)", "passes its gates")
 
@@ -105,6 +106,9 @@ class Comparison:
     """``superiority``: the smallest difference the paper's bar asks for (besides the interval above 0)."""
     where: Dict[str, List[Any]] = field(default_factory=dict)
     """The cells the comparison applies to (``{dim: [values]}``; empty: every cell)."""
+    any_of: Optional[str] = None
+    """A label: the comparisons sharing it are one bar that holds when at least one of them holds in the pooled
+    verdict (a paper's "better on at least one family"); in a cell's verdict a failing one is shown, not counted."""
 
     def holds(self, diff: float, lo: float, hi: float) -> bool:
         if self.test == "non_inferiority":
@@ -122,6 +126,8 @@ class Comparison:
 
     def bar(self) -> str:
         cells = f" (cells {_where_text(self.where)})" if self.where else ""
+        if self.any_of:
+            cells += f" [at least one of the {self.any_of!r} bars]"
         if self.test == "non_inferiority":
             return (f"{self.arm} - {self.against_text} >= {(-100 * self.margin) or 0.0:+.0f} points, "
                     f"95% lower bound >= {100 * self.lower:+.0f}{cells}")
@@ -398,6 +404,7 @@ def _compare(spec: ClaimSpec, by: Mapping[str, Mapping[str, float]], ids: Sequen
         bs = paired_bootstrap(a, b, seed=1, clusters=labels)
         rows.append({"arm": c.arm, "against": c.against_text, "test": c.test, "diff": bs["diff"], "lo": bs["lo"],
                      "hi": bs["hi"], "holds": c.holds(bs["diff"], bs["lo"], bs["hi"]), "bar": c.bar(),
+                     "any_of": c.any_of,
                      **({"clusters": bs["clusters"]} if "clusters" in bs else {})})
     return rows
 
@@ -470,7 +477,17 @@ def _verdict(out: Mapping[str, Any], complete: bool, want: int) -> str:
             return f"void ({gate})"
     if not out["comparisons"]:  # a screen: gates only
         return "passes its gates"
-    return "reproduces" if all(c["holds"] for c in out["comparisons"]) else "does not reproduce"
+    return "reproduces" if all(c["holds"] or c.get("any_of") for c in out["comparisons"]) else "does not reproduce"
+
+
+def bars_hold(rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether pooled comparison rows meet the claim's bars: every row without ``any_of`` holds, and each ``any_of``
+    group has a row that holds."""
+    groups: Dict[str, bool] = {}
+    for r in rows:
+        if r.get("any_of"):
+            groups[r["any_of"]] = groups.get(r["any_of"], False) or bool(r["holds"])
+    return all(r["holds"] for r in rows if not r.get("any_of")) and all(groups.values())
 
 
 def judge_claim(spec: ClaimSpec, records: Sequence[Mapping[str, Any]], n: Optional[int] = None) -> Dict[str, Any]:
@@ -517,13 +534,14 @@ def judge_claim(spec: ClaimSpec, records: Sequence[Mapping[str, Any]], n: Option
     for comp in spec.comparisons:  # each comparison over the passing cells it applies to
         mine = [c for c in passed if comp.applies(c["cell"])]
         if not mine:
-            unjudged += 1
+            unjudged += comp.any_of is None  # a group counts below, once, when none of it was judged
             continue
         mine_by, mine_ids, mine_clusters = pool(mine)
         comps += [{**row, "n": len(mine_ids)} for row in _compare(spec, mine_by, mine_ids, [comp], mine_clusters)]
     pooled = {"n": len(ids), "cells": [c["name"] for c in passed], "comparisons": comps,
               "arms": {a: sum(by[a][i] for i in ids) / len(ids) for a in by}}
-    verdict = "reproduces" if all(c["holds"] for c in comps) else "does not reproduce"
+    verdict = "reproduces" if bars_hold(comps) else "does not reproduce"
+    unjudged += len({c.any_of for c in spec.comparisons if c.any_of} - {r["any_of"] for r in comps if r["any_of"]})
     if unjudged and verdict == "reproduces":
         verdict = f"void ({unjudged} comparison(s) without a cell that passed)"
     if pending:

@@ -49,9 +49,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-from litctx_common.io import atomic_path, atomic_write_text
+from litctx_common.io import atomic_path
 from recipes.compare import metric_history
-from litctx_common.records import ProvenanceError
+from recipes.study import RunsCache, records_done
 
 STUDY: Dict[str, Any] = {"subjects": 12, "duration_s": 600.0, "topic_source": 0}
 """The claim study: the main job's synthetic study with the topic tied to source 0's slow state."""
@@ -421,14 +421,6 @@ class MEGTransfer:
                                       "backbone_lr_scale": float(arm.args.get("backbone_lr_scale", 0.3)),
                                       "study": lengths, "synthetic": self.study.study("on")}))
 
-    def _runs(self, folder: Path, split: str) -> Dict[str, Any]:
-        path = folder / f"{split}_runs.json"
-        return json.loads(path.read_text()) if path.is_file() else {}
-
-    def _save(self, folder: Path, split: str, runs: Mapping[str, Any]) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(folder / f"{split}_runs.json", json.dumps(runs, indent=1))
-
     def run_split(self, split: str, store: Any, folder: Path, limit: Optional[int] = None,
                   log: Callable[[str], None] = print) -> None:
         """Pre-train, gate and fine-tune every seed of ``split`` (``limit``: the first seeds only), appending one
@@ -438,27 +430,21 @@ class MEGTransfer:
         if not seeds:
             raise ValueError(f"claim {self.spec.name}: kind_args.seeds has no {split!r} seeds ({s.seeds})")
         seeds = seeds[:limit] if limit else seeds
-        runs = self._runs(folder, split)
-        done = {(r.get("seed"), r.get("labels"), r.get("process"), r.get("arm")): r for r in store.records}
+        runs = RunsCache(folder, split)
+        done = records_done(store, ("seed", "labels", "process", "arm"), lambda a: self.settings(self.spec.arm(a)),
+                            [a.name for a in self.spec.arms])
         for process in self.spec.cells.dims["process"]:
             if f"gate_b|{process}" not in runs:
                 runs[f"gate_b|{process}"] = s.gate_b(process)
-                self._save(folder, split, runs)
+                runs.save()
             gate_b = runs[f"gate_b|{process}"]["gain"]
             log(f"[{self.spec.name} {split}] gate (b), process {process}: {gate_b:+.3f}")
             for seed in seeds:
-                todo = []
-                for fraction in self.spec.cells.dims["labels"]:
-                    for arm in self.spec.arms:
-                        rec = done.get((seed, fraction, process, arm.name))
-                        if rec is None:
-                            todo.append((fraction, arm))
-                        elif rec.get("arm_settings") != self.settings(arm):
-                            raise ProvenanceError(store.mismatch_message({f"arm_settings ({arm.name})": (
-                                rec.get("arm_settings"), self.settings(arm))}))
+                todo = [(fraction, arm) for fraction in self.spec.cells.dims["labels"] for arm in self.spec.arms
+                        if (seed, fraction, process, arm.name) not in done]
                 if not todo:
                     continue
-                pre = s.pretrained(process, seed, runs, lambda: self._save(folder, split, runs))
+                pre = s.pretrained(process, seed, runs, runs.save)
                 ckpts, gate_a = pre["ckpts"], pre["gate_a"]
                 log(f"[{self.spec.name} {split}] gate (a), process {process}, seed {seed}: {gate_a:+.4f} nats")
                 for fraction, arm in todo:
@@ -473,7 +459,7 @@ class MEGTransfer:
                                for part in block_records(r["hits"], r["prior"], r["blocks"], r["segments"])])
                     runs[f"ft|{process}|{arm.name}|{seed}|{fraction:g}"] = {
                         k: v for k, v in r.items() if k not in ("hits", "prior", "segments", "blocks")}
-                    self._save(folder, split, runs)
+                    runs.save()
                     log(f"[{self.spec.name} {split}] process {process}, seed {seed}, labels {fraction:g}, {arm.name}: "
                         f"top-10 {r['top10']:.3f}, frequency prior {r['prior_top10']:.3f} (best of "
                         f"{len(r['val_curve'])} validations; "

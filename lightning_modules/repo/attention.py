@@ -49,7 +49,9 @@ PositionHook = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def position_maps(hidden: int, heads: int, cfg: RePoConfig, *, dtype: torch.dtype, device: Any) -> Dict[str, nn.Linear]:
     """The linear maps of f_phi by their released names, initialised N(0, init_std^2) truncated at
     ``init_cutoff`` standard deviations: ``gate_map [D/r, D]``, ``content_map [D/r, D]``, ``final_map [H_z, D/r]``
-    (``swigluex_multihead``), or ``final_map [H_z | 1, D]`` alone (the linear modes)."""
+    (``swigluex_multihead``), ``final_map [H_z | 1, D]`` alone (the linear modes), or none (``nope``)."""
+    if cfg.mode == "nope":
+        return {}
     if cfg.mode == "swigluex_multihead":
         d_p = max(1, hidden // cfg.proj_ratio)
         maps = {"gate_map": nn.Linear(hidden, d_p, bias=False, dtype=dtype, device=device),
@@ -91,6 +93,7 @@ class RePoAttention(nn.Module):
         # keys rotated per query head are cached with Hq heads: one "group" of one
         self.num_key_value_groups = 1 if cfg.gqa == "query_head" else self.groups
         heads = self.num_kv_heads if cfg.gqa == "kv_head" else self.num_heads
+        self.z_heads = heads
         weight = self.q_proj.weight
         maps = position_maps(self.q_proj.in_features, heads, cfg, dtype=weight.dtype, device=weight.device)
         for name, module in maps.items():  # the released names: self_attn.{gate,content,final}_map
@@ -103,7 +106,9 @@ class RePoAttention(nn.Module):
 
     # ------------------------------------------------------------------ positions
     def positions(self, hidden: torch.Tensor) -> torch.Tensor:
-        """f_phi: ``hidden [B, N, D] -> z [B, N, H_z]`` (in the parameters' dtype)."""
+        """f_phi: ``hidden [B, N, D] -> z [B, N, H_z]`` (in the parameters' dtype; zeros for ``nope``)."""
+        if self.mode == "nope":
+            return hidden.new_zeros(hidden.shape[0], hidden.shape[1], self.z_heads)
         if self.mode == "swigluex_multihead":
             return self.final_map(F.silu(self.gate_map(hidden)) * self.content_map(hidden))
         return self.final_map(hidden)

@@ -10,9 +10,11 @@ from lightning_modules.base import check_field, is_int, is_number
 
 __all__ = ["RePoConfig", "MODES", "GQA_MODES"]
 
-MODES = ("swigluex_multihead", "multihead_continuous", "continuous")
+MODES = ("swigluex_multihead", "multihead_continuous", "continuous", "nope")
 """``swigluex_multihead`` (the released one): ``z = (SiLU(h W_g) * (h W_c)) W_z``, one position per head;
-``multihead_continuous``: ``z = h W_z``, one per head; ``continuous``: ``z = h w``, one shared by every head."""
+``multihead_continuous``: ``z = h W_z``, one per head; ``continuous``: ``z = h w``, one shared by every head;
+``nope``: no position at all in these layers (``z = 0``: queries and keys unrotated, no parameters), the paper's
+NoPE baseline (the released fork's ``dynamic_pe_mode: nope``)."""
 
 GQA_MODES = ("kv_head", "query_head")
 """With grouped-query attention: ``kv_head`` predicts one position per KV head, shared by its query group (keys

@@ -350,3 +350,30 @@ def test_a_cluster_field_widens_the_paired_interval_to_whole_clusters_across_the
     del recs_[3]["segment"]
     with pytest.raises(ClaimError, match="record 's3' .* has no 'segment' field"):
         judge_cell(s, {"process": "on"}, recs_)
+
+
+def test_an_any_of_bar_holds_when_one_of_its_comparisons_holds_pooled():
+    """"Better on at least one family": superiority per family sharing ``any_of``; with a plain non-inferiority bar
+    beside it. One family better and one equal reproduces; both equal does not; a failing any_of row never fails
+    its own cell."""
+    comps = [{"arm": "m", "against": "dense", "test": "non_inferiority"},
+             {"arm": "m", "against": "dense", "test": "superiority", "where": {"task": ["a"]}, "any_of": "family"},
+             {"arm": "m", "against": "dense", "test": "superiority", "where": {"task": ["b"]}, "any_of": "family"}]
+    s = spec(control=None, comparisons=comps)
+    one_better = (recs("a", {"dense": ones(14), "m": ones(20), "crude": ones(0)})
+                  + recs("b", {"dense": ones(15), "m": ones(15), "crude": ones(0)}))
+    judged = judge_claim(s, one_better)
+    assert [c["verdict"] for c in judged["cells"]] == ["reproduces", "reproduces"]  # b's failing any_of row: shown
+    assert not next(r for r in judged["cells"][1]["comparisons"] if r["any_of"])["holds"]
+    assert judged["verdict"] == "reproduces"
+    both_equal = (recs("a", {"dense": ones(15), "m": ones(15), "crude": ones(0)})
+                  + recs("b", {"dense": ones(15), "m": ones(15), "crude": ones(0)}))
+    assert judge_claim(s, both_equal)["verdict"] == "does not reproduce"
+    worse = (recs("a", {"dense": ones(14), "m": ones(20), "crude": ones(0)})
+             + recs("b", {"dense": ones(20), "m": ones(8), "crude": ones(0)}))  # the plain bar fails pooled
+    assert judge_claim(s, worse)["verdict"] == "does not reproduce"
+    # a group none of whose cells passed its gates leaves the claim void, not reproducing
+    only_b = spec(control=None, comparisons=comps[:1] + comps[1:2])
+    b_cells = recs("a", {"dense": ones(5), "m": ones(20), "crude": ones(0)}) + recs(
+        "b", {"dense": ones(15), "m": ones(15), "crude": ones(0)})
+    assert judge_claim(only_b, b_cells)["verdict"].startswith("void (1 comparison(s)")

@@ -152,6 +152,8 @@ def test_bad_corpus_mix_and_lengths_name_the_key():
         TextDataConfig(mix={"kv_retrieval": 0.7, "table_lookup": 0.4})
     with pytest.raises(ValueError, match="eval_seq_lens"):
         TextDataConfig(eval_seq_lens=[1])
+    with pytest.raises(ValueError, match="split='random': valid values are hash, shuffle"):
+        TextDataConfig(split="random")
 
 
 @pytest.mark.slow
@@ -162,3 +164,49 @@ def test_the_installed_docs_corpus_holds_at_least_five_million_smollm2_tokens(sm
     docs = corpus_documents("installed_docs")
     n = sum(len(ids) for ids in smollm2_tokenizer(docs, add_special_tokens=False)["input_ids"])
     assert n >= 5_000_000, n
+
+
+# ------------------------------------------------------------------------------------------ the stable split
+def test_hash_split_keeps_each_documents_split_when_a_source_is_added(fake_env):
+    """A package installed later adds documents to installed_docs; every document already there keeps its split
+    under ``split: hash``, while the old permutation (``shuffle``) moves documents."""
+    from datamodules.text import hash_split, shuffle_split, split_documents
+
+    stdlib, site = fake_env
+    for i in range(60):  # a collection large enough that no split needs the fallback
+        (site / "pkg" / f"mod{i}.py").write_text(f'"""Module {i} of pkg. {LONG}"""\n')
+    before = [d["text"] for d in collect_documents(CorpusSpec(min_chars=200), stdlib, [site])]
+    (site / "newpkg").mkdir()
+    for i in range(25):
+        (site / "newpkg" / f"extra{i}.py").write_text(f'"""Extra {i}, a later package. {LONG}"""\n')
+    after = [d["text"] for d in collect_documents(CorpusSpec(min_chars=200), stdlib, [site])]
+    assert len(after) == len(before) + 25 and set(before) < set(after)
+
+    def named(parts, docs):
+        return {docs[i]: name for name, idx in parts.items() for i in idx}
+
+    old, new = named(hash_split(before, 0.1, 0.1, 0), before), named(hash_split(after, 0.1, 0.1, 0), after)
+    assert all(new[d] == old[d] for d in before)
+    assert {old[d] for d in before} == {"train", "val", "test"}
+    moved = named(shuffle_split(len(before), 0.1, 0.1, 0), before), named(shuffle_split(len(after), 0.1, 0.1, 0), after)
+    assert any(moved[1][d] != moved[0][d] for d in before)  # what the hash split fixes
+    assert named(split_documents(after, 0.1, 0.1, 0), after) == new  # the default
+    # another seed is another split, and identical documents share one
+    assert named(hash_split(before, 0.1, 0.1, 1), before) != old
+    twice = before + before[:10]
+    parts = hash_split(twice, 0.1, 0.1, 0)
+    assert all((i in parts["train"]) == (i + len(before) in parts["train"]) for i in range(10))
+
+
+def test_hash_split_fills_every_split_of_a_tiny_collection():
+    from datamodules.text import hash_split, split_documents
+
+    for n in (3, 4, 7):
+        docs = [f"doc {i}" for i in range(n)]
+        parts = hash_split(docs, 0.1, 0.1, seed=5)
+        assert all(parts[k] for k in ("train", "val", "test"))
+        assert sorted(sum(parts.values(), [])) == list(range(n))
+    with pytest.raises(ValueError, match="need at least 3"):
+        hash_split(["a", "b"], 0.1, 0.1, 0)
+    with pytest.raises(ValueError, match="valid values are hash, shuffle"):
+        split_documents(["a", "b", "c"], 0.1, 0.1, 0, how="random")

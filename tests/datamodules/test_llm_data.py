@@ -50,7 +50,8 @@ def test_text_datamodule_packs_documents_per_split(tok, tmp_path):
     assert all(v > 0 and v % 32 == 0 for v in counts.values())
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape == (2, 32) and batch["input_ids"].dtype == torch.long
-    parts = split_documents(8, 0.25, 0.25, seed=0)
+    docs = [f"document {i}" for i in range(8)]
+    parts = split_documents(docs, 0.25, 0.25, seed=0, how="shuffle")
     assert sorted(parts["train"] + parts["val"] + parts["test"]) == list(range(8))
     assert len(parts["val"]) == 2 and len(parts["test"]) == 2
 

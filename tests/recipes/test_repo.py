@@ -53,6 +53,25 @@ def test_integer_positions_reproduce_the_base_model_exactly(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_nope_layers_attend_without_positions_as_the_stock_model_at_position_zero(arch):
+    """``mode: nope`` in every layer is the stock model with every token at RoPE position 0 (HF's own rotation by
+    angle 0: identity), adds no parameters, and from a later layer on it differs from RoPE."""
+    model = tiny(arch)
+    x = ids()
+    n_params = sum(p.numel() for p in model.parameters())
+    base = model(input_ids=x).logits
+    zero = model(input_ids=x, position_ids=torch.zeros_like(x)).logits
+    assert (zero - base).abs().max() > 1e-3
+    apply_repo(model, {"mode": "nope", "start_layer": 0})
+    assert sum(p.numel() for p in model.parameters()) == n_params
+    torch.testing.assert_close(model(input_ids=x).logits, zero, rtol=1e-12, atol=1e-12)
+    later = tiny(arch)
+    apply_repo(later, {"mode": "nope", "start_layer": 1})
+    out = later(input_ids=x).logits
+    assert (out - base).abs().max() > 1e-3 and (out - zero).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_constant_shift_of_one_layers_positions_leaves_its_output_unchanged(arch):
     model = tiny(arch)
     apply_repo(model, {"start_layer": 1, "init_std": 0.5})

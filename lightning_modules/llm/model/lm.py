@@ -101,6 +101,17 @@ class LanguageModel(SharedEvalStages, LongContextModule):
             parts.append(F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none"))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
+    def window_token_losses(self, input_ids: torch.Tensor, window: int) -> torch.Tensor:
+        """Next-token cross-entropy ``[B, T-1]`` (nats) of ``input_ids [B, T]`` with every prediction made from at
+        most ``window`` tokens: windows of ``window`` tokens stepping ``window - 1``, so each target is predicted
+        once and the first window's predictions are those of :meth:`token_losses` (the same tokens read at the
+        training length when ``window`` is it)."""
+        if window < 2:
+            raise ValueError(f"window={window}: must be >= 2")
+        n = input_ids.shape[1]
+        parts = [self.token_losses(input_ids[:, a:a + window]) for a in range(0, max(1, n - 1), window - 1)]
+        return torch.cat(parts, dim=1)
+
     @staticmethod
     def target_mask(batch: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
         """``[B, T-1]`` targets that count (the batch's ``loss_mask [B, T]`` marks scored tokens; None = all)."""
@@ -119,22 +130,29 @@ class LanguageModel(SharedEvalStages, LongContextModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
-    def probe_step(self, stage: str, batch: Dict[str, Any]) -> None:
-        """A batch of retrieval probes (``answer_mask`` present: the data's ``passkey_lengths``): teacher-forced
-        accuracy (a row is right when the argmax at every answer token is that token) and the answer tokens'
-        cross-entropy, logged as ``{stage}/passkey_acc_len{T}`` / ``{stage}/passkey_loss_len{T}``."""
-        ids, mask = batch["input_ids"], batch["answer_mask"][:, 1:]
+    def answer_scores(self, input_ids: torch.Tensor, answer_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced answers of probes ``input_ids [B, T]`` whose answer tokens ``answer_mask [B, T]`` marks:
+        ``(right [B] bool, ce [B])``, a row right when the argmax at every answer token is that token, ``ce`` the
+        mean cross-entropy (nats) of its answer tokens."""
+        mask = answer_mask[:, 1:]
         hits, losses = [], []
-        for a, logits in self.next_token_logits(ids):
-            target = ids[:, a + 1:a + 1 + logits.shape[1]]
+        for a, logits in self.next_token_logits(input_ids):
+            target = input_ids[:, a + 1:a + 1 + logits.shape[1]]
             hits.append(logits.argmax(-1) == target)
             losses.append(F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none"))
-        right = torch.cat(hits, dim=1) | ~mask
-        acc = right.all(dim=1).float()
+        right = (torch.cat(hits, dim=1) | ~mask).all(dim=1)
         ce = (torch.cat(losses, dim=1) * mask).sum(1) / mask.sum(1).clamp_min(1)
+        return right, ce
+
+    def probe_step(self, stage: str, batch: Dict[str, Any]) -> None:
+        """A batch of retrieval probes (``answer_mask`` present: the data's ``passkey_lengths``): teacher-forced
+        accuracy and the answer tokens' cross-entropy (:meth:`answer_scores`), logged as
+        ``{stage}/passkey_acc_len{T}`` / ``{stage}/passkey_loss_len{T}``."""
+        ids = batch["input_ids"]
+        right, ce = self.answer_scores(ids, batch["answer_mask"])
         n = int(batch["probe_length"])
         kw = dict(batch_size=ids.shape[0], sync_dist=True, add_dataloader_idx=False)
-        self.log(f"{stage}/passkey_acc_len{n}", acc.mean(), **kw)
+        self.log(f"{stage}/passkey_acc_len{n}", right.float().mean(), **kw)
         self.log(f"{stage}/passkey_loss_len{n}", ce.mean(), **kw)
 
     def eval_step(self, stage: str, batch: Dict[str, torch.Tensor]) -> None:
