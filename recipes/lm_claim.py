@@ -27,7 +27,9 @@ seed is the model's initialisation, the data order and the document split: ``see
 
 Records: one per (seed, task, length, block or probe, arm), ``id`` ``s<seed>:<task>:x<length>:<i>`` (the same blocks
 and probes for every arm of a seed: paired), with ``seed``, ``arm_settings`` and the fields above. Trained models are
-listed in ``<claim folder>/<split>_runs.json`` (folder, steps, seconds): a rerun trains nothing twice.
+listed in ``<claim folder>/<split>_runs.json`` (folder, steps, seconds): a rerun trains nothing twice. A RePo model's
+learned positions on the first held-out block (span, order, density per layer: :meth:`ScratchLM.positions`) are kept
+there too, with a figure ``<split>_positions_s<seed>.png``.
 """
 
 from __future__ import annotations
@@ -193,6 +195,35 @@ class ScratchLM:
                     log(f"[{self.spec.name}] {arm.name}, seed {seed}, {task} x{mult}: score {mean:.3f}")
         return out
 
+    def positions(self, arm: Any, seed: int, trained: Dict[str, Any], runs: RunsCache, figure: Path
+                  ) -> Optional[Dict[str, Any]]:
+        """Where a RePo model's layers put the tokens of the first held-out text block, at 1x and at the longest
+        length of the cells (:func:`~lightning_modules.repo.positions.position_stats` per layer, in the runs
+        cache under ``positions|<training key>|<seed>``) and a figure of the 1x block (``figure``); None for a
+        model without learned positions (``mode: nope``)."""
+        from lightning_modules.llm.model.loading import load_causal_lm
+        from lightning_modules.repo.positions import learned_positions, plot_positions, position_stats
+        from recipes.registry import create_datamodule
+
+        key = f"positions|{training_key(arm)}|{seed}"
+        if key in runs:
+            return runs[key]
+        if training_args(arm).get("repo", {}).get("mode") == "nope":
+            return None
+        model, _ = load_causal_lm(trained["hf"], with_tokenizer=False)
+        model.eval()
+        dm = create_datamodule("text", trained["data"])
+        seq_len, stream = int(dm.cfg.seq_len), dm.tokens("test")
+        out: Dict[str, Any] = {}
+        for mult in sorted({1, max(self.spec.cells.dims["length"])}):
+            z = learned_positions(model, stream[: mult * seq_len].long().unsqueeze(0))
+            out[f"x{mult}"] = {str(layer): position_stats(v) for layer, v in z.items()}
+            if mult == 1:
+                plot_positions(z, figure, f"{self.spec.name}: {arm.name}, seed {seed}, the first held-out block")
+        runs[key] = out
+        runs.save()
+        return out
+
     # ------------------------------------------------------------------ the split
     def run_split(self, split: str, store: Any, folder: Path, limit: Optional[int] = None,
                   log: Callable[[str], None] = print) -> None:
@@ -210,6 +241,8 @@ class ScratchLM:
                 if (seed, arm.name) in done:
                     continue
                 trained = self.train(arm, seed, runs, log)
+                if arm.method == "repo_cpt":
+                    self.positions(arm, seed, trained, runs, folder / f"{split}_positions_s{seed}.png")
                 start = time.time()
                 parts = self.evaluate(arm, seed, trained, log)
                 store.add([{**p, "seed": seed, "arm": arm.name, "arm_settings": self.settings(arm)} for p in parts])

@@ -107,7 +107,8 @@ def _spec(tmp_path, **over):
            "arms": {"softmax": {"method": "lssa_lm", "args": {"attention": {"score_mode": "softmax"}}},
                     "softmax_1x": {"method": "lssa_lm", "args": {"attention": {"score_mode": "softmax"},
                                                                  "context": "train"}},
-                    "nope": {"method": "repo_cpt", "args": {"repo": {"mode": "nope", "start_layer": 0}}}},
+                    "nope": {"method": "repo_cpt", "args": {"repo": {"mode": "nope", "start_layer": 0}}},
+                    "repo": {"method": "repo_cpt", "args": {"repo": {"start_layer": 1}}}},
            "reference": "softmax",
            "gates": [{"name": "degrades", "field": "log_growth", "arm": "softmax", "bar": 0.18,
                       "where": {"task": ["text"], "length": [2]}}],
@@ -126,10 +127,15 @@ def test_the_study_trains_each_model_once_and_records_paired_cells(tmp_path, mon
     judged = run_claim(spec, tmp_path / "claims", "heldout", log=lambda s: None)
     folder = tmp_path / "claims" / "lm_tiny"
     records = [json.loads(line) for line in (folder / "heldout.jsonl").open()]
-    ids = {a: sorted(r["id"] for r in records if r["arm"] == a) for a in ("softmax", "softmax_1x", "nope")}
-    assert ids["softmax"] == ids["softmax_1x"] == ids["nope"] and len(ids["softmax"]) == 8  # 4 cells x 2
+    ids = {a: sorted(r["id"] for r in records if r["arm"] == a) for a in ("softmax", "softmax_1x", "nope", "repo")}
+    assert ids["softmax"] == ids["softmax_1x"] == ids["nope"] == ids["repo"] and len(ids["softmax"]) == 8  # 4 x 2
     runs = json.loads((folder / "heldout_runs.json").read_text())
-    assert sorted(k.split("|")[1].split("-")[0] for k in runs) == ["lssa_lm", "repo_cpt"]  # 1x shares the model
+    trained = sorted(k.split("|")[1].split("-")[0] for k in runs if k.startswith("train|"))
+    assert trained == ["lssa_lm", "repo_cpt", "repo_cpt"]  # the 1x arm shares its model
+    # where RePo's layer put the first held-out block (none for NoPE), and its figure
+    (pos_key,) = [k for k in runs if k.startswith("positions|")]
+    assert set(runs[pos_key]) == {"x1", "x2"} and set(runs[pos_key]["x1"]) == {"1"}
+    assert runs[pos_key]["x1"]["1"]["span"] > 0 and (folder / "heldout_positions_s0.png").stat().st_size > 0
     by = {(r["arm"], r["id"]): r for r in records}
     for r in records:
         if r["task"] == "text":
@@ -140,8 +146,8 @@ def test_the_study_trains_each_model_once_and_records_paired_cells(tmp_path, mon
             if r["length"] == 1:
                 assert r["log_growth"] == pytest.approx(0.0, abs=1e-12)
             else:
-                assert r["log_growth"] == pytest.approx(math.log(by[("softmax", r["id"])]["loss"] / r["loss_1x"])
-                                                        if r["arm"] != "nope" else r["log_growth"])
+                whole = by[("softmax" if r["arm"] == "softmax_1x" else r["arm"], r["id"])]["loss"]
+                assert r["log_growth"] == pytest.approx(math.log(whole / r["loss_1x"]))  # the model's own growth
         else:
             assert r["score"] in (0.0, 1.0) and r["drop"] == r["hit_1x"] - r["hit"]
             assert r["family_1x"] == pytest.approx(sum(

@@ -186,3 +186,28 @@ def test_bad_settings_and_architectures_fail_in_one_line():
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(SurgeryError, match=r"RePo supports the architectures llama, olmo2, qwen2 .*model_type='gpt2'"):
         apply_repo(gpt2)
+
+
+def test_position_stats_of_closed_forms_and_the_positions_a_hook_sets(tmp_path):
+    from lightning_modules.repo.positions import learned_positions, plot_positions, position_stats
+
+    n = 50
+    idx = torch.arange(n, dtype=torch.float32)
+    integer = position_stats(torch.stack([idx, 3 * idx], 1))
+    assert integer["span"] == pytest.approx((49 + 147) / 2) and integer["step"] == pytest.approx(2.0)
+    assert integer["spearman"] == pytest.approx(1.0) and integer["increasing"] == 1.0
+    assert integer["linear_r2"] == pytest.approx(1.0)
+    backwards = position_stats((-idx ** 2).unsqueeze(1))  # order reversed, not a line
+    assert backwards["spearman"] == pytest.approx(-1.0) and backwards["increasing"] == 0.0
+    assert backwards["linear_r2"] < 0.95
+    flat = position_stats(torch.zeros(n, 2))
+    assert flat["span"] == 0.0 and flat["spearman"] == 0.0 and flat["step"] == 0.0
+    model = tiny("llama", dtype="float32")
+    apply_repo(model, {"start_layer": 1})
+    for attn in repo_modules(model).values():
+        attn.position_hook = integer_positions
+    z = learned_positions(model, ids(b=1))
+    assert sorted(z) == [1, 2] and torch.equal(z[1][:, 0], torch.arange(14, dtype=torch.float32))
+    assert plot_positions(z, tmp_path / "z.png", "t").stat().st_size > 0
+    with pytest.raises(ValueError, match="expected one sequence"):
+        learned_positions(model, ids(b=2))
