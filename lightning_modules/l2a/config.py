@@ -9,10 +9,15 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional
 
 from lightning_modules.base import check_field, is_int, is_number
 
-__all__ = ["L2AConfig", "LAMBDA_SCHEDULES"]
+__all__ = ["L2AConfig", "LAMBDA_SCHEDULES", "MIXES"]
 
 LAMBDA_SCHEDULES = ("linear", "cosine", "constant")
-MODEL_KEYS = ("window", "layer_ids", "temperature", "threshold", "pruned_layers")
+MIXES = ("add", "replace")
+"""How a routed token combines its two paths: ``add`` (the paper and the released construction: local + global,
+so at initialisation a routed token gets the base attention twice) or ``replace`` (a documented deviation, the
+harmless start: ``(1 - d) local + d global``, so a routed token gets exactly the global path, and with the global
+copies of the base attention an every-token-routed L2A is the base model at step 0)."""
+MODEL_KEYS = ("window", "layer_ids", "temperature", "threshold", "pruned_layers", "mix")
 
 
 @dataclass
@@ -25,6 +30,7 @@ class L2AConfig:
         threshold: a token is routed to global attention when ``sigma(z / T) >= threshold`` (0.5: ``z >= 0``).
         pruned_layers: L2A layers whose global path was removed after training (no global attention, no global
             KV); set by :func:`lightning_modules.l2a.prune.prune_global_paths`.
+        mix: ``add`` (the paper) or ``replace`` (the harmless start; see :data:`MIXES`).
         lambda_max: the weight of the sparsity penalty ``sum_t sigma(z_t / T)^2`` (per sequence, averaged over
             layers and the batch) at the end of training. The paper's 1e-8 goes with 128K-token sequences; the
             penalty is a sum over tokens, so shorter training sequences need a larger weight.
@@ -44,6 +50,7 @@ class L2AConfig:
     temperature: float = 0.1
     threshold: float = 0.5
     pruned_layers: List[int] = field(default_factory=list)
+    mix: str = "add"
     lambda_max: float = 1e-4
     lambda_schedule: str = "linear"
     lambda_start: float = 0.1
@@ -65,6 +72,7 @@ class L2AConfig:
                     "must be a number in (0, 1)")
         check_field(all(is_int(i) and i >= 0 for i in self.pruned_layers), owner, "pruned_layers",
                     self.pruned_layers, "expected a list of layer indices >= 0")
+        check_field(self.mix in MIXES, owner, "mix", self.mix, f"valid values are {', '.join(MIXES)}")
         check_field(is_number(self.lambda_max) and self.lambda_max >= 0, owner, "lambda_max", self.lambda_max,
                     "must be a number >= 0")
         check_field(self.lambda_schedule in LAMBDA_SCHEDULES, owner, "lambda_schedule", self.lambda_schedule,
@@ -112,7 +120,8 @@ class L2AConfig:
     def to_hf(self, layer_ids: List[int]) -> Dict[str, Any]:
         """The ``l2a_config`` dict (model-shape settings only)."""
         return {"window": int(self.window), "layer_ids": list(layer_ids), "temperature": float(self.temperature),
-                "threshold": float(self.threshold), "pruned_layers": sorted(int(i) for i in self.pruned_layers)}
+                "threshold": float(self.threshold), "pruned_layers": sorted(int(i) for i in self.pruned_layers),
+                "mix": self.mix}
 
     @classmethod
     def from_hf(cls, settings: Mapping[str, Any]) -> "L2AConfig":

@@ -9,6 +9,11 @@ Pre-norm layers (Llama, Qwen2), for the block input ``x [B, N, D]``:
     x2 = x1 + d_t * O_g(GlobalAttn(g))_t               global: ``*_global`` copies of the base attention
     out = x2 + MLP(norm2(x2))
 
+With ``mix: replace`` (the harmless start, a documented deviation: :data:`~lightning_modules.l2a.config.MIXES`) the
+router still reads ``norm_g(x1)``, then ``x1' = x + (1 - d_t) * O(SWA_W(norm1(x)))`` and ``x2 = x1' + d_t *
+O_g(GlobalAttn(norm_g(x1')))``: a routed token's global path reads ``norm_g(x)``, so with every token routed the layer
+is the base layer.
+
 Post-norm OLMo-2 keeps its placement: ``x1 = x + norm_a(O(SWA_W(x)))``, the global attention reads ``x1`` (its
 own QK norms), ``x2 = x1 + d_t * norm_a_global(O_g(GlobalAttn(x1)))_t``, the router reads ``norm_g(x1)``.
 
@@ -194,6 +199,7 @@ class L2ADecoderLayer(nn.Module):
             setattr(self, name, child)
         self.attention_type = getattr(base, "attention_type", "full_attention")
         self.self_attn = L2AAttention(base.self_attn, layer_idx, cfg, kind, with_global)
+        self.mix = cfg.mix
         if with_global:
             hidden = self.self_attn.q_proj.in_features
             ref = self.post_attention_layernorm
@@ -214,20 +220,26 @@ class L2ADecoderLayer(nn.Module):
         attn = self.self_attn
         x = hidden_states
         if self.kind.norm == "pre":
-            x1 = x + attn.local(self.input_layernorm(x), position_embeddings, attention_mask, cache)
+            local = attn.local(self.input_layernorm(x), position_embeddings, attention_mask, cache)
         else:
-            x1 = x + self.post_attention_layernorm(attn.local(x, position_embeddings, attention_mask, cache))
-        x2 = x1
+            local = self.post_attention_layernorm(attn.local(x, position_embeddings, attention_mask, cache))
+        x2 = x + local
         if attn.has_global:
-            x2 = x1 + self._global_branch(x1, position_embeddings, attention_mask, cache)
+            x2 = self._global_branch(x, local, position_embeddings, attention_mask, cache)
         if self.kind.norm == "pre":
             return x2 + self.mlp(self.post_attention_layernorm(x2))
         return x2 + self.post_feedforward_layernorm(self.mlp(x2))
 
-    def _global_branch(self, x1: torch.Tensor, rope, mask, cache) -> torch.Tensor:
+    def _global_branch(self, x: torch.Tensor, local: torch.Tensor, rope, mask, cache) -> torch.Tensor:
+        """``x2`` of a layer with a global path, from the block input ``x`` and the local path's output ``local``
+        (both ``[B, N, D]``)."""
         attn = self.self_attn
+        x1 = x + local
         g = self.input_layernorm_global(x1)
         routed, d, soft = attn.route(g)
+        if self.mix == "replace":  # a routed token keeps only the global path: it reads norm_g(x)
+            x1 = x + local * (1 - d).to(local.dtype).unsqueeze(-1)
+            g = self.input_layernorm_global(x1)
         valid = _valid_tokens(mask, x1.shape[1])
         with torch.no_grad():
             live = routed if valid is None else routed & valid
@@ -244,14 +256,15 @@ class L2ADecoderLayer(nn.Module):
                 _, k, v = project_qkv(attn, q_in, self.kind, prefix="_global")
                 k = _apply_rope(k, *rope)
                 cache.update(k, v, attn.layer_idx)
-            return keep_in_graph(torch.zeros_like(x1), attn.global_parameters() + list(self.input_layernorm_global.parameters()))
+            return x1 + keep_in_graph(torch.zeros_like(x1), attn.global_parameters()
+                                      + list(self.input_layernorm_global.parameters()))
         inp = x1 if self.kind.norm == "post" else g
         y = attn.global_attention(inp, rope, mask, cache, routed, dense)
         if self.kind.norm == "post":
             y = self.post_attention_layernorm_global(y)
         if not dense:  # rows not computed carry no signal (o_proj's bias would leak a gradient to the router)
             y = torch.where(routed.unsqueeze(-1), y, torch.zeros_like(y))
-        return y * d.to(y.dtype).unsqueeze(-1)
+        return x1 + y * d.to(y.dtype).unsqueeze(-1)
 
 
 def _valid_tokens(mask: Optional[torch.Tensor], n_q: int) -> Optional[torch.Tensor]:

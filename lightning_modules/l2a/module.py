@@ -60,6 +60,8 @@ class L2ACPTConfig(LanguageModelConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.l2a = nested_config(self.l2a, L2AConfig, "l2a_cpt.l2a")
+        check_field(self.trainable is None, "l2a_cpt", "trainable", self.trainable,
+                    "l2a_cpt trains l2a.trainable; set that one (leave trainable null)")
         check_field(self.prune_threshold is None or (is_number(self.prune_threshold) and 0 <= self.prune_threshold < 1),
                     "l2a_cpt", "prune_threshold", self.prune_threshold, "expected null or a number in [0, 1)")
         check_field(is_int(self.prune_batches) and self.prune_batches >= 1, "l2a_cpt", "prune_batches",
@@ -81,9 +83,7 @@ class L2ACPTModule(LanguageModel):
         self.l2a = self.cfg.l2a_config
         if not l2a_layers(self.model):  # a saved L2A model continues with its own layers
             apply_l2a(self.model, self.l2a)
-        trainable = tuple(self.l2a.trainable)
-        for name, p in self.model.named_parameters():
-            p.requires_grad_(any(t in name for t in trainable))
+        self.freeze_except(self.l2a.trainable)
         self._total_steps: Optional[int] = None
         self.prune_report: Optional[Dict[str, Any]] = None
         self._pruned: Any = None

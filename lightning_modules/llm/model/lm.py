@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ class LanguageModelConfig:
         export_dir: when training ends, rank zero writes the model (with any surgery and its settings) and the
             tokenizer as a Hugging Face folder here (relative to the run directory, or absolute); ``load_causal_lm``
             reloads it with the same logits. None = do not write one.
+        trainable: substrings of parameter names that train (e.g. ``[self_attn, norm]``: attention and norms, the
+            set L2A trains, for its plain baseline); every other parameter is frozen. None = every parameter.
+            ``l2a_cpt`` sets its own with ``l2a.trainable``.
     """
 
     model: str = "smollm2-135m"
@@ -41,8 +44,13 @@ class LanguageModelConfig:
     position_buckets: int = 4
     gradient_checkpointing: bool = False
     export_dir: Optional[str] = None
+    trainable: Optional[List[str]] = None
 
     def __post_init__(self) -> None:
+        if self.trainable is not None and (not isinstance(self.trainable, (list, tuple)) or not self.trainable
+                                           or not all(isinstance(t, str) and t for t in self.trainable)):
+            raise ValueError(f"trainable={self.trainable!r}: expected null or a non-empty list of parameter-name "
+                             f"substrings (e.g. [self_attn, norm])")
         if self.position_buckets < 1:
             raise ValueError(f"position_buckets must be >= 1, got {self.position_buckets}")
         if self.export_dir is not None and (not isinstance(self.export_dir, str) or not self.export_dir):
@@ -62,6 +70,8 @@ class LanguageModel(SharedEvalStages, LongContextModule):
         self.model, self.tokenizer = load_causal_lm(self.cfg.model, dtype=self.cfg.dtype, seed=self.cfg.seed,
                                                     tiny=self.cfg.tiny or None)
         self.modify_model()
+        if self.cfg.trainable is not None:
+            self.freeze_except(self.cfg.trainable)
         self.model.train()  # the loader returns eval mode; Lightning switches modes per stage from here
         if self.cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -70,6 +80,16 @@ class LanguageModel(SharedEvalStages, LongContextModule):
 
     def modify_model(self) -> None:
         """Model surgery of a method (none here); runs once, right after loading."""
+
+    def freeze_except(self, trainable: Sequence[str]) -> None:
+        """Train only the parameters whose names contain one of ``trainable``; an empty match is an error."""
+        keep = tuple(trainable)
+        hits = 0
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(any(t in name for t in keep))
+            hits += p.requires_grad
+        if not hits:
+            raise ValueError(f"trainable={list(keep)}: no parameter name of {self.cfg.model} contains one of these")
 
     HEAD_CHUNK = 1024
     """Positions per output-head call when evaluating without gradients (bounds the ``[B, chunk, vocab]`` logits)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_modules.l2a.config import L2AConfig
-from lightning_modules.l2a.layer import apply_l2a, l2a_layers, routing_stats, set_dense_step
+from lightning_modules.l2a.layer import apply_l2a, l2a_layers, reset_routing_stats, routing_stats, set_dense_step
 from lightning_modules.l2a.prune import kv_bytes, prune_global_paths
 from lightning_modules.llm.model.loading import load_causal_lm
 from lightning_modules.llm.model.surgery import SurgeryError
@@ -133,11 +133,36 @@ def test_router_gradient_is_straight_through_on_dense_steps_and_zero_for_unroute
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_cached_decoding_keeps_every_global_key_and_a_trimmed_local_stream(arch):
+def test_the_harmless_start_is_the_base_model_at_step_zero_and_the_papers_start_is_not(arch):
+    """``mix: replace``: the zero-initialised router routes every token, and a routed token gets only the global
+    path (a copy of the base attention reading the block input), so the model is the base model; ``mix: add`` (the
+    paper) gives routed tokens the base attention twice."""
+    x = ids()
+    base = tiny(arch)
+    want = base(input_ids=x).logits
+    harmless, paper = copy.deepcopy(base), copy.deepcopy(base)
+    apply_l2a(harmless, {"window": 4, "mix": "replace"})
+    apply_l2a(paper, {"window": 4})
+    torch.testing.assert_close(harmless(input_ids=x).logits, want, rtol=1e-9, atol=1e-9)
+    assert all(r == 1.0 for r in routing_stats(harmless).values())
+    assert (paper(input_ids=x).logits - want).abs().max() > 1e-2
+    # with no token routed, replace and add are the same local-only model
+    for m in (harmless, paper):
+        for layer in l2a_layers(m).values():
+            layer.self_attn.threshold = 0.99  # z = 0: sigma = 0.5 < 0.99, nothing routed
+        reset_routing_stats(m)
+    torch.testing.assert_close(harmless(input_ids=x).logits, paper(input_ids=x).logits, rtol=1e-9, atol=1e-9)
+    assert all(r == 0.0 for r in routing_stats(harmless).values())
+    assert harmless.config.l2a_config["mix"] == "replace"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mix", ["add", "replace"])
+def test_cached_decoding_keeps_every_global_key_and_a_trimmed_local_stream(arch, mix):
     from transformers import DynamicCache
 
     model = tiny(arch)
-    apply_l2a(model, {"window": 5})
+    apply_l2a(model, {"window": 5, "mix": mix})
     for layer in l2a_layers(model).values():
         torch.nn.init.normal_(layer.self_attn.sigmoid_linear.weight, std=1.0)
     x = ids(n=20)
@@ -248,3 +273,25 @@ def test_bad_settings_and_architectures_fail_in_one_line():
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(SurgeryError, match=r"L2A supports the architectures llama, olmo2, qwen2"):
         apply_l2a(gpt2)
+
+
+def test_the_plain_baseline_trains_l2a_s_parameter_set_and_l2a_keeps_its_own():
+    """``trainable`` on a plain LM freezes everything but matching names (L2A's set: attention and norms), so the
+    baseline of L2A's claim trains what L2A trains; ``l2a_cpt`` refuses it (its set is ``l2a.trainable``)."""
+    from lightning_modules.l2a.module import L2ACPTConfig, L2ACPTModule
+    from lightning_modules.llm.model.lm import LanguageModel, LanguageModelConfig
+
+    plain = LanguageModel(LanguageModelConfig(model="tiny-llama", tiny={"num_hidden_layers": 2},
+                                              trainable=["self_attn", "norm"]))
+    live = {n for n, p in plain.model.named_parameters() if p.requires_grad}
+    assert live and all("self_attn" in n or "norm" in n for n in live)
+    assert any("mlp" in n for n, p in plain.model.named_parameters() if not p.requires_grad)
+    l2a = L2ACPTModule(L2ACPTConfig(model="tiny-llama", tiny={"num_hidden_layers": 2}))
+    l2a_live = {n for n, p in l2a.model.named_parameters() if p.requires_grad}
+    assert live < l2a_live and all("_global" in n or "sigmoid_linear" in n for n in l2a_live - live)
+    with pytest.raises(ValueError, match="no parameter name of tiny-llama contains one of these"):
+        LanguageModel(LanguageModelConfig(model="tiny-llama", tiny={"num_hidden_layers": 2}, trainable=["nothing"]))
+    with pytest.raises(ValueError, match="trainable=\\[\\]: expected null or a non-empty list"):
+        LanguageModelConfig(trainable=[])
+    with pytest.raises(ValueError, match="l2a_cpt trains l2a.trainable"):
+        L2ACPTConfig(model="tiny-llama", trainable=["self_attn"])
