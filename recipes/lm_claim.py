@@ -1,7 +1,8 @@
-"""Claims on small language models trained from scratch (Softplus attention, RePo): the ``lm_scratch`` study kind of
-the claim harness (``configs/claims/softplus.yaml``, ``configs/claims/repo.yaml``).
+"""Claims on language models the claim trains (Softplus attention and RePo from scratch; L2A by continued
+pretraining): the ``lm_study`` study kind of the claim harness (``configs/claims/softplus.yaml``,
+``configs/claims/repo.yaml``).
 
-An arm is ``{method: lm | lssa_lm | repo_cpt, args: {<the method's args>, context: full | train}}``. Arms whose method
+An arm is ``{method: lm | lssa_lm | repo_cpt | l2a_cpt, args: {<the method's args>, context: full | train}}``. Arms whose method
 and args agree (``context`` aside) share one trained model: for each seed of the split the recipe
 ``kind_args.recipe`` (``scratch_lm``: a 4-layer Llama at 256 tokens on the docs corpus and the task mix) is fitted
 with the arm's method and args (``<runs_root>/<claim>/<method>-<args hash>-s<seed>``; a killed run continues from its
@@ -16,7 +17,10 @@ seed is the model's initialisation, the data order and the document split: ``see
   training-length windows, so ``log_growth`` = ln(loss / loss_1x) is how much the longer context costs on the very
   same predictions; ``neg_loss_1x`` = -loss_1x (a field gate reads "the 1x loss is at most x" as ``>= -x``).
   ``score`` = -ln(loss): a difference of scores is the log ratio of the losses, so 100 x a difference in "points"
-  is about the percent change (a bar "within 5% of" is a margin of ln(1.05) = 0.0488).
+  is about the percent change (a bar "within 5% of" is a margin of ln(1.05) = 0.0488); ``neg_loss`` = -loss, whose
+  differences are log perplexity ratios (a claim with ``metric: neg_loss`` reads "perplexity within 3%" as a margin
+  of ln(1.03) = 0.0296 nats). An L2A model's blocks also carry ``skip``: the share of tokens its routers kept off
+  global attention in the block's read (mean over the layers that have a global path).
 * a probe task (a family of :data:`datamodules.longctx_tasks.TASKS`: ``passkey``, ``niah_single``, ``table_lookup``,
   ``graph_hops`` ...; ``<task>_near``: the prompt built at 3/4 of the training length after held-out prose up to the
   cell's length, :class:`~datamodules.text.PasskeyProbes` ``within``): :attr:`LMStudy.probes` teacher-forced probes of
@@ -28,7 +32,7 @@ seed is the model's initialisation, the data order and the document split: ``see
 Records: one per (seed, task, length, block or probe, arm), ``id`` ``s<seed>:<task>:x<length>:<i>`` (the same blocks
 and probes for every arm of a seed: paired), with ``seed``, ``arm_settings`` and the fields above. Trained models are
 listed in ``<claim folder>/<split>_runs.json`` (folder, steps, seconds): a rerun trains nothing twice. A RePo model's
-learned positions on the first held-out block (span, order, density per layer: :meth:`ScratchLM.positions`) are kept
+learned positions on the first held-out block (span, order, density per layer: :meth:`LMStudyKind.positions`) are kept
 there too, with a figure ``<split>_positions_s<seed>.png``.
 """
 
@@ -44,14 +48,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from recipes.study import RunsCache, records_done
 
-__all__ = ["LMStudy", "ScratchLM", "CONTEXTS", "NEAR"]
+__all__ = ["LMStudy", "LMStudyKind", "CONTEXTS", "NEAR"]
 
 CONTEXTS = ("full", "train")
 """An arm's ``context``: the whole sequence, or at most the training length (the same model read at 1x)."""
 NEAR = "_near"
 """Suffix of a probe task whose prompt stays at 3/4 of the training length inside longer prose."""
-METHODS = ("lm", "lssa_lm", "repo_cpt")
-"""The methods an arm may train (language models from scratch)."""
+METHODS = ("lm", "lssa_lm", "repo_cpt", "l2a_cpt")
+"""The methods an arm may train (language models)."""
 
 
 @dataclass
@@ -94,7 +98,7 @@ def probe_task(task: str) -> Tuple[str, bool]:
     return (task[: -len(NEAR)], True) if task.endswith(NEAR) else (task, False)
 
 
-class ScratchLM:
+class LMStudyKind:
     """The study kind (see the module docstring); :func:`recipes.claim.run_claim` calls :meth:`run_split`."""
 
     def __init__(self, spec: Any) -> None:
@@ -259,14 +263,27 @@ def text_records(module: Any, stream, length: int, seq_len: int, blocks: int, wi
     if stream.numel() < blocks * length:
         raise ValueError(f"the test split has {stream.numel()} tokens, fewer than {blocks} blocks of {length}; lower "
                          f"kind_args.blocks or the lengths, or add documents")
+    from lightning_modules.l2a.layer import l2a_layers, reset_routing_stats, routing_stats
+
+    routed = bool(l2a_layers(module.model))
     out = []
     for i in range(blocks):
         ids = stream[i * length:(i + 1) * length].long().unsqueeze(0)
+        if routed:  # the routing counts cover the last read: the whole block
+            reset_routing_stats(module.model)
         short = float(module.window_token_losses(ids, seq_len).mean())
-        whole = float(module.token_losses(ids).mean()) if length > seq_len else short
+        whole = short
+        if length > seq_len:
+            if routed:
+                reset_routing_stats(module.model)
+            whole = float(module.token_losses(ids).mean())
         loss = short if window is not None else whole
-        out.append({"score": -math.log(loss), "loss": loss, "loss_1x": short, "log_growth": math.log(whole / short),
-                    "neg_loss_1x": -short})
+        rec = {"score": -math.log(loss), "neg_loss": -loss, "loss": loss, "loss_1x": short,
+               "log_growth": math.log(whole / short), "neg_loss_1x": -short}
+        if routed:
+            rates = [r for r in routing_stats(module.model).values() if r == r]
+            rec["skip"] = 1.0 - sum(rates) / len(rates) if rates else 1.0
+        out.append(rec)
     return out
 
 

@@ -1,4 +1,4 @@
-"""The from-scratch LM study kind (``lm_scratch``: Softplus attention's and RePo's claims): windowed losses against a
+"""The from-scratch LM study kind (``lm_study``: Softplus attention's and RePo's claims): windowed losses against a
 brute-force read of each target's own window, the near probes, the records of a tiny study end to end (paired ids,
 one trained model shared by a model's full and 1x arms, the 1x cell's identities), resumption of the study and of a
 training run killed mid-way, and the claim files' checks."""
@@ -101,14 +101,16 @@ def test_near_probes_keep_the_prompt_at_the_short_length_after_prose(smollm2_tok
 def _spec(tmp_path, **over):
     from litctx_common.claims import ClaimSpec
 
-    raw = {"name": "lm_tiny", "paper": "P", "claim": "C", "kind": "lm_scratch", "model": None, "capability": None,
+    raw = {"name": "lm_tiny", "paper": "P", "claim": "C", "kind": "lm_study", "model": None, "capability": None,
            "kind_args": {"overrides": TINY, "seeds": {"heldout": [0]}, "blocks": 2, "probes": 2,
                          "runs_root": str(tmp_path / "runs")},
            "arms": {"softmax": {"method": "lssa_lm", "args": {"attention": {"score_mode": "softmax"}}},
                     "softmax_1x": {"method": "lssa_lm", "args": {"attention": {"score_mode": "softmax"},
                                                                  "context": "train"}},
                     "nope": {"method": "repo_cpt", "args": {"repo": {"mode": "nope", "start_layer": 0}}},
-                    "repo": {"method": "repo_cpt", "args": {"repo": {"start_layer": 1}}}},
+                    "repo": {"method": "repo_cpt", "args": {"repo": {"start_layer": 1}}},
+                    "l2a": {"method": "l2a_cpt", "args": {"l2a": {"window": 16, "mix": "replace"},
+                                                          "prune_threshold": None}}},
            "reference": "softmax",
            "gates": [{"name": "degrades", "field": "log_growth", "arm": "softmax", "bar": 0.18,
                       "where": {"task": ["text"], "length": [2]}}],
@@ -127,11 +129,12 @@ def test_the_study_trains_each_model_once_and_records_paired_cells(tmp_path, mon
     judged = run_claim(spec, tmp_path / "claims", "heldout", log=lambda s: None)
     folder = tmp_path / "claims" / "lm_tiny"
     records = [json.loads(line) for line in (folder / "heldout.jsonl").open()]
-    ids = {a: sorted(r["id"] for r in records if r["arm"] == a) for a in ("softmax", "softmax_1x", "nope", "repo")}
-    assert ids["softmax"] == ids["softmax_1x"] == ids["nope"] == ids["repo"] and len(ids["softmax"]) == 8  # 4 x 2
+    arms = ("softmax", "softmax_1x", "nope", "repo", "l2a")
+    ids = {a: sorted(r["id"] for r in records if r["arm"] == a) for a in arms}
+    assert all(ids[a] == ids["softmax"] for a in arms) and len(ids["softmax"]) == 8  # 4 cells x 2
     runs = json.loads((folder / "heldout_runs.json").read_text())
     trained = sorted(k.split("|")[1].split("-")[0] for k in runs if k.startswith("train|"))
-    assert trained == ["lssa_lm", "repo_cpt", "repo_cpt"]  # the 1x arm shares its model
+    assert trained == ["l2a_cpt", "lssa_lm", "repo_cpt", "repo_cpt"]  # the 1x arm shares its model
     # where RePo's layer put the first held-out block (none for NoPE), and its figure
     (pos_key,) = [k for k in runs if k.startswith("positions|")]
     assert set(runs[pos_key]) == {"x1", "x2"} and set(runs[pos_key]["x1"]) == {"1"}
@@ -139,7 +142,8 @@ def test_the_study_trains_each_model_once_and_records_paired_cells(tmp_path, mon
     by = {(r["arm"], r["id"]): r for r in records}
     for r in records:
         if r["task"] == "text":
-            assert r["score"] == pytest.approx(-math.log(r["loss"]))
+            assert r["score"] == pytest.approx(-math.log(r["loss"])) and r["neg_loss"] == -r["loss"]
+            assert ("skip" in r) == (r["arm"] == "l2a") and 0.0 <= r.get("skip", 0.0) <= 1.0
             assert r["neg_loss_1x"] == pytest.approx(-r["loss_1x"])
             if r["length"] == 1 or r["arm"] == "softmax_1x":
                 assert r["loss"] == pytest.approx(r["loss_1x"])
@@ -168,22 +172,22 @@ def test_the_study_trains_each_model_once_and_records_paired_cells(tmp_path, mon
 
 def test_the_claim_files_and_bad_arms_are_checked(tmp_path):
     from recipes.claim import load_claim
-    from recipes.lm_claim import ScratchLM, training_key
+    from recipes.lm_claim import LMStudyKind, training_key
 
     for name in ("softplus", "repo"):
         spec = load_claim(name)
         if spec.status == "run":
-            kind = ScratchLM(spec)
+            kind = LMStudyKind(spec)
             assert kind.study.recipe == "scratch_lm" and kind.study.seeds["heldout"] == [0, 1, 2]
     spec = _spec(tmp_path)
     assert training_key(spec.arm("softmax")) == training_key(spec.arm("softmax_1x")) != training_key(spec.arm("nope"))
     with pytest.raises(ValueError, match=r"arms\.nope\.method='meg_xl_words': expected one of lm, lssa_lm, repo_cpt"):
-        ScratchLM(_spec(tmp_path, arms={"softmax": {"method": "lssa_lm"},
+        LMStudyKind(_spec(tmp_path, arms={"softmax": {"method": "lssa_lm"},
                                         "nope": {"method": "meg_xl_words"}}))
     with pytest.raises(ValueError, match=r"'sudoku' is neither 'text' nor a task"):
-        ScratchLM(_spec(tmp_path, cells={"dims": {"task": ["text", "sudoku"], "length": [1, 2]}, "n": 2}))
+        LMStudyKind(_spec(tmp_path, cells={"dims": {"task": ["text", "sudoku"], "length": [1, 2]}, "n": 2}))
     with pytest.raises(ValueError, match=r"args\.context='half': expected one of full, train"):
-        ScratchLM(_spec(tmp_path, arms={"softmax": {"method": "lssa_lm", "args": {"context": "half"}},
+        LMStudyKind(_spec(tmp_path, arms={"softmax": {"method": "lssa_lm", "args": {"context": "half"}},
                                         "nope": {"method": "lm"}}))
 
 
@@ -193,14 +197,14 @@ def test_a_training_run_killed_mid_way_is_continued_by_the_study(tmp_path):
     (resume=auto in its directory) to the same weights as an uninterrupted run."""
     from safetensors.torch import load_file
 
-    from recipes.lm_claim import ScratchLM, training_key
+    from recipes.lm_claim import LMStudyKind, training_key
     from recipes.study import RunsCache
 
     cache = tmp_path / "cache"
     env = dict(os.environ, PYTHONWARNINGS="ignore", LITCTX_CACHE_DIR=str(cache))
     spec = _spec(tmp_path, kind_args={"overrides": TINY + ["data.args.train_batches=40"], "seeds": {"heldout": [0]},
                                       "blocks": 2, "probes": 2, "runs_root": str(tmp_path / "runs")})
-    kind = ScratchLM(spec)
+    kind = LMStudyKind(spec)
     arm = spec.arm("softmax")
     run_dir = Path(kind.study.runs_root) / spec.name / f"{training_key(arm)}-s0"
     args = [sys.executable, "-m", "recipes.fit", "--recipe", "scratch_lm"] + kind.overrides(arm, 0, run_dir)
