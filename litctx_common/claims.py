@@ -21,7 +21,9 @@ Each cell is judged in order (:func:`judge_cell`):
    (2 points) and its 95% lower bound >= ``lower`` (-5 points)), ``superiority`` (the paired interval excludes 0
    on the arm's side, and the difference is >= ``effect``, 0 by default) or ``equivalence`` (the paired interval
    lies within +-``margin``: a control condition where the effect should vanish). A comparison applies to every
-   cell, or to the cells its ``where`` selects. All that apply hold: ``reproduces``; otherwise
+   cell, or to the cells its ``where`` selects; ``at_least`` is a bar on one arm alone (the mean of a record
+   ``field`` >= ``at_least``, e.g. L2A's share of tokens that skip global attention). All that apply hold:
+   ``reproduces``; otherwise
    ``does not reproduce``.
 
 A cell that fails a gate is void: it never reads as "does not reproduce". The pooled verdict (:func:`judge_claim`)
@@ -52,7 +54,7 @@ from litctx_common.stats import paired_bootstrap
 __all__ = ["ArmSpec", "Comparison", "FieldGate", "CellSpec", "SplitSpec", "ClaimSpec", "ClaimError", "judge_cell",
            "judge_claim", "cells_of", "TESTS", "VERDICTS", "KINDS", "discrimination_gate", "board", "board_table"]
 
-TESTS = ("non_inferiority", "superiority", "equivalence")
+TESTS = ("non_inferiority", "superiority", "equivalence", "at_least")
 #: kind name -> ``"module:Class"`` built with ``(spec, model, tokenizer)``: ``evaluate(built sample, arms)`` gives each
 #: arm's record, ``settings(arm spec)`` the arm's complete config (the kinds live with their methods)
 KINDS = {"suite_prefill": "lightning_modules.sparse_prefill.claims:SuitePrefill",
@@ -97,7 +99,7 @@ class Comparison:
     against``)."""
 
     arm: str
-    against: str
+    against: str = ""
     test: str = "non_inferiority"
     margin: float = 0.02
     lower: float = -0.05
@@ -106,11 +108,17 @@ class Comparison:
     """``superiority``: the smallest difference the paper's bar asks for (besides the interval above 0)."""
     where: Dict[str, List[Any]] = field(default_factory=dict)
     """The cells the comparison applies to (``{dim: [values]}``; empty: every cell)."""
+    field: Optional[str] = None
+    """``at_least``: the record field whose mean over the arm's records must reach ``at_least`` (a bar on one arm,
+    e.g. L2A's share of tokens that skip global attention); ``against`` is not used."""
+    at_least: Optional[float] = None
     any_of: Optional[str] = None
     """A label: the comparisons sharing it are one bar that holds when at least one of them holds in the pooled
     verdict (a paper's "better on at least one family"); in a cell's verdict a failing one is shown, not counted."""
 
     def holds(self, diff: float, lo: float, hi: float) -> bool:
+        if self.test == "at_least":
+            return diff >= float(self.at_least) - 1e-12
         if self.test == "non_inferiority":
             return diff >= -self.margin - 1e-12 and lo >= self.lower - 1e-12
         if self.test == "equivalence":
@@ -122,12 +130,21 @@ class Comparison:
 
     @property
     def against_text(self) -> str:
+        if self.test == "at_least":
+            return f"mean {self.field} >= {self.at_least:g}"
         return self.against if self.fraction == 1.0 else f"{self.fraction:g} x {self.against}"
+
+    @property
+    def label(self) -> str:
+        """The comparison's column name: ``arm - against`` (``arm field`` for ``at_least``)."""
+        return f"{self.arm} {self.field}" if self.test == "at_least" else f"{self.arm} - {self.against_text}"
 
     def bar(self) -> str:
         cells = f" (cells {_where_text(self.where)})" if self.where else ""
         if self.any_of:
             cells += f" [at least one of the {self.any_of!r} bars]"
+        if self.test == "at_least":
+            return f"{self.arm}: mean {self.field} >= {self.at_least:g} (95% interval shown){cells}"
         if self.test == "non_inferiority":
             return (f"{self.arm} - {self.against_text} >= {(-100 * self.margin) or 0.0:+.0f} points, "
                     f"95% lower bound >= {100 * self.lower:+.0f}{cells}")
@@ -308,7 +325,9 @@ class ClaimSpec:
             if self.discrimination is not None and not 0.0 <= self.discrimination < 1.0:
                 problems.append(f"discrimination={self.discrimination!r}: must be in [0, 1) (points above chance)")
             for i, c in enumerate(self.comparisons):
-                for k in ("arm", "against"):
+                if c.test == "at_least" and (not c.field or not isinstance(c.at_least, (int, float))):
+                    problems.append(f"comparisons[{i}]: test at_least needs field and at_least (a number)")
+                for k in ("arm",) if c.test == "at_least" else ("arm", "against"):
                     if getattr(c, k) not in names:
                         problems.append(f"comparisons[{i}].{k}={getattr(c, k)!r}: not an arm ({', '.join(names)})")
                 if c.test not in TESTS:
@@ -370,10 +389,12 @@ def _cell_key(cell: Mapping[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in cell.items())
 
 
-def _paired(records: Sequence[Mapping[str, Any]], metric: str) -> Dict[str, Dict[str, float]]:
-    """``{arm: {sample id: metric}}``."""
+def _paired(records: Sequence[Mapping[str, Any]], metric: str, optional: bool = False) -> Dict[str, Dict[str, float]]:
+    """``{arm: {sample id: metric}}`` (``optional``: records without the field are left out)."""
     out: Dict[str, Dict[str, float]] = {}
     for r in records:
+        if optional and not isinstance(r.get(metric), (int, float)):
+            continue
         out.setdefault(r["arm"], {})[r["id"]] = float(r[metric])
     return out
 
@@ -395,14 +416,32 @@ def _clusters(spec: ClaimSpec, records: Sequence[Mapping[str, Any]],
 
 def _compare(spec: ClaimSpec, by: Mapping[str, Mapping[str, float]], ids: Sequence[str],
              comparisons: Optional[Sequence[Comparison]] = None,
-             clusters: Optional[Mapping[str, Any]] = None) -> List[Dict[str, Any]]:
+             clusters: Optional[Mapping[str, Any]] = None,
+             field_values: Optional[Callable[[str], Mapping[str, Mapping[str, float]]]] = None
+             ) -> List[Dict[str, Any]]:
+    """One row per comparison over the paired samples ``ids``; ``field_values(field)``: ``{arm: {id: value}}`` of a
+    record field (the ``at_least`` comparisons)."""
     rows = []
     labels = None if clusters is None else [clusters[i] for i in ids]
     for c in spec.comparisons if comparisons is None else comparisons:
-        a = [by[c.arm][i] for i in ids]
-        b = [c.fraction * by[c.against][i] for i in ids]
-        bs = paired_bootstrap(a, b, seed=1, clusters=labels)
-        rows.append({"arm": c.arm, "against": c.against_text, "test": c.test, "diff": bs["diff"], "lo": bs["lo"],
+        if c.test == "at_least":
+            values = field_values(c.field).get(c.arm, {}) if field_values is not None else {}
+            mine = [i for i in ids if i in values]
+            if not mine:
+                rows.append({"arm": c.arm, "against": c.against_text, "label": c.label, "test": c.test,
+                             "diff": float("nan"), "lo": float("nan"), "hi": float("nan"), "holds": False,
+                             "bar": c.bar(), "any_of": c.any_of})
+                continue
+            a = [values[i] for i in mine]
+            b = [0.0] * len(a)
+            sub = None if clusters is None else [clusters[i] for i in mine]
+        else:
+            a = [by[c.arm][i] for i in ids]
+            b = [c.fraction * by[c.against][i] for i in ids]
+            sub = labels
+        bs = paired_bootstrap(a, b, seed=1, clusters=sub)
+        rows.append({"arm": c.arm, "against": c.against_text, "label": c.label, "test": c.test, "diff": bs["diff"],
+                     "lo": bs["lo"],
                      "hi": bs["hi"], "holds": c.holds(bs["diff"], bs["lo"], bs["hi"]), "bar": c.bar(),
                      "any_of": c.any_of,
                      **({"clusters": bs["clusters"]} if "clusters" in bs else {})})
@@ -452,7 +491,8 @@ def judge_cell(spec: ClaimSpec, cell: Mapping[str, Any], records: Sequence[Mappi
             out["gates"][g.name] = {"value": value, "bar": g.bar, "passed": bool(vals) and value >= g.bar - 1e-12}
     paired = set(ids)
     out["comparisons"] = _compare(spec, by, ids, [c for c in spec.comparisons if c.applies(cell)],
-                                  _clusters(spec, [r for r in records if r["id"] in paired]))
+                                  _clusters(spec, [r for r in records if r["id"] in paired]),
+                                  lambda f: _paired([r for r in records if r["id"] in paired], f, optional=True))
     out["verdict"] = _verdict(out, len(ids) >= want, want)
     out["ids"] = ids
     return out
@@ -518,12 +558,13 @@ def judge_claim(spec: ClaimSpec, records: Sequence[Mapping[str, Any]], n: Option
         verdict = (f"pending ({len(pending)} of {len(cells)} cells)" if pending
                    else "void (no cell passed its gates)")
         return {"cells": cells, "pooled": None, "verdict": verdict}
-    def pool(cells_: Sequence[Mapping[str, Any]]) -> Tuple[Dict[str, Dict[str, float]], List[str], Any]:
+    def pool(cells_: Sequence[Mapping[str, Any]], metric: str = spec.metric, optional: bool = False
+             ) -> Tuple[Dict[str, Dict[str, float]], List[str], Any]:
         by: Dict[str, Dict[str, float]] = {}
         clusters: Optional[Dict[str, Any]] = None if spec.cluster is None else {}
         for c in cells_:  # pool the cells' samples, paired: an id is unique within its cell
             mine = [r for r in records if all(r.get(k) == v for k, v in c["cell"].items()) and r["id"] in c["ids"]]
-            for arm, vals in _paired(mine, spec.metric).items():
+            for arm, vals in _paired(mine, metric, optional).items():
                 by.setdefault(arm, {}).update({f"{c['name']}|{i}": v for i, v in vals.items()})
             if clusters is not None:  # a cluster spans the cells (the same words under every cell)
                 clusters.update(_clusters(spec, mine, key=lambda r, name=c["name"]: f"{name}|{r['id']}"))
@@ -537,7 +578,8 @@ def judge_claim(spec: ClaimSpec, records: Sequence[Mapping[str, Any]], n: Option
             unjudged += comp.any_of is None  # a group counts below, once, when none of it was judged
             continue
         mine_by, mine_ids, mine_clusters = pool(mine)
-        comps += [{**row, "n": len(mine_ids)} for row in _compare(spec, mine_by, mine_ids, [comp], mine_clusters)]
+        comps += [{**row, "n": len(mine_ids)} for row in _compare(
+            spec, mine_by, mine_ids, [comp], mine_clusters, lambda f, cells_=mine: pool(cells_, f, True)[0])]
     pooled = {"n": len(ids), "cells": [c["name"] for c in passed], "comparisons": comps,
               "arms": {a: sum(by[a][i] for i in ids) / len(ids) for a in by}}
     verdict = "reproduces" if bars_hold(comps) else "does not reproduce"
@@ -560,7 +602,7 @@ def verdict_table(spec: ClaimSpec, judged: Mapping[str, Any]) -> List[str]:
     """The markdown table of a judged claim: one row per cell and the pooled row (n, each arm, the gates, the
     paired differences with 95% intervals, the verdict)."""
     arms = [a.name for a in spec.arms]
-    comps = [f"{c.arm} - {c.against_text}" for c in spec.comparisons]
+    comps = [c.label for c in spec.comparisons]
     disc = ["discrimination"] if spec.discrimination is not None else []
     cap_col = ["capability"] if spec.capability is not None else []
     field_gates = [g.name for g in spec.gates]
@@ -584,7 +626,7 @@ def verdict_table(spec: ClaimSpec, judged: Mapping[str, Any]) -> List[str]:
             fg = gates.get(g)
             vals.append("-" if fg is None else f"{fg['value']:.3g} (>= {fg['bar']:g}) "
                         f"{'pass' if fg['passed'] else 'FAIL'}")
-        by = {f"{x['arm']} - {x['against']}": x for x in c.get("comparisons", [])}
+        by = {x.get("label", f"{x['arm']} - {x['against']}"): x for x in c.get("comparisons", [])}
         vals += [interval_text(by[k]["diff"], by[k]["lo"], by[k]["hi"]) + (" ok" if by[k]["holds"] else "")
                  if k in by else "-" for k in comps]
         vals.append(c["verdict"])

@@ -377,3 +377,32 @@ def test_an_any_of_bar_holds_when_one_of_its_comparisons_holds_pooled():
     b_cells = recs("a", {"dense": ones(5), "m": ones(20), "crude": ones(0)}) + recs(
         "b", {"dense": ones(15), "m": ones(15), "crude": ones(0)})
     assert judge_claim(only_b, b_cells)["verdict"].startswith("void (1 comparison(s)")
+
+
+def test_an_at_least_bar_reads_one_arms_field_in_cells_and_pooled():
+    """L2A's "skips >= 70% of global attention": the mean of ``skip`` over the arm's records, beside a paired
+    comparison; a cell without the field cannot hold it."""
+    comps = [{"arm": "m", "against": "dense", "test": "non_inferiority"},
+             {"arm": "m", "test": "at_least", "field": "skip", "at_least": 0.7}]
+    s = spec(control=None, comparisons=comps)
+
+    def with_skip(task, skip):
+        out = recs(task, {"dense": ones(16), "m": ones(16), "crude": ones(0)})
+        for i, r in enumerate(out):
+            if r["arm"] == "m":
+                r["skip"] = skip[i % len(skip)]
+        return out
+
+    good, low = with_skip("a", [0.8, 0.7]), with_skip("b", [0.6, 0.5])
+    cell = judge_cell(s, {"task": "a"}, good)
+    row = next(r for r in cell["comparisons"] if r["test"] == "at_least")
+    assert cell["verdict"] == "reproduces" and row["diff"] == pytest.approx(0.75) and row["label"] == "m skip"
+    assert judge_cell(s, {"task": "b"}, low)["verdict"] == "does not reproduce"
+    pooled = judge_claim(s, good + low)
+    assert pooled["verdict"] == "does not reproduce"  # pooled mean 0.65
+    assert next(r for r in pooled["pooled"]["comparisons"] if r["test"] == "at_least")["diff"] == pytest.approx(0.65)
+    assert "m skip" in verdict_table(s, pooled)[0]
+    missing = recs("a", {"dense": ones(16), "m": ones(16), "crude": ones(0)})
+    assert judge_cell(s, {"task": "a"}, missing)["verdict"] == "does not reproduce"
+    with pytest.raises(ClaimError, match="test at_least needs field and at_least"):
+        spec(control=None, comparisons=[{"arm": "m", "test": "at_least", "field": "skip"}])

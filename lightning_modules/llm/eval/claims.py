@@ -60,7 +60,7 @@ def plot_claim(spec: ClaimSpec, judged: Mapping[str, Any], path: Path) -> bool:
     if not cells:
         return False
     arms = [a.name for a in spec.arms]
-    comps = [f"{c.arm} - {c.against_text}" for c in spec.comparisons]
+    comps = [c.label for c in spec.comparisons]
     rows = [(i, j) for i in range(len(cells)) for j in range(len(comps))]  # one row per (cell, comparison)
     colours = plt.get_cmap("tab20" if len(arms) > 10 else "tab10")
     size = (6 + 0.8 * len(cells) + 0.15 * len(arms), max(3.4 + 0.18 * len(arms), 1.2 + 0.22 * len(rows)))
@@ -89,7 +89,8 @@ def plot_claim(spec: ClaimSpec, judged: Mapping[str, Any], path: Path) -> bool:
     if not rows:
         return _save(fig, path)
     for y, (i, j) in enumerate(rows):
-        x = next((x for x in cells[i]["comparisons"] if f"{x['arm']} - {x['against']}" == comps[j]), None)
+        x = next((x for x in cells[i]["comparisons"] if x.get("label", f"{x['arm']} - {x['against']}") == comps[j]),
+                 None)
         if x is not None:
             bx.errorbar(100 * x["diff"], y, xerr=[[100 * (x["diff"] - x["lo"])], [100 * (x["hi"] - x["diff"])]],
                         fmt="o", color=f"C{j % 10}")
