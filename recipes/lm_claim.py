@@ -159,6 +159,8 @@ class LMStudyKind:
                                f"method.args.export_dir)")
         runs[key] = {"hf": str(hf), "steps": int(run.trainer.global_step), "seconds": time.time() - start,
                      "data": json.loads(json.dumps(dict(run.cfg.data.args), default=str))}
+        if (run_dir / "l2a_prune.json").is_file():  # L2A: the routing rates and the KV bytes pruning saved
+            runs[key]["prune"] = json.loads((run_dir / "l2a_prune.json").read_text())
         runs.save()
         return runs[key]
 

@@ -174,11 +174,11 @@ def test_the_claim_files_and_bad_arms_are_checked(tmp_path):
     from recipes.claim import load_claim
     from recipes.lm_claim import LMStudyKind, training_key
 
-    for name in ("softplus", "repo"):
+    for name in ("softplus", "repo", "l2a"):
         spec = load_claim(name)
         if spec.status == "run":
             kind = LMStudyKind(spec)
-            assert kind.study.recipe == "scratch_lm" and kind.study.seeds["heldout"] == [0, 1, 2]
+            assert kind.study.recipe in ("scratch_lm", "cpt_attn") and kind.study.seeds["heldout"] == [0, 1, 2]
     spec = _spec(tmp_path)
     assert training_key(spec.arm("softmax")) == training_key(spec.arm("softmax_1x")) != training_key(spec.arm("nope"))
     with pytest.raises(ValueError, match=r"arms\.nope\.method='meg_xl_words': expected one of lm, lssa_lm, repo_cpt"):
