@@ -58,6 +58,10 @@ class CDICConfig:
             (its own write, or the writes of the states it was revised from) is read without gradient (k2 <= k1).
         update: optimiser steps once per ``dialogue`` (window gradients accumulate) or once per ``window``.
         grad_clip: gradient norm clip per optimiser step (None: off).
+        answer_weight: the weight of a recall's answer tokens in the reply loss (the loss is the weighted mean over
+            the reply tokens); 1 = the plain mean (the paper's loss, as reconstructed). A recall's answer is a few
+            of a dialogue's hundreds of reply tokens, so a compressor trained on the plain mean barely learns to
+            keep facts (the audit proposes 10).
         export_dir: when training ends the adapters, compression embeddings and gates are written here.
     """
 
@@ -88,6 +92,7 @@ class CDICConfig:
     tbptt_k2: int = 8
     update: str = "dialogue"
     grad_clip: Optional[float] = 1.0
+    answer_weight: float = 1.0
     export_dir: Optional[str] = "cdic"
 
     def __post_init__(self) -> None:
@@ -122,6 +127,8 @@ class CDICConfig:
         check_field(bool(self.lora_targets) and all(isinstance(t, str) and t for t in self.lora_targets), m,
                     "lora_targets", self.lora_targets, "must be a non-empty list of attribute paths inside a "
                     "decoder layer (e.g. self_attn.q_proj)")
+        check_field(is_number(self.answer_weight) and self.answer_weight > 0, m, "answer_weight", self.answer_weight,
+                    "must be a number > 0 (1 = every reply token counts alike)")
         check_field(self.grad_clip is None or (is_number(self.grad_clip) and self.grad_clip > 0), m, "grad_clip",
                     self.grad_clip, "must be a number > 0 or null")
         check_field(self.export_dir is None or isinstance(self.export_dir, str), m, "export_dir", self.export_dir,

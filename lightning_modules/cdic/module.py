@@ -86,7 +86,9 @@ class DialogueState:
 
 @dataclass
 class TurnRecord:
-    """One turn's outcome. ``loss`` keeps its graph (the sum of the reply tokens' losses); the rest are plain.
+    """One turn's outcome. ``loss`` keeps its graph (the sum of the reply tokens' losses); ``train_loss`` too (the
+    sum weighted by ``answer_weight`` at a recall's answer tokens) over ``train_weight`` (the weights' sum); the rest
+    are plain.
     ``state`` is the written state's keys ``[L, Hk, m, d]`` with its graph (tests follow gradients through it).
     ``attention_pairs``: (query, key) pairs the turn's attention computes per head and layer (causal, behind the
     past; both passes for ``concat``): matmul FLOP counters do not see the fused attention kernels, so
@@ -96,12 +98,14 @@ class TurnRecord:
     kind: str
     loss: torch.Tensor
     tokens: int
-    correct: Optional[bool]
-    answer_logp: Optional[float]
-    distance: Optional[int]
-    revised: Optional[bool]
-    memory_tokens: int
-    context_tokens: int
+    train_loss: Optional[torch.Tensor] = None
+    train_weight: float = 0.0
+    correct: Optional[bool] = None
+    answer_logp: Optional[float] = None
+    distance: Optional[int] = None
+    revised: Optional[bool] = None
+    memory_tokens: int = 0
+    context_tokens: int = 0
     attention_pairs: int = 0
     read: List[int] = field(default_factory=list)
     write: Optional[int] = None
@@ -221,6 +225,7 @@ class CDICModule(SharedEvalStages, LongContextModule):
         logits = head(hidden[0, first - 1:start + len(reply) - 1]).float()
         targets = torch.tensor(reply[first - start:], dtype=torch.long, device=logits.device)
         losses = F.cross_entropy(logits, targets, reduction="none")
+        weights = torch.ones_like(losses)
         correct, logp = None, None
         if turn.get("answer_span"):
             a, b = turn["answer_span"]
@@ -228,6 +233,7 @@ class CDICModule(SharedEvalStages, LongContextModule):
             if a >= 0:
                 correct = bool((logits[a:b].argmax(-1) == targets[a:b]).all())
                 logp = float(-losses[a:b].detach().sum())
+                weights[a:b] = float(c.answer_weight)
         # write back
         if c.memory == "full":
             if state.past is None:
@@ -256,6 +262,7 @@ class CDICModule(SharedEvalStages, LongContextModule):
                          len(self._recent(state, c.truncate_turns)) if c.memory == "truncate" else
                          state.memory.tokens())
         return TurnRecord(turn=t, kind=turn.get("kind", "chat"), loss=losses.sum(), tokens=int(targets.numel()),
+                          train_loss=(losses * weights).sum(), train_weight=float(weights.sum()),
                           correct=correct, answer_logp=logp, distance=turn.get("distance"),
                           revised=turn.get("revised"), memory_tokens=memory_tokens, context_tokens=p + x.shape[1],
                           attention_pairs=pairs,
@@ -299,8 +306,8 @@ class CDICModule(SharedEvalStages, LongContextModule):
             loss_sum, n = None, 0
             for state, d in zip(states, batch):
                 for r in self.run_window(state, d["turns"][w0:w0 + c.tbptt_k1]):
-                    loss_sum = r.loss if loss_sum is None else loss_sum + r.loss
-                    n += r.tokens
+                    loss_sum = r.train_loss if loss_sum is None else loss_sum + r.train_loss
+                    n += r.train_weight
             if loss_sum is None or n == 0:
                 continue
             self.manual_backward(loss_sum / n)

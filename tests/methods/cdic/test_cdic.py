@@ -379,6 +379,24 @@ def test_no_gradient_crosses_a_window_and_within_a_window_it_does():
     assert any(not torch.allclose(a, b, atol=1e-7) for a, b in zip(g_window, g_last_only) if a is not None)
 
 
+def test_answer_weight_scales_the_answer_tokens_in_the_training_loss_only():
+    """The training loss weights a recall's answer tokens (``answer_span``) by ``answer_weight``: against the plain
+    per-token losses recomputed from ``loss`` at weight 1; evaluation's ``loss`` / ``tokens`` do not change."""
+    turns = _turns(3, ["a", "b"])  # reply of 4 tokens, answer tokens 1..2
+    plain, heavy = _module(), _module(answer_weight=10.0)
+    heavy.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        a = plain.run_window(plain.new_state(), turns)
+        b = heavy.run_window(heavy.new_state(), turns)
+    for x, y in zip(a, b):
+        assert float(x.loss) == pytest.approx(float(y.loss)) and x.tokens == y.tokens == 4  # evaluation unchanged
+        assert x.train_weight == 4 and y.train_weight == 4 + 2 * 9  # two answer tokens at 10
+        assert float(x.train_loss) == pytest.approx(float(x.loss))
+        assert float(y.train_loss) == pytest.approx(float(y.loss) + 9 * -y.answer_logp)  # answer losses x 10
+    with pytest.raises(ValueError, match="answer_weight"):
+        _module(answer_weight=0)
+
+
 def test_states_written_more_than_k2_turns_back_are_read_without_gradient():
     m = _module(tbptt_k1=6, tbptt_k2=1, slots=3, read_slots=3)
     turns = _turns(4, ["a", "b", "c", "a"])  # turn 3 reads a (written at 0: 3 back), b (2 back), c (1 back)
