@@ -63,7 +63,8 @@ KINDS = {"suite_prefill": "lightning_modules.sparse_prefill.claims:SuitePrefill"
          "rag_reuse": "lightning_modules.prophetkv.claims:RagReuse",
          "suite_composed": "lightning_modules.speculative.claims:SuiteComposed",
          "meg_transfer": "recipes.meg_claim:MEGTransfer",
-         "lm_study": "recipes.lm_claim:LMStudyKind"}
+         "lm_study": "recipes.lm_claim:LMStudyKind",
+         "cdic_study": "recipes.cdic_claim:CDICKind"}
 VERDICTS = ("reproduces", "does not reproduce", "void (capability)", "void (discrimination)", "void (phenomenon)",
             "pending", "untestable here", "void (no cell passed its gates)", "passes its gates")
 
