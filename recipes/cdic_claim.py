@@ -21,11 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from recipes.study import RunsCache, records_done
+from recipes.study import RecipeStudy, RunsCache, records_done
 
 __all__ = ["CDICStudy", "CDICKind", "TEST_SEED"]
 
@@ -34,25 +34,17 @@ TEST_SEED = 9100
 
 
 @dataclass
-class CDICStudy:
-    """The claim's ``kind_args``."""
+class CDICStudy(RecipeStudy):
+    """The claim's ``kind_args`` (:class:`~recipes.study.RecipeStudy` plus the test dialogues)."""
 
     recipe: str = "cdic_smollm2"
-    """The recipe every trained arm fits (its method args replaced by the arm's)."""
-    overrides: List[str] = field(default_factory=list)
-    """Overrides of the recipe for every arm (training and the untrained arms' settings alike)."""
-    seeds: Dict[str, List[int]] = field(default_factory=lambda: {"dev": [100], "heldout": [0, 1, 2]})
+    runs_root: str = "runs/cdic-claim"
     dialogues: int = 12
     """Test dialogues per seed."""
     turns: int = 32
     """Turns per test dialogue."""
-    runs_root: str = "runs/cdic-claim"
 
-    def __post_init__(self) -> None:
-        problems = [f"{k}={getattr(self, k)!r}: must be an integer >= 1" for k in ("dialogues", "turns")
-                    if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
-        if problems:
-            raise ValueError("CDICStudy: " + "; ".join(problems))
+    COUNTS = ("dialogues", "turns")
 
 
 def arm_key(arm: Any) -> str:
@@ -84,9 +76,7 @@ class CDICKind:
             raise ValueError(f"claim {spec.name}: " + "; ".join(problems))
 
     def settings(self, arm: Any) -> Dict[str, Any]:
-        study = {k: v for k, v in asdict(self.study).items() if k not in ("runs_root", "seeds")}
-        return json.loads(json.dumps({"method": arm.method, "args": dict(arm.args or {}), "study": study},
-                                     sort_keys=True))
+        return self.study.arm_settings(arm)
 
     def overrides(self, arm: Any, seed: int, run_dir: Path) -> List[str]:
         args = [f"method.args.{k}={json.dumps(v)}" for k, v in sorted(dict(arm.args or {}).items())]
@@ -140,10 +130,7 @@ class CDICKind:
                   log: Callable[[str], None] = print) -> None:
         import torch
 
-        seeds = self.study.seeds.get(split)
-        if not seeds:
-            raise ValueError(f"claim {self.spec.name}: kind_args.seeds has no {split!r} seeds ({self.study.seeds})")
-        seeds = seeds[:limit] if limit else seeds
+        seeds = self.study.split_seeds(self.spec.name, split, limit)
         runs = RunsCache(folder, split)
         done = records_done(store, ("seed", "arm"), lambda a: self.settings(self.spec.arm(a)),
                             [a.name for a in self.spec.arms])

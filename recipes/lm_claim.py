@@ -2,9 +2,10 @@
 pretraining): the ``lm_study`` study kind of the claim harness (``configs/claims/softplus.yaml``,
 ``configs/claims/repo.yaml``).
 
-An arm is ``{method: lm | lssa_lm | repo_cpt | l2a_cpt, args: {<the method's args>, context: full | train}}``. Arms whose method
-and args agree (``context`` aside) share one trained model: for each seed of the split the recipe
-``kind_args.recipe`` (``scratch_lm``: a 4-layer Llama at 256 tokens on the docs corpus and the task mix) is fitted
+An arm is ``{method: lm | lssa_lm | repo_cpt | l2a_cpt, args: {<the method's args>, context: full | train}}``. Arms
+whose method and args agree (``context`` aside) share one trained model: for each seed of the split the recipe
+``kind_args.recipe`` (``scratch_lm``: a 4-layer Llama at 256 tokens on the docs corpus and the task mix; ``l2a``:
+``cpt_attn``, SmolLM2 continued pretraining) is fitted
 with the arm's method and args (``<runs_root>/<claim>/<method>-<args hash>-s<seed>``; a killed run continues from its
 ``last.ckpt``: ``resume=auto``) and its exported ``hf`` folder is evaluated on the seed's held-out documents (the
 seed is the model's initialisation, the data order and the document split: ``seed``, ``method.args.seed``,
@@ -42,11 +43,11 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from recipes.study import RunsCache, records_done
+from recipes.study import RecipeStudy, RunsCache, records_done
 
 __all__ = ["LMStudy", "LMStudyKind", "CONTEXTS", "NEAR"]
 
@@ -59,27 +60,17 @@ METHODS = ("lm", "lssa_lm", "repo_cpt", "l2a_cpt")
 
 
 @dataclass
-class LMStudy:
-    """The claim's ``kind_args``: what is trained, how long, and how much is evaluated."""
+class LMStudy(RecipeStudy):
+    """The claim's ``kind_args`` (:class:`~recipes.study.RecipeStudy` plus how much is evaluated)."""
 
     recipe: str = "scratch_lm"
-    """The recipe every arm fits (its method and args replaced by the arm's)."""
-    overrides: List[str] = field(default_factory=list)
-    """Overrides of the recipe for every run (e.g. ``data.args.train_batches=...``)."""
-    seeds: Dict[str, List[int]] = field(default_factory=lambda: {"dev": [100], "heldout": [0, 1, 2]})
-    """The seeds of each split."""
+    runs_root: str = "runs/lm-claim"
     blocks: int = 16
     """Text blocks per seed and length cell."""
     probes: int = 40
     """Probes per seed, task and length cell."""
-    runs_root: str = "runs/lm-claim"
-    """Run directories and checkpoints (resumable); the results live in the claim's records."""
 
-    def __post_init__(self) -> None:
-        problems = [f"{k}={getattr(self, k)!r}: must be an integer >= 1" for k in ("blocks", "probes")
-                    if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
-        if problems:
-            raise ValueError("LMStudy: " + "; ".join(problems))
+    COUNTS = ("blocks", "probes")
 
 
 def training_args(arm: Any) -> Dict[str, Any]:
@@ -125,10 +116,8 @@ class LMStudyKind:
             raise ValueError(f"claim {spec.name}: " + "; ".join(problems))
 
     def settings(self, arm: Any) -> Dict[str, Any]:
-        """What an arm's records were made with (a resumed split with other settings is refused)."""
-        study = {k: v for k, v in asdict(self.study).items() if k not in ("runs_root", "seeds")}
-        return json.loads(json.dumps({"method": arm.method, "args": dict(arm.args or {}), "study": study},
-                                     sort_keys=True))
+        """What an arm's records were made with (:meth:`~recipes.study.RecipeStudy.arm_settings`)."""
+        return self.study.arm_settings(arm)
 
     # ------------------------------------------------------------------ training
     def overrides(self, arm: Any, seed: int, run_dir: Path) -> List[str]:
@@ -235,10 +224,7 @@ class LMStudyKind:
                   log: Callable[[str], None] = print) -> None:
         """Train and evaluate every arm for each seed of ``split`` (``limit``: the first seeds only), appending the
         records to ``store``; what is on file (records, trained models) is reused."""
-        seeds = self.study.seeds.get(split)
-        if not seeds:
-            raise ValueError(f"claim {self.spec.name}: kind_args.seeds has no {split!r} seeds ({self.study.seeds})")
-        seeds = seeds[:limit] if limit else seeds
+        seeds = self.study.split_seeds(self.spec.name, split, limit)
         runs = RunsCache(folder, split)
         done = records_done(store, ("seed", "arm"), lambda a: self.settings(self.spec.arm(a)),
                             [a.name for a in self.spec.arms])
