@@ -242,7 +242,10 @@ class FollowUpConfig:
     recipe: Optional[str] = None
     """The follow-up recipe; null: none."""
     init_from: str = "best"
-    """This run's checkpoint the follow-up starts from: ``best``, ``last`` or ``none``."""
+    """What the follow-up starts from: this run's ``best`` or ``last`` checkpoint (loaded as ``init_from``),
+    ``none``, or ``export``: this run's exported model folder (``method.args.export_dir``) as the follow-up's
+    ``method.args.model`` (a language model continued from the trained weights with another surgery, e.g. L2A
+    added to a model trained from scratch, whose global path must copy the trained attention)."""
     inherit: List[str] = field(default_factory=list)
     """Dotted keys copied from this run's resolved config into the follow-up's (e.g. ``seed``, ``data.args.path``)."""
     overrides: List[str] = field(default_factory=list)
@@ -303,8 +306,8 @@ class RunConfig:
             problems.append(f"stages={self.stages}: unknown stage(s) {bad}; valid: fit, validate, test")
         if self.resume_mismatch not in ("error", "allow"):
             problems.append(f"resume_mismatch={self.resume_mismatch!r}: expected 'error' or 'allow'")
-        if self.then.init_from not in ("best", "last", "none"):
-            problems.append(f"then.init_from={self.then.init_from!r}: expected 'best', 'last' or 'none'")
+        if self.then.init_from not in ("best", "last", "none", "export"):
+            problems.append(f"then.init_from={self.then.init_from!r}: expected 'best', 'last', 'none' or 'export'")
         if self.resume not in (None, "auto") and self.init_from is not None:
             problems.append("resume=<path> and init_from are mutually exclusive (resume restores everything)")
         if problems:

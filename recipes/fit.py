@@ -156,9 +156,11 @@ def _component_without_config(loaded, key: str) -> bool:
                       + (f"; valid keys of {key.rsplit('.', 1)[0]}: {', '.join(valid)}" if valid else ""))
 
 
-def follow_up_overrides(loaded, run_dir: Path, checkpoint: Optional[str], suffix: str = "") -> List[str]:
-    """The overrides of ``loaded.run.then``'s recipe: the inherited keys, ``init_from``, its run directory
-    (``<run_dir>/then-<recipe><suffix>``), then ``then.overrides``. An inherited key inside the args of a component
+def follow_up_overrides(loaded, run_dir: Path, checkpoint: Optional[str], suffix: str = "",
+                        model: Optional[str] = None) -> List[str]:
+    """The overrides of ``loaded.run.then``'s recipe: the inherited keys, ``init_from`` (or ``method.args.model`` for
+    ``then.init_from: export``: ``model``), its run directory (``<run_dir>/then-<recipe><suffix>``), then
+    ``then.overrides``. An inherited key inside the args of a component
     without a config class that this run does not set is not copied (the follow-up keeps its own value); any
     other unknown key is an error (for a component with a config class, naming its valid keys)."""
     from omegaconf import OmegaConf
@@ -179,6 +181,8 @@ def follow_up_overrides(loaded, run_dir: Path, checkpoint: Optional[str], suffix
         out.append(f"{key}={json.dumps(value)}")
     if checkpoint is not None:
         out.append(f"init_from={checkpoint}")
+    if model is not None:
+        out.append(f"method.args.model={model}")
     out.append(f"run_dir={run_dir / ('then-' + str(then.recipe) + suffix)}")
     return out + list(then.overrides)
 
@@ -233,7 +237,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if len(chain) >= 8 or current.run.then.recipe in [c.run.recipe for c in chain] + [loaded.run.recipe]:
             raise ConfigError(f"then.recipe: the chain {loaded.run.recipe} -> ... -> {current.run.then.recipe} "
                               "repeats a recipe or is longer than 8")
-        probe = follow_up_overrides(current, Path("runs"), None if current.run.then.init_from == "none" else "ckpt")
+        how = current.run.then.init_from
+        if how == "export" and not (current.run.method.args or {}).get("export_dir"):
+            raise ConfigError(f"then.init_from=export: recipe {current.run.recipe!r} writes no model folder; set "
+                              f"method.args.export_dir (the folder its follow-up loads as method.args.model)")
+        probe = follow_up_overrides(current, Path("runs"), None if how in ("none", "export") else "ckpt",
+                                    model="runs/export" if how == "export" else None)
         if current.run.then.baseline:
             load_config(current.run.then.recipe, baseline_overrides(current, Path("runs")), args.profile)
         current = load_config(current.run.then.recipe, probe, args.profile)
@@ -260,12 +269,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         then = loaded.run.then
         if not then.recipe:
             return 0
-        checkpoint = None if then.init_from == "none" else run.checkpoint_path(then.init_from)
-        if then.init_from != "none" and checkpoint is None:
+        export = None
+        if then.init_from == "export":
+            export = Path(os.path.expanduser(str(run.cfg.method.args["export_dir"])))
+            export = export if export.is_absolute() else Path(run.run_dir) / export
+            if not (export / "config.json").is_file():
+                raise ConfigError(f"then.init_from=export: run {run.run_dir} wrote no model folder at {export}")
+        checkpoint = None if then.init_from in ("none", "export") else run.checkpoint_path(then.init_from)
+        if then.init_from not in ("none", "export") and checkpoint is None:
             raise ConfigError(f"then.init_from={then.init_from}: run {run.run_dir} saved no checkpoint")
-        next_overrides = follow_up_overrides(loaded, run.run_dir, checkpoint)
+        next_overrides = follow_up_overrides(loaded, run.run_dir, checkpoint, model=None if export is None
+                                             else str(export))
         if _is_rank_zero():
-            print(f"[litctx] then: recipe {then.recipe} from {checkpoint or 'scratch'}"
+            print(f"[litctx] then: recipe {then.recipe} from {checkpoint or export or 'scratch'}"
                   + (", then the same from scratch (baseline)" if then.baseline else ""), flush=True)
         from recipes.rundir import ENV_RUN_DIR
 

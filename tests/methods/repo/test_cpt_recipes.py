@@ -133,3 +133,34 @@ def test_unsupported_models_settings_and_checkpoints_are_one_line_errors(tmp_pat
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("Loading weights")]
     assert len(lines) == 1 and "L2A model" in lines[0] and "RePo applies to a plain Llama / Qwen2 / OLMo-2" in lines[0]
+
+
+def test_a_follow_up_starts_from_the_exported_model_so_l2a_copies_the_trained_attention(isolated_runs, capsys):
+    """``then.init_from: export`` (l2a_tiny_base -> l2a_tiny): the follow-up's ``method.args.model`` is the first
+    run's exported folder, so L2A's global copies are the trained attention: before its training, the follow-up's
+    local projections and their global copies equal the base model's weights."""
+    from safetensors.torch import load_file
+
+    from recipes.fit import main
+
+    data = ["data.args.corpus=pydoc", "data.args.seq_len=64", "data.args.eval_seq_lens=[64]",
+            "data.args.train_batches=2", "data.args.batch_size=2", "logging.progress=none"]
+    argv = (["--recipe", "l2a_tiny_base", "name=base"] + data
+            + ["method.args.tiny={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 2,"
+               " num_key_value_heads: 2, tie_word_embeddings: true}",
+               "then.overrides=" + json.dumps(data + ["method.args.l2a.window=16", "optim.lr=1.0e-9",
+                                                     "optim.warmup_steps=0", "optim.scheduler=constant",
+                                                     "method.args.l2a.dense_prob=0.0"])])
+    assert main(argv) == 0
+    base_dir = isolated_runs / "l2a_tiny_base" / "base"
+    follow = base_dir / "then-l2a_tiny"
+    cfg = json.loads(json.dumps(__import__("yaml").safe_load((follow / "config.yaml").read_text())))
+    assert cfg["method"]["args"]["model"] == str(base_dir / "hf")
+    base = load_file(base_dir / "hf" / "model.safetensors")
+    after = load_file(follow / "hf" / "model.safetensors")  # lr 1e-9: the follow-up barely moved
+    q = "model.layers.1.self_attn.q_proj.weight"
+    torch.testing.assert_close(after[q], base[q], rtol=0, atol=1e-6)
+    torch.testing.assert_close(after[q.replace("q_proj", "q_proj_global")], base[q], rtol=0, atol=1e-6)
+    assert main(["--recipe", "l2a_tiny_base", "method.args.export_dir=null", "name=none"] + data) == 2
+    assert "then.init_from=export: recipe 'l2a_tiny_base' writes no model folder" in capsys.readouterr().err
+    assert not (isolated_runs / "l2a_tiny_base" / "none").exists()  # refused before anything ran
