@@ -139,6 +139,7 @@ def test_a_follow_up_starts_from_the_exported_model_so_l2a_copies_the_trained_at
     """``then.init_from: export`` (l2a_tiny_base -> l2a_tiny): the follow-up's ``method.args.model`` is the first
     run's exported folder, so L2A's global copies are the trained attention: before its training, the follow-up's
     local projections and their global copies equal the base model's weights."""
+    import yaml
     from safetensors.torch import load_file
 
     from recipes.fit import main
@@ -154,7 +155,7 @@ def test_a_follow_up_starts_from_the_exported_model_so_l2a_copies_the_trained_at
     assert main(argv) == 0
     base_dir = isolated_runs / "l2a_tiny_base" / "base"
     follow = base_dir / "then-l2a_tiny"
-    cfg = json.loads(json.dumps(__import__("yaml").safe_load((follow / "config.yaml").read_text())))
+    cfg = yaml.safe_load((follow / "config.yaml").read_text())
     assert cfg["method"]["args"]["model"] == str(base_dir / "hf")
     base = load_file(base_dir / "hf" / "model.safetensors")
     after = load_file(follow / "hf" / "model.safetensors")  # lr 1e-9: the follow-up barely moved
