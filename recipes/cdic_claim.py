@@ -18,14 +18,12 @@ token is the argmax under teacher forcing), ``answer_logp``, ``distance`` (turns
 
 from __future__ import annotations
 
-import hashlib
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
-from recipes.study import RecipeStudy, RunsCache, records_done
+from recipes.study import RecipeStudy, RunsCache, StudyKind, args_key, fit_recipe
 
 __all__ = ["CDICStudy", "CDICKind", "TEST_SEED"]
 
@@ -50,11 +48,10 @@ class CDICStudy(RecipeStudy):
 def arm_key(arm: Any) -> str:
     """``<memory>-<8 hex>`` of an arm's args (arms with equal args share a trained model)."""
     args = dict(arm.args or {})
-    digest = hashlib.sha1(json.dumps(args, sort_keys=True).encode()).hexdigest()[:8]
-    return f"{args.get('memory', 'cdic')}-{digest}"
+    return args_key(args.get("memory", "cdic"), args)
 
 
-class CDICKind:
+class CDICKind(StudyKind):
     """The study kind (see the module docstring); :func:`recipes.claim.run_claim` calls :meth:`run_split`."""
 
     def __init__(self, spec: Any) -> None:
@@ -62,6 +59,7 @@ class CDICKind:
 
         self.spec = spec
         self.study = CDICStudy(**dict(spec.kind_args or {}))
+        self._dialogues: Dict[int, List[Dict[str, Any]]] = {}
         problems = [] if "fact" in spec.cells.dims else ["cells.dims needs 'fact' (introduced, revised)"]
         bad = [v for v in spec.cells.dims.get("fact", []) if v not in ("introduced", "revised")]
         if bad:
@@ -75,13 +73,8 @@ class CDICKind:
         if problems:
             raise ValueError(f"claim {spec.name}: " + "; ".join(problems))
 
-    def settings(self, arm: Any) -> Dict[str, Any]:
-        return self.study.arm_settings(arm)
-
     def overrides(self, arm: Any, seed: int, run_dir: Path) -> List[str]:
-        args = [f"method.args.{k}={json.dumps(v)}" for k, v in sorted(dict(arm.args or {}).items())]
-        return args + list(self.study.overrides) + [f"seed={seed}", f"data.args.seed={seed}", f"run_dir={run_dir}",
-                                                    "resume=auto", "stages=[fit]", "logging.tensorboard=false"]
+        return self.study.run_overrides(dict(arm.args or {}), seed, run_dir)
 
     # ------------------------------------------------------------------ the arms' modules
     def module(self, arm: Any, seed: int, runs: RunsCache, log: Callable[[str], None]) -> Any:
@@ -92,28 +85,24 @@ class CDICKind:
         from recipes.config import load_config
 
         run_dir = Path(self.study.runs_root) / self.spec.name / f"{arm_key(arm)}-s{seed}"
-        cfg = load_config(self.study.recipe, self.overrides(arm, seed, run_dir)).run
         if dict(arm.args or {}).get("memory", "cdic") not in COMPRESSING:
+            cfg = load_config(self.study.recipe, self.overrides(arm, seed, run_dir)).run
             return CDICModule(json.loads(json.dumps(dict(cfg.method.args), default=str)))
         key = f"train|{arm_key(arm)}|{seed}"
-        folder = run_dir / str(cfg.method.args.get("export_dir") or "cdic")
-        if key not in runs or not (folder / "cdic.safetensors").is_file():
-            from recipes.api import build
-            from recipes.fit import run_stages
-
+        if key not in runs or not (Path(runs[key]["folder"]) / "cdic.safetensors").is_file():
             log(f"[{self.spec.name}] training {arm_key(arm)} ({arm.args}), seed {seed}: {run_dir}")
-            start = time.time()
-            run = build(self.study.recipe, self.overrides(arm, seed, run_dir))
-            run_stages(run)
-            if not (folder / "cdic.safetensors").is_file():
-                raise RuntimeError(f"{run_dir}: training ended without {folder}/cdic.safetensors (the recipe needs "
-                                   f"method.args.export_dir)")
-            runs[key] = {"folder": str(folder), "steps": int(run.trainer.global_step), "seconds": time.time() - start}
+            _, folder, timing = fit_recipe(self.study.recipe, self.overrides(arm, seed, run_dir),
+                                           lambda r: run_dir / str(r.cfg.method.args.get("export_dir") or "cdic"),
+                                           "cdic.safetensors")
+            runs[key] = {"folder": str(folder), **timing}
             runs.save()
-        return CDICModule.from_export(folder)
+        return CDICModule.from_export(runs[key]["folder"])
 
     def test_dialogues(self, seed: int, tokenizer: Any) -> List[Dict[str, Any]]:
-        """The seed's tokenised test dialogues (the recipe's generator settings, :data:`TEST_SEED` + ``seed``)."""
+        """The seed's tokenised test dialogues (the recipe's generator settings, :data:`TEST_SEED` + ``seed``; built
+        once per seed: every arm reads the same frozen base model's tokenizer)."""
+        if seed in self._dialogues:
+            return self._dialogues[seed]
         from datamodules.dialogue import DialogueDataConfig, tokenize_dialogue
         from datamodules.synth.dialogue import generate_dialogues
         from recipes.config import load_config
@@ -122,36 +111,26 @@ class CDICKind:
         fields = set(DialogueDataConfig.__dataclass_fields__)
         cfg = DialogueDataConfig(**{k: v for k, v in json.loads(json.dumps(data, default=str)).items() if k in fields})
         raw = generate_dialogues(cfg.spec(self.study.turns), self.study.dialogues, TEST_SEED + seed)
-        return [tokenize_dialogue(d, tokenizer, cfg.user_template, cfg.assistant_template, cfg.max_turn_tokens)
-                for d in raw]
+        self._dialogues[seed] = [tokenize_dialogue(d, tokenizer, cfg.user_template, cfg.assistant_template,
+                                                   cfg.max_turn_tokens) for d in raw]
+        return self._dialogues[seed]
 
-    # ------------------------------------------------------------------ the split
-    def run_split(self, split: str, store: Any, folder: Path, limit: Optional[int] = None,
-                  log: Callable[[str], None] = print) -> None:
+    # ------------------------------------------------------------------ the records
+    def records_of(self, arms: List[Any], seed: int, runs: RunsCache, folder: Path, split: str,
+                   log: Callable[[str], None]) -> Dict[str, List[Dict[str, Any]]]:
+        """One record part per recall turn of the seed's test dialogues, for the one arm of ``arms``."""
         import torch
 
-        seeds = self.study.split_seeds(self.spec.name, split, limit)
-        runs = RunsCache(folder, split)
-        done = records_done(store, ("seed", "arm"), lambda a: self.settings(self.spec.arm(a)),
-                            [a.name for a in self.spec.arms])
-        for seed in seeds:
-            for arm in self.spec.arms:
-                if (seed, arm.name) in done:
-                    continue
-                module = self.module(arm, seed, runs, log)
-                module.eval()
-                start = time.time()
-                parts: List[Dict[str, Any]] = []
-                for dialogue in self.test_dialogues(seed, module.tokenizer):
-                    with torch.no_grad():
-                        records = module.stream(dialogue)
-                    for r in records:
-                        if r.correct is None:
-                            continue
-                        parts.append({"id": f"s{seed}:{dialogue['id']}:{r.turn}", "fact": "revised" if r.revised
-                                      else "introduced", "score": float(r.correct), "answer_logp": r.answer_logp,
-                                      "distance": r.distance})
-                store.add([{**p, "seed": seed, "arm": arm.name, "arm_settings": self.settings(arm)} for p in parts])
-                rate = sum(p["score"] for p in parts) / max(1, len(parts))
-                log(f"[{self.spec.name} {split}] {arm.name}, seed {seed}: {len(parts)} recalls, right {rate:.3f} "
-                    f"({time.time() - start:.0f} s of evaluation)")
+        (arm,) = arms
+        module = self.module(arm, seed, runs, log)
+        module.eval()
+        parts: List[Dict[str, Any]] = []
+        for dialogue in self.test_dialogues(seed, module.tokenizer):
+            with torch.no_grad():
+                records = module.stream(dialogue)
+            parts += [{"id": f"s{seed}:{dialogue['id']}:{r.turn}", "fact": "revised" if r.revised else "introduced",
+                       "score": float(r.correct), "answer_logp": r.answer_logp, "distance": r.distance}
+                      for r in records if r.correct is not None]
+        log(f"[{self.spec.name}] {arm.name}, seed {seed}: {len(parts)} recalls, right "
+            f"{sum(p['score'] for p in parts) / max(1, len(parts)):.3f}")
+        return {arm.name: parts}

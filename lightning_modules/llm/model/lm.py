@@ -128,8 +128,15 @@ class LanguageModel(SharedEvalStages, LongContextModule):
         training length when ``window`` is it)."""
         if window < 2:
             raise ValueError(f"window={window}: must be >= 2")
-        n = input_ids.shape[1]
-        parts = [self.token_losses(input_ids[:, a:a + window]) for a in range(0, max(1, n - 1), window - 1)]
+        b, n = input_ids.shape
+        starts = list(range(0, max(1, n - 1), window - 1))
+        full = [a for a in starts if a + window <= n]  # whole windows: one batched call
+        parts = []
+        if full:
+            stacked = torch.cat([input_ids[:, a:a + window] for a in full], dim=0)  # [k * B, window]
+            losses = self.token_losses(stacked).view(len(full), b, window - 1)
+            parts += [losses[j] for j in range(len(full))]
+        parts += [self.token_losses(input_ids[:, a:]) for a in starts if a + window > n]  # the short tail
         return torch.cat(parts, dim=1)
 
     @staticmethod
