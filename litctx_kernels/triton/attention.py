@@ -35,7 +35,7 @@ from litctx_kernels.layouts import BlockLayout, QueryIndex, resolve_q_offset
 from litctx_kernels.reference.attention import check_key_mask
 from litctx_kernels.triton._compat import attention_config, check_device, check_offsets, device_guard, kernel_dtype, next_pow2
 
-__all__ = ["triton_attention"]
+__all__ = ["triton_attention", "triton_attention_backward"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -904,3 +904,26 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     )
     o, lse = _TritonAttention.apply(q, k, v, spec)
     return o.to(out_dtype), lse
+
+
+def triton_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                              do: torch.Tensor, dlse: Optional[torch.Tensor], *, scale: Optional[float] = None,
+                              causal: bool = True, q_offset: Optional[int] = None, window: Optional[int] = None,
+                              key_mask: Optional[torch.Tensor] = None
+                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K2 alone: ``(dq, dk, dv)`` of softmax attention from a forward computed elsewhere (another kernel's
+    ``o [B, Hq, Nq, dv]`` and natural-log ``lse [B, Hq, Nq]``), with ``do`` the gradient of ``o`` and ``dlse``
+    (or None) the gradient of ``lse``. Shapes and masks as :func:`triton_attention` (dense / causal / window,
+    ``key_mask``); K/V gradients have the kv heads of ``k``, ``v``."""
+    _validate(q, k, v, causal, window, None, None, "softmax")
+    check_device(q, k, v)
+    km = None if key_mask is None else _key_mask_int8(key_mask, q, k)
+    n_q, n_k, d = q.shape[2], k.shape[2], q.shape[3]
+    kd = kernel_dtype(q.dtype)
+    spec = _Spec(scale=float(1.0 / math.sqrt(d) if scale is None else scale), causal=bool(causal),
+                 q_offset=resolve_q_offset(n_q, n_k, q_offset), window=None if window is None else int(window),
+                 layout=None, q_index=None, lssa=False, key_mask=km)
+    with device_guard(q):
+        dq, dk, dv = _backward(q.to(kd), k.to(kd), v.to(kd), o.to(kd), lse.float(), do.to(kd), dlse, spec, True,
+                               True)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

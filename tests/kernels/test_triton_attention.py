@@ -465,3 +465,30 @@ def test_kernel_modules_load_lazily_and_survive_missing_triton():
         res = subprocess.run([sys.executable, "-c", src], cwd=root, env=env, capture_output=True, text=True,
                              timeout=300)
         assert res.returncode == 0 and token in res.stdout, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("causal,key_mask", [(True, False), (False, True)])
+def test_backward_alone_from_another_forward(causal, key_mask):
+    """``triton_attention_backward`` (K2 on a forward computed elsewhere, the SDPA route's gradient through the
+    LSE) gives the float64 gradients of ``(o * w).sum() + (lse * u).sum()``, GQA included."""
+    from litctx_kernels.triton.attention import triton_attention_backward
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, 64, 32, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    keep = None
+    if key_mask:
+        keep = torch.rand(1, 2, 64, generator=gen) > 0.3
+        keep[..., 0] = True
+    qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+    o, lse = attention_reference(qr, kr, vr, causal=causal,
+                                 key_mask=None if keep is None else keep.repeat_interleave(2, 1))
+    w, u = torch.randn(o.shape, generator=gen, dtype=torch.float64), torch.randn(lse.shape, generator=gen,
+                                                                                  dtype=torch.float64)
+    ref = torch.autograd.grad((o * w).sum() + (lse * u).sum(), (qr, kr, vr))
+    dev = dict(device=DEVICE, dtype=torch.float32)
+    got = triton_attention_backward(q.to(**dev), k.to(**dev), v.to(**dev), o.detach().to(**dev),
+                                    lse.detach().to(**dev), w.to(**dev), u.to(**dev), causal=causal,
+                                    key_mask=None if keep is None else keep.to(DEVICE))
+    for g, r, name in zip(got, ref, "qkv"):
+        assert g.shape == r.shape
+        assert_close(g.double().cpu(), r, 1e-5, name=f"d{name}")
