@@ -138,18 +138,48 @@ class BlockLayout:
     # --- constructors ------------------------------------------------------------------------------------
     @classmethod
     def from_block_mask(cls, mask: torch.Tensor, block_q: int, block_k: int,
-                        seq_lens: Tuple[int, int]) -> "BlockLayout":
-        """From a boolean ``[B, H, Mq, Mk]`` block mask (True = compute the block)."""
+                        seq_lens: Tuple[int, int], *, sync: bool = True) -> "BlockLayout":
+        """From a boolean ``[B, H, Mq, Mk]`` block mask (True = compute the block).
+
+        ``sync=False``: no host synchronisation (for layouts built every layer on a GPU): ``kv_indices`` has
+        ``Kmax = Mk`` columns instead of the largest row count, and the indices, valid by construction, are not
+        validated (:meth:`trusted`)."""
         if mask.dim() != 4:
             raise ValueError(f"block mask must be [B, H, Mq, Mk], got shape {list(mask.shape)}")
         mq, mk = math.ceil(seq_lens[0] / block_q), math.ceil(seq_lens[1] / block_k)
         if tuple(mask.shape[2:]) != (mq, mk):
             raise ValueError(f"block mask has {tuple(mask.shape[2:])} blocks; seq_lens={tuple(seq_lens)} with "
                              f"blocks ({block_q}, {block_k}) needs ({mq}, {mk})")
+        if not sync:
+            mask = mask.bool()
+            cols = torch.arange(mk, device=mask.device)
+            counts = mask.sum(-1, dtype=torch.int32)
+            order = torch.where(mask, cols, cols + mk).argsort(dim=-1)  # listed blocks first, ascending
+            idx = torch.where(cols < counts.unsqueeze(-1), order, torch.full_like(order, -1)).to(torch.int32)
+            return cls.trusted(counts, idx, block_q, block_k, seq_lens)
         idx, counts = compact_mask(mask.bool())
         if idx.shape[-1] == 0:  # keep one padded column so the tensor has a usable shape
             idx = torch.full((*idx.shape[:-1], 1), -1, dtype=torch.int32, device=mask.device)
         return cls(counts, idx, int(block_q), int(block_k), (int(seq_lens[0]), int(seq_lens[1])))
+
+    @classmethod
+    def trusted(cls, kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, block_q: int, block_k: int,
+                seq_lens: Tuple[int, int]) -> "BlockLayout":
+        """A layout from index tensors that are valid by construction (a kernel's output): the shapes are checked,
+        the values are not, so no host synchronisation happens (the constructor reads counts and indices back)."""
+        n_q, n_k = int(seq_lens[0]), int(seq_lens[1])
+        mq = math.ceil(n_q / block_q)
+        if block_q <= 0 or block_k <= 0:
+            raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_k={block_k}")
+        if (kv_indices.dim() != 4 or kv_indices.shape[2] != mq
+                or tuple(kv_num_blocks.shape) != tuple(kv_indices.shape[:3])):
+            raise ValueError(f"kv_indices [B, H, {mq}, Kmax] and kv_num_blocks [B, H, {mq}] expected, got "
+                             f"{list(kv_indices.shape)} and {list(kv_num_blocks.shape)}")
+        out = object.__new__(cls)
+        for name, value in (("kv_num_blocks", kv_num_blocks), ("kv_indices", kv_indices), ("block_q", int(block_q)),
+                            ("block_k", int(block_k)), ("seq_lens", (n_q, n_k))):
+            object.__setattr__(out, name, value)
+        return out
 
     @classmethod
     def causal(cls, n_q: int, n_k: Optional[int] = None, block_q: int = 128, block_k: Optional[int] = None, *,
@@ -226,6 +256,24 @@ class BlockLayout:
         nb = self.kv_num_blocks.expand(batch, heads, -1).contiguous()
         ix = self.kv_indices.expand(batch, heads, -1, -1).contiguous()
         return BlockLayout(nb, ix, self.block_q, self.block_k, self.seq_lens)
+
+    def coarsen(self, block_q: int, block_k: int) -> "BlockLayout":
+        """The same selection at coarser blocks ``block_q x block_k`` (multiples of this layout's): a coarse block
+        is listed when any fine block inside it is, so the result lists a superset of the pairs (exact attention
+        over more keys, never fewer). E.g. SALE's 64 x 32 selection run by K1 at its 128 x 64 tiles."""
+        if block_q % self.block_q or block_k % self.block_k or block_q <= 0 or block_k <= 0:
+            raise ValueError(f"coarse blocks ({block_q}, {block_k}) must be positive multiples of this layout's "
+                             f"({self.block_q}, {self.block_k})")
+        fq, fk = block_q // self.block_q, block_k // self.block_k
+        if fq == fk == 1:
+            return self
+        fine = self.to_block_mask()
+        b, h, mq, mk = fine.shape
+        cq, ck = math.ceil(mq / fq), math.ceil(mk / fk)
+        padded = fine.new_zeros(b, h, cq * fq, ck * fk)
+        padded[..., :mq, :mk] = fine
+        coarse = padded.view(b, h, cq, fq, ck, fk).any(5).any(3)
+        return BlockLayout.from_block_mask(coarse, block_q, block_k, self.seq_lens)
 
     def union(self, other: "BlockLayout") -> "BlockLayout":
         """Blocks listed in either layout (same block sizes and sequence lengths)."""

@@ -20,6 +20,10 @@ through :func:`litctx_kernels.attention` and merges partial passes with :func:`l
 
 All selections keep the sink column (key block 0) and the causal diagonal block of every query row.
 
+The pooling, scoring and selection helpers live in :mod:`litctx_kernels.reference.estimate` (re-exported here). On
+CUDA, the mean-pooled, XAttention and Prism estimates run fused Triton kernels that write the layout directly
+(:mod:`litctx_kernels.block_estimate`, same blocks up to float-rounding near ties); on CPU the torch path.
+
 Every estimator is built from its method config (:mod:`~lightning_modules.sparse_prefill.config`, e.g.
 ``MeanPoolEstimator(MeanPoolConfig(block=64))`` or ``MeanPoolConfig(block=64).estimator()``): the constructors
 have no defaults of their own, so a default lives only in the config dataclass, which also validates it.
@@ -33,11 +37,20 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
-from einops import repeat
 
 from litctx_kernels import BlockLayout
-from litctx_kernels.layouts import causal_block_mask
+from litctx_kernels.block_estimate import block_estimate_backend, mean_pool_layout, xattention_layout
+from litctx_kernels.reference.estimate import (  # noqa: F401  (pool_blocks ... finish_block_mask: re-exported)
+    causal_block_softmax as _causal_softmax,
+    check_estimate_qk as _check,
+    expand_heads as expand_kv,
+    cumulative_threshold_mask,
+    finish_block_mask,
+    mean_pool_block_mask,
+    pool_blocks,
+    top_p_mask,
+    xattention_block_mask,
+)
 from litctx_common.timing import Stopwatch
 
 __all__ = [
@@ -78,20 +91,47 @@ class Selection:
 
 
 class BlockEstimator(ABC):
-    """Base: ``select(q, k, v, scale) -> Selection``; subclasses set ``block`` and implement :meth:`block_mask`."""
+    """Base: ``select(q, k, v, scale) -> Selection``; subclasses set ``block`` and implement :meth:`block_mask`.
+
+    An estimator with a fused kernel (Prism, mean pooling, XAttention) also implements :meth:`fused_layout`;
+    :meth:`select` runs it when :func:`litctx_kernels.block_estimate.block_estimate_backend` picks ``triton``
+    (CUDA tensors by default; CPU tensors only with ``backend = "triton"`` under ``TRITON_INTERPRET=1``), and the
+    torch path (:meth:`block_mask`) otherwise. Both select the same blocks (up to float-rounding ties,
+    :mod:`litctx_kernels.triton.estimate`).
+    """
 
     name = "estimator"
     block: int
+    backend: Optional[str] = None
+    """The estimate's backend: None (``LITCTX_KERNEL_BACKEND``, else auto: fused for CUDA tensors), ``torch``,
+    ``triton`` or ``reference`` (= torch here)."""
 
     def select(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Selection:
         _check(q, k)
         n = q.shape[2]
         if n <= self.block:  # a single block: nothing to skip (nothing estimated)
             return Selection(None)
+        if self._use_fused(q):
+            with Stopwatch(q) as sw:  # the fused kernels: no host synchronisation inside
+                layout, extra = self.fused_layout(q, k, scale)
+            return Selection(layout, seconds=sw.seconds, info=self.fused_info(extra))  # info read after the sync
         with Stopwatch(q) as sw:  # synchronised on CUDA: the estimate's work, not its kernel launches
             mask, info = self._finished_block_mask(q, k, scale)  # q, k checked above
             layout = BlockLayout.from_block_mask(mask, self.block, self.block, (n, n))
         return Selection(layout, seconds=sw.seconds, info=info)
+
+    def fused_layout(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> Tuple[BlockLayout, Any]:
+        """The finished selection from the fused Triton estimate, and what :meth:`fused_info` turns into the
+        details dict; estimators without a fused kernel do not override it."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused estimate")
+
+    def fused_info(self, extra: Any) -> Dict[str, Any]:
+        return {}
+
+    def _use_fused(self, q: torch.Tensor) -> bool:
+        if type(self).fused_layout is BlockEstimator.fused_layout:
+            return False
+        return block_estimate_backend(q, self.backend) == "triton"
 
     @abstractmethod
     def block_mask(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> Tuple[torch.Tensor, Dict[str, Any]]:
@@ -110,71 +150,6 @@ class BlockEstimator(ABC):
                              scale: float) -> Tuple[torch.Tensor, Dict[str, Any]]:
         mask, info = self.block_mask(q, k, scale)
         return finish_block_mask(mask, q.shape[2], self.block), info
-
-
-def _check(q: torch.Tensor, k: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q [B, Hq, N, d] and k [B, Hk, N, d] expected, got {list(q.shape)} and {list(k.shape)}")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"sparse prefill estimates a prefill (queries = keys); got Nq={q.shape[2]}, Nk={k.shape[2]}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads {q.shape[1]} must be a multiple of kv heads {k.shape[1]}")
-
-
-def expand_kv(k: torch.Tensor, n_q_heads: int) -> torch.Tensor:
-    """``[B, Hk, N, d]`` -> ``[B, Hq, N, d]`` (GQA: query head ``h`` reads kv head ``h // (Hq / Hk)``)."""
-    return k if k.shape[1] == n_q_heads else repeat(k, "b hk n d -> b (hk g) n d", g=n_q_heads // k.shape[1])
-
-
-def pool_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Mean of each block of ``block`` rows of ``x [..., N, d]`` -> ``[..., ceil(N / block), d]`` (float32; the
-    last block averages its real rows only: ``F.avg_pool1d`` with ``ceil_mode=True`` and no padding)."""
-    *lead, n, d = x.shape
-    rows = x.float().reshape(-1, n, d).transpose(1, 2)  # [R, d, N]: pool along the sequence
-    pooled = F.avg_pool1d(rows, block, stride=block, ceil_mode=True)
-    return pooled.transpose(1, 2).reshape(*lead, pooled.shape[-1], d)
-
-
-def _block_causal(m: int, device) -> torch.Tensor:
-    return torch.ones(m, m, dtype=torch.bool, device=device).tril()
-
-
-def top_p_mask(probs: torch.Tensor, p: float) -> torch.Tensor:
-    """Per row of ``probs [..., M]``: the shortest set of largest entries whose mass reaches ``p`` (entry ``r``
-    of the sorted row is kept iff the mass before it is ``< p``; zero entries are never kept)."""
-    if not 0.0 < p <= 1.0:
-        raise ValueError(f"top-p threshold must be in (0, 1], got {p}")
-    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    before = sorted_p.cumsum(-1) - sorted_p
-    keep_sorted = (before < p) & (sorted_p > 0)
-    keep = torch.zeros_like(keep_sorted)
-    keep.scatter_(-1, order, keep_sorted)
-    return keep
-
-
-def cumulative_threshold_mask(scores: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Per row of non-negative ``scores [..., M]``: the largest entries until their sum reaches
-    ``threshold x row total`` (XAttention's rule; :func:`top_p_mask` on the normalised row)."""
-    total = scores.sum(-1, keepdim=True)
-    probs = torch.where(total > 0, scores / total.clamp_min(1e-30), torch.zeros_like(scores))
-    return top_p_mask(probs, threshold)
-
-
-def finish_block_mask(mask: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    """Restrict ``mask [B, H, M, M]`` to causal blocks and add the sink column and the diagonal."""
-    m = mask.shape[-1]
-    causal = causal_block_mask(n, n, block, block, device=mask.device)
-    out = mask.clone()
-    out[..., :, 0] = True
-    idx = torch.arange(m, device=mask.device)
-    out[..., idx, idx] = True
-    return out & causal
-
-
-def _causal_softmax(logits: torch.Tensor) -> torch.Tensor:
-    m = logits.shape[-1]
-    causal = _block_causal(m, logits.device)
-    return torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
 
 
 class DenseEstimator:
@@ -201,10 +176,10 @@ class MeanPoolEstimator(BlockEstimator):
         self.block, self.top_p = int(cfg.block), float(cfg.top_p)
 
     def block_mask(self, q, k, scale):
-        qb = pool_blocks(q, self.block)
-        kb = pool_blocks(expand_kv(k, q.shape[1]), self.block)
-        probs = _causal_softmax(torch.matmul(qb, kb.transpose(-1, -2)) * scale)
-        return top_p_mask(probs, self.top_p), {}
+        return mean_pool_block_mask(q, k, block=self.block, top_p=self.top_p, scale=scale), {}
+
+    def fused_layout(self, q, k, scale):
+        return mean_pool_layout(q, k, block=self.block, top_p=self.top_p, scale=scale, backend="triton"), None
 
 
 def block_attention_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_q: int, block_k: int,
@@ -268,27 +243,12 @@ class XAttentionEstimator(BlockEstimator):
         self.chunk_blocks = int(cfg.chunk_blocks)
 
     def block_mask(self, q, k, scale):
-        b, hq, n, d = q.shape
-        s = self.stride
-        m = math.ceil(n / self.block)
-        n_pad = m * self.block
-        kq = expand_kv(k, hq).float()
-        qf = q.float()
-        if n_pad > n:
-            qf = torch.cat([qf, qf.new_zeros(b, hq, n_pad - n, d)], 2)
-            kq = torch.cat([kq, kq.new_zeros(b, hq, n_pad - n, d)], 2)
-        r = n_pad // s
-        q_rows = qf.view(b, hq, r, s, d).flip(3).reshape(b, hq, r, s * d)  # q[rS + S-1-s] for s = 0..S-1
-        k_rows = kq.view(b, hq, r, s * d)  # k[cS + s]
-        t = self.block // s
-        block_scores = q_rows.new_zeros(b, hq, m, m)
-        for m0 in range(0, m, self.chunk_blocks):  # query blocks in chunks, each against its causal key prefix
-            m1 = min(m, m0 + self.chunk_blocks)
-            logits = torch.matmul(q_rows[:, :, m0 * t:m1 * t], k_rows[:, :, :m1 * t].transpose(-1, -2)) * (scale / s)
-            causal = torch.ones((m1 - m0) * t, m1 * t, dtype=torch.bool, device=q.device).tril(diagonal=m0 * t)
-            probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-            block_scores[:, :, m0:m1, :m1] = probs.view(b, hq, m1 - m0, t, m1, t).sum((3, 5))
-        return cumulative_threshold_mask(block_scores, self.threshold), {}
+        return xattention_block_mask(q, k, block=self.block, stride=self.stride, threshold=self.threshold,
+                                     scale=scale, chunk_blocks=self.chunk_blocks), {}
+
+    def fused_layout(self, q, k, scale):
+        return xattention_layout(q, k, block=self.block, stride=self.stride, threshold=self.threshold, scale=scale,
+                                 backend="triton"), None
 
 
 class FlexPrefillEstimator(BlockEstimator):

@@ -16,36 +16,15 @@ small RMS ratio, hence a small temperature, which amplifies it back.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Tuple
 
 import torch
 
-from lightning_modules.sparse_prefill.estimators import (
-    BlockEstimator,
-    _causal_softmax,
-    expand_kv,
-    pool_blocks,
-    top_p_mask,
-)
+from lightning_modules.sparse_prefill.estimators import BlockEstimator, expand_kv
+from litctx_kernels.block_estimate import prism_layout
+from litctx_kernels.reference.estimate import band_dims, pool_blocks, prism_band_logits, prism_block_mask
 
 __all__ = ["PrismEstimator", "band_dims"]
-
-
-def band_dims(d: int, high_fraction: float, low_fraction: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Dims of the high band (pairs ``[0, high_fraction * d/2)``) and the low band (pairs
-    ``[d/2 - low_fraction * d/2, d/2)``) in the rotate-half layout (pair ``j`` = dims ``j`` and ``j + d/2``)."""
-    half = d // 2
-    n_high = max(1, round(high_fraction * half))
-    n_low = max(1, round(low_fraction * half))
-    high_pairs = torch.arange(0, n_high)
-    low_pairs = torch.arange(half - n_low, half)
-    return (torch.cat([high_pairs, high_pairs + half]), torch.cat([low_pairs, low_pairs + half]))
-
-
-def _rms(x: torch.Tensor) -> torch.Tensor:
-    """RMS over blocks and dims, per (batch, head): ``[B, H, M, dz] -> [B, H]``."""
-    return x.pow(2).mean((-1, -2)).sqrt()
 
 
 class PrismEstimator(BlockEstimator):
@@ -67,29 +46,23 @@ class PrismEstimator(BlockEstimator):
         self.calibrate = bool(cfg.calibrate)
 
     def band_logits(self, q: torch.Tensor, k: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """Calibrated block logits ``[B, H, M, M]`` of each band (``high``, ``low``) and their temperatures."""
-        d = q.shape[-1]
+        """Calibrated block logits ``[B, H, M, M]`` of each band (``high``, ``low``) and their temperatures
+        (:func:`litctx_kernels.reference.estimate.prism_band_logits`)."""
         qb = pool_blocks(q, self.block)
         kb = pool_blocks(expand_kv(k, q.shape[1]), self.block)
-        rq, rk = _rms(qb).clamp_min(1e-30), _rms(kb).clamp_min(1e-30)
-        out: Dict[str, torch.Tensor] = {}
-        for name, dims in zip(("high", "low"), band_dims(d, self.high_fraction, self.low_fraction)):
-            dims = dims.to(q.device)
-            qz, kz = qb[..., dims], kb[..., dims]
-            dz = dims.numel()
-            if self.calibrate:
-                tau = math.sqrt(dz / d) * (_rms(qz) / rq) * (_rms(kz) / rk)
-            else:
-                tau = torch.ones_like(rq)
-            tau = tau.clamp_min(1e-6).unsqueeze(-1).unsqueeze(-1)
-            out[name] = torch.matmul(qz, kz.transpose(-1, -2)) / (math.sqrt(dz) * tau)
-            out[f"tau_{name}"] = tau.squeeze(-1).squeeze(-1)
-        return out
+        return prism_band_logits(qb, kb, self.high_fraction, self.low_fraction, self.calibrate)
 
     def block_mask(self, q, k, scale) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        bands = self.band_logits(q, k)
-        mask = None
-        for name in ("high", "low"):
-            keep = top_p_mask(_causal_softmax(bands[name]), self.top_p)
-            mask = keep if mask is None else mask | keep
+        mask, bands = prism_block_mask(q, k, block=self.block, top_p=self.top_p, high_fraction=self.high_fraction,
+                                       low_fraction=self.low_fraction, calibrate=self.calibrate)
         return mask, {"tau_high": float(bands["tau_high"].mean()), "tau_low": float(bands["tau_low"].mean())}
+
+    def fused_layout(self, q, k, scale):
+        """The fused estimate's layout and temperatures ``[B, H, 2]``
+        (:func:`litctx_kernels.block_estimate.prism_layout`)."""
+        return prism_layout(q, k, block=self.block, top_p=self.top_p, high_fraction=self.high_fraction,
+                            low_fraction=self.low_fraction, calibrate=self.calibrate, temperatures=True,
+                            backend="triton")
+
+    def fused_info(self, tau):
+        return {"tau_high": float(tau[..., 0].mean()), "tau_low": float(tau[..., 1].mean())}

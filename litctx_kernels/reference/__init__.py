@@ -7,6 +7,11 @@ are differentiable, and process queries in chunks so memory is ``O(chunk x N_k)`
 
 from litctx_kernels.reference.attention import attention_reference, log_softplus, row_lengths
 from litctx_kernels.reference.colstats import ColStats, attention_colstats_reference, decode_attention_colstats
+from litctx_kernels.reference.estimate import (
+    mean_pool_layout_reference,
+    prism_layout_reference,
+    xattention_layout_reference,
+)
 from litctx_kernels.reference.gather import gather_attention_reference
 from litctx_kernels.reference.lowbit import (
     LowBitQK,
@@ -29,4 +34,7 @@ __all__ = [
     "quantize_qk_lowbit",
     "lowbit_scores_reference",
     "lowbit_block_estimate_reference",
+    "prism_layout_reference",
+    "mean_pool_layout_reference",
+    "xattention_layout_reference",
 ]

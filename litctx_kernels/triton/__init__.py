@@ -12,6 +12,9 @@ Public functions (same signatures and semantics as the torch references in :mod:
   query window, returns :class:`ColStats`.
 * :func:`triton_lowbit_block_estimate` (K4, :mod:`litctx_kernels.triton.lowbit`) - SALE's low-bit block estimate fused
   (int8 ``tl.dot``, Relative Attention Score, tile flags), returns a :class:`~litctx_kernels.layouts.BlockLayout`.
+* :func:`triton_prism_layout`, :func:`triton_mean_pool_layout`, :func:`triton_xattention_layout`
+  (:mod:`litctx_kernels.triton.estimate`) - the pooled block estimates of sparse prefill fused (pooling, scores, causal
+  softmax, top-p / threshold and the layout rows in two launches, one for XAttention), return a ``BlockLayout``.
 
 Importing this package does not import triton: the names above are resolved lazily on first access (PEP 562),
 so ``import litctx_kernels.triton`` is safe on machines without triton, and :data:`HAS_TRITON` / :func:`is_interpret`
@@ -31,11 +34,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from litctx_kernels.triton.colstats import ColStats, triton_attention_colstats
     from litctx_kernels.triton.gather import triton_gather_attention
     from litctx_kernels.triton.lowbit import triton_lowbit_block_estimate
+    from litctx_kernels.triton.estimate import triton_mean_pool_layout, triton_prism_layout, triton_xattention_layout
     from litctx_kernels.triton.lssar import triton_lssar_attention
 
 __all__ = ["HAS_TRITON", "is_interpret", "triton_attention", "triton_gather_attention",
            "triton_attention_colstats", "ColStats",
-           "triton_lssar_attention", "triton_lowbit_block_estimate"]
+           "triton_lssar_attention", "triton_lowbit_block_estimate", "triton_prism_layout",
+           "triton_mean_pool_layout", "triton_xattention_layout"]
 
 _LAZY = {
     "triton_attention": "litctx_kernels.triton.attention",
@@ -44,6 +49,9 @@ _LAZY = {
     "ColStats": "litctx_kernels.triton.colstats",
     "triton_lssar_attention": "litctx_kernels.triton.lssar",
     "triton_lowbit_block_estimate": "litctx_kernels.triton.lowbit",
+    "triton_prism_layout": "litctx_kernels.triton.estimate",
+    "triton_mean_pool_layout": "litctx_kernels.triton.estimate",
+    "triton_xattention_layout": "litctx_kernels.triton.estimate",
 }
 
 

@@ -99,3 +99,50 @@ def test_to_flex_block_mask_lists_the_same_blocks():
     lay = BlockLayout.causal(256, 256, 128, window=130)
     bm = lay.to_flex()
     assert torch.equal(bm.kv_num_blocks.cpu(), lay.kv_num_blocks.cpu())
+
+
+def test_from_block_mask_without_sync_pads_to_every_key_block():
+    g = torch.Generator().manual_seed(3)
+    m = torch.rand(2, 3, 5, 7, generator=g) < 0.4
+    m[0, 0, 0] = False  # an empty row
+    want = BlockLayout.from_block_mask(m, 16, 8, (70, 50))
+    got = BlockLayout.from_block_mask(m, 16, 8, (70, 50), sync=False)
+    assert got.kv_indices.shape == (2, 3, 5, 7) and got.kv_indices.dtype == torch.int32
+    assert torch.equal(got.kv_num_blocks, want.kv_num_blocks)
+    kmax = want.kv_indices.shape[-1]
+    assert torch.equal(got.kv_indices[..., :kmax], want.kv_indices) and bool((got.kv_indices[..., kmax:] == -1).all())
+    assert torch.equal(got.to_block_mask(), m)
+    BlockLayout(got.kv_num_blocks, got.kv_indices, 16, 8, (70, 50))  # valid under the checking constructor
+    with pytest.raises(ValueError, match="kv_indices"):
+        BlockLayout.trusted(got.kv_num_blocks, got.kv_indices[:, :, :4], 16, 8, (70, 50))
+
+
+@pytest.mark.parametrize("n,fine,coarse", [(1000, (64, 32), (128, 64)), (300, (32, 32), (64, 128)),
+                                           (256, (64, 64), (64, 64))])
+def test_coarsen_lists_a_superset_at_coarser_blocks(n, fine, coarse):
+    lay = BlockLayout.random_causal(n, fine[0], 0.3, heads=2, seed=1) if fine[0] == fine[1] else None
+    if lay is None:  # a SALE-shaped 64 x 32 selection
+        g = torch.Generator().manual_seed(2)
+        mq, mk = math.ceil(n / fine[0]), math.ceil(n / fine[1])
+        m = (torch.rand(1, 2, mq, mk, generator=g) < 0.2) & causal_block_mask(n, n, *fine)
+        lay = BlockLayout.from_block_mask(m, *fine, (n, n))
+    big = lay.coarsen(*coarse)
+    assert (big.block_q, big.block_k) == coarse and big.seq_lens == (n, n)
+    # every pair of the fine layout is in the coarse one; a coarse block holds at least one fine block
+    fine_pairs = brute_mask(n, n, causal=True) & _pair_mask(lay)
+    coarse_pairs = _pair_mask(big)
+    assert bool((coarse_pairs | ~fine_pairs).all())
+    fm = lay.to_block_mask()
+    fq, fk = coarse[0] // fine[0], coarse[1] // fine[1]
+    for (b, h, i, j) in big.to_block_mask().nonzero().tolist():
+        assert bool(fm[b, h, i * fq:(i + 1) * fq, j * fk:(j + 1) * fk].any())
+    assert layout_pairs(big).ge(layout_pairs(lay)).all()
+    with pytest.raises(ValueError, match="multiples"):
+        lay.coarsen(fine[0] + 1, fine[1])
+
+
+def _pair_mask(lay):
+    """``[B, H, Nq, Nk]`` bool: the (query, key) pairs inside the listed blocks."""
+    n_q, n_k = lay.seq_lens
+    bm = lay.to_block_mask()
+    return bm.repeat_interleave(lay.block_q, 2)[:, :, :n_q].repeat_interleave(lay.block_k, 3)[..., :n_k]
