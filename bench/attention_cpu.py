@@ -6,10 +6,12 @@ For N in {4K, 16K, 32K}, 8 heads, d = 64, causal, fp32, B = 1: random per-head c
 (the dispatcher: at 100% it recognises the full causal layout and runs the dense kernel), the block-sparse
 path forced at every density (the native fp32 forward for these inference calls), the previous flash-call
 path (``native=False``) and compiled FlexAttention with the same block mask (inference only on CPU; its first
-call per shape, the compile, is reported separately and excluded). ``--densities 0.1 --backward-length 0``
-limits a run to the acceptance rows.
-Forward and backward at N = 16K. Reports time, speed-up over SDPA and the fraction of the FLOP bound
-(speed-up x density) reached; writes ``docs/results.md``, ``results/attention_cpu.json`` and
+call per shape, the compile, is reported separately and excluded). ``--lengths 16384 --densities 0.1``
+limits a run to the acceptance rows (forward and forward + backward at 16K, 10%).
+Forward and backward at N = 16K: the native forward and backward against the previous route (flash-call forward,
+CPU flash backward per bucket), both against SDPA's forward and backward. Reports time, speed-up over SDPA and the
+fraction of the FLOP bound (speed-up x density) reached, forward and forward + backward; writes
+``docs/results.md``, ``results/attention_cpu.json`` and
 ``docs/figures/attention_cpu.png`` (``--plot-only`` redraws it from the JSON).
 
     python -m bench.attention_cpu            # ~5 minutes on 2 cores
@@ -19,6 +21,7 @@ Forward and backward at N = 16K. Reports time, speed-up over SDPA and the fracti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -32,10 +35,24 @@ from bench._report import REPO, save_figure, save_json, write_section
 
 import litctx_kernels
 from litctx_kernels import BlockLayout
-from litctx_kernels.cpu_sparse import block_sparse_attention_cpu, native_kernel, native_status
+from litctx_kernels.cpu_sparse import NATIVE_BACKWARD_ENV, block_sparse_attention_cpu, native_kernel, native_status
 from litctx_common.timing import time_call
 
 DENSITIES = (0.05, 0.10, 0.25, 0.50, 1.00)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    """Set an environment variable for the block (the kernels' switches are read per call)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def best_of(fn, repeats: int) -> float:
@@ -123,8 +140,8 @@ def main() -> None:
     flex, flex_note = (None, "skipped (--no-flex)") if args.no_flex else flex_runner(args.lengths[0])
     native_kernel()  # build / load once, outside the timings
     nat = native_status()
-    native_note = (f"native forward {'ready' if nat.get('module') is not None else 'unavailable: ' + nat.get('reason', '?')}"
-                   f" (build or load {nat.get('seconds', 0.0):.1f} s, excluded)")
+    state = "ready" if nat.get("module") is not None else "unavailable: " + nat.get("reason", "?")
+    native_note = f"native kernels {state} (build or load {nat.get('seconds', 0.0):.1f} s, excluded)"
     print(native_note, flush=True)
     densities = tuple(args.densities)
     rows, bwd_rows = [], []
@@ -179,10 +196,16 @@ def main() -> None:
                     o, _ = litctx_kernels.attention(qg, kg, vg, layout=layout)
                     o.backward(torch.ones_like(o))
 
-                t = best_of(fb_sparse, max(1, reps - 1))
-                bwd_rows.append(dict(n=n, density=density, actual_density=layout.density(), sdpa_fwd_bwd_s=t_fb,
-                                     sparse_fwd_bwd_s=t, speedup=t_fb / t, bound_fraction=t_fb / t * layout.density()))
-                print(f"  fwd+bwd density {density:4.0%}: {t:.3f}s vs SDPA {t_fb:.3f}s ({t_fb / t:.2f}x)", flush=True)
+                t = best_of(fb_sparse, max(1, reps - 1))  # the native forward and backward (fp32)
+                with _env(NATIVE_BACKWARD_ENV, "0"):  # the previous route: flash-call forward and backward
+                    t_calls = best_of(fb_sparse, max(1, reps - 1))
+                actual = layout.density()
+                bwd_rows.append(dict(n=n, density=density, actual_density=actual, sdpa_fwd_bwd_s=t_fb,
+                                     sparse_fwd_bwd_s=t, speedup=t_fb / t, bound_fraction=t_fb / t * actual,
+                                     flash_calls_fwd_bwd_s=t_calls, flash_calls_speedup=t_fb / t_calls,
+                                     flash_calls_bound_fraction=t_fb / t_calls * actual))
+                print(f"  fwd+bwd density {density:4.0%}: native {t:.3f}s ({t_fb / t:.2f}x, {t_fb / t * actual:.0%} "
+                      f"of bound), flash calls {t_calls:.3f}s ({t_fb / t_calls:.2f}x) vs SDPA {t_fb:.3f}s", flush=True)
     meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
                 heads=args.heads, dim=args.dim, block=args.block, repeats=args.repeats, seed=args.seed,
                 flex=flex_note, native=native_note, densities=list(densities))
@@ -193,7 +216,8 @@ def main() -> None:
             f"{meta['threads']} threads; densities {', '.join(f'{x:.0%}' for x in densities)}). "
             f"FlexAttention: {flex_note}; its first call per shape (compile, excluded) is the last column. "
             f"`litctx_kernels.attention` and the sparse path run the {native_note}; *flash calls* is the "
-            "previous block-sparse forward (`native=False`: gathered K/V, one CPU flash call per bucket).",
+            "previous block-sparse forward (`native=False`: gathered K/V, one CPU flash call per bucket). "
+            "*of FLOP bound* = speed-up x density (forward: the sparse path's).",
             "",
             "| N | density (actual) | SDPA s | dispatch s | speed-up | sparse path s | speed-up | of FLOP bound | "
             "flash calls s | flex s | flex / dispatch | flex compile s |",
@@ -206,11 +230,15 @@ def main() -> None:
                     f"{r['dispatch_s']:.3f} | {r['speedup']:.2f}x | {r['sparse_s']:.3f} | {r['sparse_speedup']:.2f}x | "
                     f"{r['sparse_bound_fraction']:.0%} | {r['flash_calls_s']:.3f} | {flex_s} | {ratio} | {comp} |")
     if bwd_rows:
-        body += ["", "Forward + backward (`litctx_kernels.attention(...)` then `.backward()`):", "",
-                 "| N | density | SDPA fwd+bwd s | sparse fwd+bwd s | speed-up | of FLOP bound |", "|---|---|---|---|---|---|"]
+        body += ["", "Forward + backward (`litctx_kernels.attention(...)` then `.backward()`, against SDPA's forward + "
+                 "backward): *native* is the native forward and backward; *flash calls* the previous route "
+                 f"(`{NATIVE_BACKWARD_ENV}=0`: the flash-call forward and the CPU flash backward per bucket).", "",
+                 "| N | density | SDPA fwd+bwd s | native fwd+bwd s | speed-up | of FLOP bound | flash calls fwd+bwd s "
+                 "| speed-up | of FLOP bound |", "|---|---|---|---|---|---|---|---|---|"]
         for r in bwd_rows:
             body.append(f"| {r['n']} | {r['density']:.0%} | {r['sdpa_fwd_bwd_s']:.3f} | {r['sparse_fwd_bwd_s']:.3f} | "
-                        f"{r['speedup']:.2f}x | {r['bound_fraction']:.0%} |")
+                        f"{r['speedup']:.2f}x | {r['bound_fraction']:.0%} | {r['flash_calls_fwd_bwd_s']:.3f} | "
+                        f"{r['flash_calls_speedup']:.2f}x | {r['flash_calls_bound_fraction']:.0%} |")
     plot(rows, args.figure)
     body += ["", f"![CPU block-sparse attention speed-up]({os.path.relpath(args.figure, args.results.parent)})"]
     write_section("attention_cpu", "\n".join(body), "Attention kernels: CPU block-sparse path vs dense SDPA",

@@ -1,11 +1,16 @@
 """Fast CPU block-sparse attention: skips the blocks it does not compute, forward and backward.
 
-Inference (fp32, no gradient needed, no ``key_mask``): a native forward (:func:`native_kernel`, C++ compiled once
-per machine) runs one task per (batch, query head, query block) with the whole 128-row query tile: for each listed
-key block, ``S = QK^T`` straight from K's memory (one BLAS call, no gather), the element mask on boundary blocks
-only, an online softmax, ``O += PV``; it returns the same ``(o, lse)`` (compiled FlexAttention cannot return the
-LSE on CPU). Timings against the flash-call path and compiled FlexAttention: ``bench/attention_cpu.py``.
-Everything else runs the flash-call path below.
+fp32 calls without a ``key_mask`` run the native kernels (:func:`native_kernel`, C++ compiled once per machine, no
+BLAS): one task per (batch, query head, query block); the query tile is transposed once, and for each group of
+listed key blocks a register-tiled micro-kernel gives the transposed scores ``S^T = K Q^T`` reading K in place (no
+gather), the element mask applies on boundary blocks only, one online-softmax step runs over all the tile's rows
+as plain vector operations (base 2, a 9-instruction vector ``exp2``), and a second micro-kernel adds ``P V``
+reading V in place. They return the same ``(o, lse)`` (compiled FlexAttention cannot return the LSE on CPU).
+Calls that need a gradient save ``o`` and ``lse`` and run the native backward (FlashAttention-2's on the same key
+groups and micro-kernels: one task per kv head, so dK / dV accumulate without locks in a fixed order; a gradient
+through ``lse`` is folded into ``dS`` exactly). Timings against SDPA, the flash-call path and compiled
+FlexAttention: ``bench/attention_cpu.py``. Everything else (key masks, other dtypes, ``native=False``, the kill
+switches :data:`NATIVE_ENV` and :data:`NATIVE_BACKWARD_ENV`) runs the flash-call path below.
 
 The work is one fused flash-attention call (PyTorch's CPU flash kernel, which also returns the LSE) per
 *bucket* of query blocks: query blocks of every batch element and head that visit the same number of fully
@@ -22,8 +27,8 @@ Supports softmax scores, causal / sliding-window / non-causal masks, any ``q_off
 fp32/fp64/fp16/bf16 (whatever the CPU flash kernel accepts), and a per-key mask ``key_mask [B, Hq, Nk]``
 (padding, KV-policy masks): its blocks are gathered beside K and V and added to the bucket's element mask, giving
 one ``[n, 1, block_q, c * block_k]`` additive mask per chunk (the size of the chunk's gathered K/V at
-``block_q = d + dv``); rows whose every key is masked get ``o = 0``, ``lse = -inf``. A gradient flowing into the returned LSE is
-handled by recomputing that backward with the chunked reference.
+``block_q = d + dv``); rows whose every key is masked get ``o = 0``, ``lse = -inf``. On this path a gradient flowing
+into the returned LSE is handled by recomputing that backward with the chunked reference.
 """
 
 from __future__ import annotations
@@ -347,13 +352,16 @@ def _reference_backward(ctx, q, k, v, grad_o, grad_lse):
 
 
 
-# --- native fp32 forward (inference) -----------------------------------------------------------------------------
+# --- native fp32 kernels (forward and backward) --------------------------------------------------------------------
 NATIVE_ENV = "LITCTX_CPU_SPARSE_NATIVE"
-"""Set to ``0`` to keep inference calls on the flash-call path (the native kernel's kill switch)."""
+"""Set to ``0`` to keep every call on the flash-call path (the native kernels' kill switch)."""
+NATIVE_BACKWARD_ENV = "LITCTX_CPU_SPARSE_NATIVE_BACKWARD"
+"""Set to ``0`` to send calls that need a gradient to the flash-call path (native forward and backward) while
+inference calls keep the native forward."""
 
 _NATIVE_CPP = r"""
 #include <torch/extension.h>
-""" + r"""#include <ATen/Parallel.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/cpu/vec/functional.h>
 #include <cmath>
@@ -361,20 +369,257 @@ _NATIVE_CPP = r"""
 #include <vector>
 #include <algorithm>
 #include <atomic>
+#include <numeric>
 
-extern "C" int mkl_set_num_threads_local(const int*);  // the exported symbol is the by-reference form
-extern "C" void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-                       const int*, const float*, const int*, const float*, float*, const int*);
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+static const float kNegInf = -std::numeric_limits<float>::infinity();
+static const float kPosInf = std::numeric_limits<float>::infinity();
+static constexpr float kLn2 = 0.693147180559945309f;
+static constexpr double kLog2eD = 1.4426950408889634;
 
-// column-major BLAS: C[m x n] = alpha op(A) op(B) + beta C
-static inline void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
-                        const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  const char tA = ta ? 'T' : 'N', tB = tb ? 'T' : 'N';
-  const int M = m, N = n, K = k, LA = lda, LB = ldb, LC = ldc;
-  sgemm_(&tA, &tB, &M, &N, &K, &alpha, a, &LA, b, &LB, &beta, c, &LC);
+// Register tiles of the two micro-kernels (32 vector registers with AVX-512, 16 with AVX2).
+constexpr int QK_KB = 4;                  // scores: keys per tile
+constexpr int QK_RV = W >= 16 ? 4 : 2;    // scores: query-row vectors per tile
+constexpr int ACC_RB = 4;                 // accumulation: output rows per tile
+constexpr int ACC_NV = W >= 16 ? 4 : 2;   // accumulation: output vectors (W columns each) per tile
+
+// 2^x for a vector: x = n + f with n = round(x), |f| <= 1/2, a degree-5 polynomial for 2^f (minimax for the relative
+// error, p(0) = 1), then scalef (p * 2^n in one instruction); x below -126 (and -inf, NaN) gives 0 (no denormals).
+// 9 instructions against 19 for Vectorized::exp_u20 (the kernels keep scores in base 2: log2(e) is folded into the
+// scores' scale); relative error within 3e-7 of std::exp2 (tests/kernels/test_cpu_sparse.py).
+static inline Vec vexp2(const Vec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 v = x;
+  const __mmask16 keep = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(v, n);
+  __m512 p = _mm512_set1_ps(0.001326472731307149f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009671512991189957f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550733581185341f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022242426872253f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931470036506653f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return Vec(_mm512_maskz_scalef_ps(keep, p, n));
+#elif defined(CPU_CAPABILITY_AVX2)  // the same polynomial; 2^n from the exponent bits (x above 127 saturates)
+  const __m256 v = x;
+  const __m256 keep = _mm256_cmp_ps(v, _mm256_set1_ps(-126.f), _CMP_GE_OQ);
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-126.f)), _mm256_set1_ps(127.f));
+  const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(xc, n);
+  __m256 p = _mm256_set1_ps(0.001326472731307149f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.009671512991189957f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550733581185341f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022242426872253f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931470036506653f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return Vec(_mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep));
+#else  // scalar fallback (builds without AVX2)
+  alignas(64) float a[W];
+  x.store(a);
+  for (int64_t i = 0; i < W; ++i) a[i] = a[i] >= -126.f ? std::exp2(a[i]) : 0.f;  // NaN compares false: 0
+  return Vec::loadu(a);
+#endif
 }
 
-// How many threads at::parallel_for runs on here (the forward's parallel loop); 1 means the build lost OpenMP.
+// test hook: the vector 2^x on a float32 tensor
+at::Tensor vexp2_test(at::Tensor x) {
+  x = x.contiguous();
+  auto y = at::empty_like(x);
+  const float* a = x.data_ptr<float>();
+  float* b = y.data_ptr<float>();
+  const int64_t n = x.numel();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vexp2(Vec::loadu(a + i)).store(b + i);
+  if (i < n) vexp2(Vec::loadu(a + i, n - i)).store(b + i, n - i);
+  return y;
+}
+
+static inline float hsum(const Vec& v) {
+  alignas(64) float tmp[W];
+  v.store(tmp);
+  float s = 0.f;
+  for (int64_t i = 0; i < W; ++i) s += tmp[i];
+  return s;
+}
+
+// --- micro-kernels ------------------------------------------------------------------------------------------------
+// Scores: C[i][j] = alpha sum_d A[i][d] BT[d][j] for KB rows i of A (row-major, ld lda; keys) and RV vectors of
+// columns j (BT = a transposed query tile, ld ldb; query rows): KB x RV accumulators in registers, A broadcast
+// straight from its rows (no packing of K or V: they are read in place, block by block).
+template <int KB, int RV>
+static inline void qk_tile(const float* __restrict A, int64_t lda, const float* __restrict BT, int64_t ldb,
+                           int64_t depth, float alpha, float* __restrict C, int64_t ldc) {
+  Vec acc[KB][RV];
+#pragma GCC unroll 8
+  for (int i = 0; i < KB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < RV; ++j) acc[i][j] = Vec(0.f);
+  for (int64_t d = 0; d < depth; ++d) {
+    Vec b[RV];
+#pragma GCC unroll 8
+    for (int j = 0; j < RV; ++j) b[j] = Vec::loadu(BT + d * ldb + W * j);
+#pragma GCC unroll 8
+    for (int i = 0; i < KB; ++i) {
+      const Vec a(A[i * lda + d]);
+#pragma GCC unroll 8
+      for (int j = 0; j < RV; ++j) acc[i][j] = at::vec::fmadd(a, b[j], acc[i][j]);
+    }
+  }
+  const Vec va(alpha);
+#pragma GCC unroll 8
+  for (int i = 0; i < KB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < RV; ++j) (acc[i][j] * va).store(C + i * ldc + W * j);
+}
+
+template <int KB>
+static void qk_rows(const float* A, int64_t lda, const float* BT, int64_t ldb, int64_t depth, int64_t nvec,
+                    float alpha, float* C, int64_t ldc) {
+  for (int64_t j = 0; j < nvec; j += QK_RV) {
+    const int64_t o = j * W;
+    switch (std::min<int64_t>(QK_RV, nvec - j)) {
+      case 4: qk_tile<KB, 4>(A, lda, BT + o, ldb, depth, alpha, C + o, ldc); break;
+      case 3: qk_tile<KB, 3>(A, lda, BT + o, ldb, depth, alpha, C + o, ldc); break;
+      case 2: qk_tile<KB, 2>(A, lda, BT + o, ldb, depth, alpha, C + o, ldc); break;
+      default: qk_tile<KB, 1>(A, lda, BT + o, ldb, depth, alpha, C + o, ldc); break;
+    }
+  }
+}
+
+// C[rows x (nvec W)] (ld ldc) = alpha A[rows x depth] BT[depth x nvec W]
+static void qk_block(const float* A, int64_t rows, int64_t lda, const float* BT, int64_t ldb, int64_t depth,
+                     int64_t nvec, float alpha, float* C, int64_t ldc) {
+  for (int64_t i = 0; i < rows; i += QK_KB) {
+    const float* a = A + i * lda;
+    float* c = C + i * ldc;
+    switch (std::min<int64_t>(QK_KB, rows - i)) {
+      case 4: qk_rows<4>(a, lda, BT, ldb, depth, nvec, alpha, c, ldc); break;
+      case 3: qk_rows<3>(a, lda, BT, ldb, depth, nvec, alpha, c, ldc); break;
+      case 2: qk_rows<2>(a, lda, BT, ldb, depth, nvec, alpha, c, ldc); break;
+      default: qk_rows<1>(a, lda, BT, ldb, depth, nvec, alpha, c, ldc); break;
+    }
+  }
+}
+
+// One reduction segment of an accumulation: coefficient (i, k) = P[i * si + k * sk], row k of the right factor at
+// V + k * ldv, k < n.
+struct Seg {
+  const float* P;
+  const float* V;
+  int64_t n;
+};
+
+// Accumulation: Out[i][c] += alpha sum_seg sum_k coef(i, k) V[k][c] for RB output rows i and NV vectors of columns c:
+// RB x NV accumulators in registers over every segment, the right factor read in place row by row.
+template <int RB, int NV>
+static inline void acc_tile(const Seg* seg, int64_t nseg, int64_t si, int64_t sk, int64_t ldv, int64_t col,
+                            float alpha, float* __restrict out, int64_t ldo) {
+  Vec acc[RB][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) acc[i][j] = Vec(0.f);
+  for (int64_t s = 0; s < nseg; ++s) {
+    const float* __restrict p = seg[s].P;
+    const float* __restrict v = seg[s].V + col;
+    const int64_t n = seg[s].n;
+    for (int64_t k = 0; k < n; ++k) {
+      Vec b[NV];
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) b[j] = Vec::loadu(v + k * ldv + W * j);
+#pragma GCC unroll 8
+      for (int i = 0; i < RB; ++i) {
+        const Vec a(p[i * si + k * sk]);
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) acc[i][j] = at::vec::fmadd(a, b[j], acc[i][j]);
+      }
+    }
+  }
+  const Vec va(alpha);
+#pragma GCC unroll 8
+  for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+      float* o = out + i * ldo + col + W * j;
+      at::vec::fmadd(acc[i][j], va, Vec::loadu(o)).store(o);
+    }
+}
+
+template <int RB>
+static void acc_cols(const Seg* seg, int64_t nseg, int64_t si, int64_t sk, int64_t ldv, int64_t nvec, float alpha,
+                     float* out, int64_t ldo) {
+  for (int64_t j = 0; j < nvec; j += ACC_NV) {
+    const int64_t col = j * W;
+    switch (std::min<int64_t>(ACC_NV, nvec - j)) {
+      case 4: acc_tile<RB, 4>(seg, nseg, si, sk, ldv, col, alpha, out, ldo); break;
+      case 3: acc_tile<RB, 3>(seg, nseg, si, sk, ldv, col, alpha, out, ldo); break;
+      case 2: acc_tile<RB, 2>(seg, nseg, si, sk, ldv, col, alpha, out, ldo); break;
+      default: acc_tile<RB, 1>(seg, nseg, si, sk, ldv, col, alpha, out, ldo); break;
+    }
+  }
+}
+
+// Out[rows x nvec W] (ld ldo) += alpha sum_seg Coef_seg[rows x n_seg] V_seg[n_seg x nvec W]; tmp is scratch (the
+// per-row-tile offsets of the coefficients).
+static void acc_block(const Seg* seg, int64_t nseg, int64_t rows, int64_t si, int64_t sk, int64_t ldv, int64_t nvec,
+                      float alpha, float* out, int64_t ldo, Seg* tmp) {
+  for (int64_t i = 0; i < rows; i += ACC_RB) {
+    for (int64_t s = 0; s < nseg; ++s) tmp[s] = Seg{seg[s].P + i * si, seg[s].V, seg[s].n};
+    float* o = out + i * ldo;
+    switch (std::min<int64_t>(ACC_RB, rows - i)) {
+      case 4: acc_cols<4>(tmp, nseg, si, sk, ldv, nvec, alpha, o, ldo); break;
+      case 3: acc_cols<3>(tmp, nseg, si, sk, ldv, nvec, alpha, o, ldo); break;
+      case 2: acc_cols<2>(tmp, nseg, si, sk, ldv, nvec, alpha, o, ldo); break;
+      default: acc_cols<1>(tmp, nseg, si, sk, ldv, nvec, alpha, o, ldo); break;
+    }
+  }
+}
+
+// One online-softmax step (base 2) for NVC vectors of query rows over a key group's transposed scores ST[width x .]
+// (ld ls): the running max m and sum l are updated, ST is overwritten with P = 2^(S - m_new), alpha = 2^(m_old -
+// m_new) is stored for the output rescale (0 where m_old = -inf; rows with nothing valid yet keep P = 0).
+template <int NVC>
+static inline void softmax_update(float* ST, int64_t ls, int64_t width, float* m, float* l, float* alpha_out) {
+  Vec mx[NVC];
+#pragma GCC unroll 8
+  for (int j = 0; j < NVC; ++j) mx[j] = Vec(kNegInf);
+  for (int64_t c = 0; c < width; ++c) {
+    const float* s = ST + c * ls;
+#pragma GCC unroll 8
+    for (int j = 0; j < NVC; ++j) mx[j] = at::vec::maximum(mx[j], Vec::loadu(s + W * j));
+  }
+  Vec msub[NVC], sum[NVC];
+#pragma GCC unroll 8
+  for (int j = 0; j < NVC; ++j) {
+    const Vec mold = Vec::loadu(m + W * j);
+    const Vec mnew = at::vec::maximum(mold, mx[j]);
+    msub[j] = Vec::blendv(mnew, Vec(0.f), mnew == Vec(kNegInf));
+    Vec::blendv(vexp2(mold - msub[j]), Vec(0.f), mold == Vec(kNegInf)).store(alpha_out + W * j);
+    mnew.store(m + W * j);
+    sum[j] = Vec(0.f);
+  }
+  for (int64_t c = 0; c < width; ++c) {
+    float* s = ST + c * ls;
+#pragma GCC unroll 8
+    for (int j = 0; j < NVC; ++j) {
+      const Vec p = vexp2(Vec::loadu(s + W * j) - msub[j]);
+      p.store(s + W * j);
+      sum[j] = sum[j] + p;
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NVC; ++j) (Vec::loadu(l + W * j) * Vec::loadu(alpha_out + W * j) + sum[j]).store(l + W * j);
+}
+
+// dst[d][r] = src[r][d] for r < rows (ld_src = depth), 0 for rows <= r < rp (ld_dst = rp)
+static void transpose_pad(const float* src, int64_t rows, int64_t depth, int64_t rp, float* dst) {
+  for (int64_t d = 0; d < depth; ++d) std::fill(dst + d * rp + rows, dst + (d + 1) * rp, 0.f);
+  at::vec::transpose_mxn<float>(src, depth, dst, rp, static_cast<int>(rows), static_cast<int>(depth));
+}
+
+// How many threads at::parallel_for runs on here (the kernels' parallel loops); 1 means the build lost OpenMP.
 int64_t parallel_threads(int64_t items) {
   std::atomic<int64_t> most{0};
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
@@ -385,33 +630,128 @@ int64_t parallel_threads(int64_t items) {
   return most.load();
 }
 
-// Block-sparse softmax attention forward (fp32), one task per (batch, query head, query block). The listed key
-// blocks are taken in groups of up to kv_tile keys: a group's K rows (gathered into one buffer unless the blocks
-// are adjacent in memory) give one wide tile S = scale * Q K^T (one gemm, so Q is packed once per group, not once
-// per block), the element mask on boundary blocks only, one online-softmax update per row, then O += P V (one
-// gemm over the group's V rows). Returns o [B, Hq, Nq, d] and lse [B, Hq, Nq]; with colstats, also the column
-// statistics p_sum, p2_sum [B, Hq, Nk] (sum over the queries of P_ij and P_ij^2, P the final probabilities): once a
-// query block's LSE is known, a second sweep over its key groups recomputes S (no P V) and adds exp(S - lse) to
-// per-thread column sums, reduced at the end.
+// Runs task(slot, i) for i in [0, n) on every at::parallel_for thread, handing out the next index from an atomic
+// counter (dynamic scheduling: a thread that finishes early takes more); slot < slots identifies the worker.
+template <typename F>
+static void run_dynamic(int64_t n, int64_t slots, const F& task) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, slots, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t slot = s0; slot < s1; ++slot) {
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) task(slot, i);
+    }
+  });
+}
+
+struct Geometry {
+  int64_t B, Hq, Hk, G, Nq, Nk, D, Dv, Mq, kmax, bq, bk, q_offset, window, KW, NG, RP, LS;
+  bool causal;
+};
+
+static Geometry geometry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_num,
+                         const at::Tensor& kv_idx, int64_t bq, int64_t bk, bool causal, int64_t q_offset,
+                         int64_t window, int64_t kv_tile) {
+  Geometry g;
+  g.B = q.size(0); g.Hq = q.size(1); g.Nq = q.size(2); g.D = q.size(3);
+  g.Hk = k.size(1); g.Nk = k.size(2); g.Dv = v.size(3);
+  TORCH_CHECK(g.Hq % g.Hk == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(g.D % W == 0 && g.Dv % W == 0, "head sizes must be multiples of ", W, " (the caller pads)");
+  g.G = g.Hq / g.Hk;
+  g.bq = bq; g.bk = bk;
+  g.Mq = (g.Nq + bq - 1) / bq;
+  g.kmax = kv_idx.size(-1);
+  g.KW = std::max<int64_t>(1, kv_tile / bk) * bk;  // keys per group: a whole number of blocks
+  g.NG = g.KW / bk;
+  g.RP = (bq + W - 1) / W * W;  // query rows of a tile, padded to whole vectors
+  g.LS = g.RP + W;  // row stride of the transposed score tiles (not a power of two: no cache-set aliasing)
+  g.causal = causal; g.q_offset = q_offset; g.window = window;
+  const int64_t E = g.B * g.Hq * g.Mq;
+  TORCH_CHECK(kv_num.numel() == E && kv_idx.numel() == E * g.kmax, "layout does not match the shapes");
+  return g;
+}
+
+// The listed key blocks of one query block, taken in groups of up to NG blocks (KW keys) that the causal / window
+// bounds do not rule out.
+struct Groups {
+  const Geometry& g;
+  const int32_t* idx = nullptr;
+  int32_t cnt = 0;
+  int64_t p0 = 0, p1 = 0;
+  std::vector<int64_t> c0, cols, off;
+  std::vector<char> full;
+  int64_t ng = 0, width = 0;
+  bool any_partial = false;
+  explicit Groups(const Geometry& geo) : g(geo), c0(geo.NG), cols(geo.NG), off(geo.NG), full(geo.NG) {}
+  void reset(const int32_t* idx_, int32_t cnt_, int64_t r0, int64_t rows) {
+    idx = idx_; cnt = cnt_;
+    p0 = r0 + g.q_offset; p1 = r0 + rows - 1 + g.q_offset;
+  }
+  // the next group from list position t on; false when none is left
+  bool next(int32_t& t) {
+    ng = 0; width = 0; any_partial = false;
+    while (t < cnt && ng < g.NG) {
+      const int64_t j = idx[t];
+      ++t;
+      const int64_t a = j * g.bk, n = std::min(g.bk, g.Nk - a);
+      const int64_t b = a + n - 1;
+      bool f = true;
+      if (g.causal) {
+        if (a > p1) continue;
+        if (g.window > 0 && b <= p0 - g.window) continue;
+        f = b <= p0 && (g.window <= 0 || a > p1 - g.window);
+      }
+      c0[ng] = a; cols[ng] = n; off[ng] = width; full[ng] = f;
+      any_partial = any_partial || !f;
+      width += n; ++ng;
+    }
+    return ng > 0;
+  }
+  // ST[width x RP] (ld LS, key-major): -inf where key c may not be seen by query row r, on boundary blocks only
+  // (row r sits at position p0 + r; key c is valid iff c <= p0 + r and, with a window, c > p0 + r - window)
+  void mask(float* ST) const {
+    if (!any_partial) return;
+    for (int64_t i = 0; i < ng; ++i) {
+      if (full[i]) continue;
+      for (int64_t c = 0; c < cols[i]; ++c) {
+        float* s = ST + (off[i] + c) * g.LS;
+        const int64_t first = c0[i] + c - p0;  // first valid row
+        const int64_t lo = std::min<int64_t>(g.RP, std::max<int64_t>(0, first));
+        const int64_t hi = g.window > 0 ? std::min<int64_t>(g.RP, std::max<int64_t>(lo, first + g.window)) : g.RP;
+        std::fill(s, s + lo, kNegInf);
+        std::fill(s + hi, s + g.RP, kNegInf);
+      }
+    }
+  }
+  // ST[width x RP] = alpha A_group Q^T for A = K (or V) rows of the head (ld lda), QT [depth x RP] (ld RP)
+  void scores(const float* head, int64_t lda, const float* QT, int64_t depth, float alpha, float* ST) const {
+    for (int64_t i = 0; i < ng; ++i)
+      qk_block(head + c0[i] * lda, cols[i], lda, QT, g.RP, depth, g.RP / W, alpha, ST + off[i] * g.LS, g.LS);
+  }
+};
+
+// Block-sparse softmax attention forward (fp32), one task per (batch, query head, query block), handed out
+// dynamically in (batch, head) order with each head's heaviest (last) query blocks first. BLAS-free: two register-
+// tiled micro-kernels (at::vec, so AVX-512, AVX2 or the scalar fallback) read K and V in place. Per query tile the
+// queries are transposed once (Q^T [d x rows], rows padded to whole vectors); the listed key blocks are taken in
+// groups of up to kv_tile keys: S^T = log2(e) scale K Q^T (key-major, so the softmax statistics of all the tile's
+// rows are plain vector operations over the keys), the element mask on boundary blocks only (a fill of each key's
+// invalid row range), one online-softmax update (base 2), then O += P V. Returns o [B, Hq, Nq, dv] and lse
+// [B, Hq, Nq]; with colstats, also p_sum, p2_sum [B, Hq, Nk] (sum over the queries of P_ij and P_ij^2, P the final
+// probabilities): once a query tile's LSE is known, a second sweep over its key groups recomputes S^T (no P V) and
+// adds exp(S - lse) to per-worker column sums, reduced at the end.
 std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor kv_num, at::Tensor kv_idx,
                                     int64_t bq, int64_t bk, double scale, bool causal, int64_t q_offset,
                                     int64_t window, int64_t kv_tile, bool colstats) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat);
   q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
   kv_num = kv_num.to(at::kInt).contiguous(); kv_idx = kv_idx.to(at::kInt).contiguous();
-  const int64_t B = q.size(0), Hq = q.size(1), Nq = q.size(2), D = q.size(3);
-  const int64_t Hk = k.size(1), Nk = k.size(2), Dv = v.size(3);
-  const int64_t G = Hq / Hk;
-  const int64_t Mq = (Nq + bq - 1) / bq;
+  const Geometry g = geometry(q, k, v, kv_num, kv_idx, bq, bk, causal, q_offset, window, kv_tile);
+  const int64_t B = g.B, Hq = g.Hq, Hk = g.Hk, Nq = g.Nq, Nk = g.Nk, D = g.D, Dv = g.Dv, Mq = g.Mq;
+  const int64_t RP = g.RP, LS = g.LS, NV = RP / W;
   const int64_t E = B * Hq * Mq;
-  const int64_t kmax = kv_idx.size(-1);
-  const int64_t KW = std::max<int64_t>(1, kv_tile / bk) * bk;  // keys per group: a whole number of blocks
-  const int64_t NG = KW / bk;
-  TORCH_CHECK(kv_num.numel() == E && kv_idx.numel() == E * kmax, "layout does not match the shapes");
   auto o = at::empty({B, Hq, Nq, Dv}, q.options());
   auto lse = at::empty({B, Hq, Nq}, q.options());
-  const int64_t T = colstats ? at::get_num_threads() : 0;
-  auto cs = at::zeros({std::max<int64_t>(T, 1), 2, B * Hq, colstats ? Nk : 0}, q.options());  // per-thread sums
+  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
+  auto cs = at::zeros({colstats ? T : 1, 2, B * Hq, colstats ? Nk : 0}, q.options());  // per-worker sums
   float* csp = cs.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
@@ -420,208 +760,280 @@ std::vector<at::Tensor> bsa_forward(at::Tensor q, at::Tensor k, at::Tensor v, at
   const int32_t* idxp = kv_idx.data_ptr<int32_t>();
   float* op = o.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const float ninf = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, E, 1, [&](int64_t begin, int64_t end) {
-    const int one = 1;
-    const int mkl_prev = mkl_set_num_threads_local(&one);  // one BLAS thread per task: no nested oversubscription
-    std::vector<float> sbuf(bq * KW), kbuf(KW * D), vbuf(KW * Dv), acc(bq * Dv), mrow(bq), lrow(bq), lsev(bq);
-    std::vector<float> col1(colstats ? KW : 0), col2(colstats ? KW : 0);
-    std::vector<int64_t> gc0(NG), gcols(NG), goff(NG);
-    std::vector<char> gfull(NG);
-    using Vec = at::vec::Vectorized<float>;
-    constexpr int64_t W = Vec::size();
-    const int64_t tid = colstats ? std::min<int64_t>(at::get_thread_num(), T - 1) : 0;
-    for (int64_t e = begin; e < end; ++e) {
-      const int64_t m = e % Mq, bh = e / Mq, h = bh % Hq, b = bh / Hq;
-      const int64_t r0 = m * bq, rows = std::min(bq, Nq - r0);
-      const float* qt = qp + ((b * Hq + h) * Nq + r0) * D;
-      const int64_t kvh = b * Hk + h / G;
-      const float* kh = kp + kvh * Nk * D;
-      const float* vh = vp + kvh * Nk * Dv;
-      const int64_t p0 = r0 + q_offset, p1 = r0 + rows - 1 + q_offset;
-      const int32_t cnt = nump[e];
-      int64_t ng = 0, width = 0;
-      bool any_partial = false;
-      // the next group of listed key blocks that the causal / window bounds do not rule out (from block t on)
-      auto collect = [&](int32_t& t) {
-        ng = 0; width = 0; any_partial = false;
-        while (t < cnt && ng < NG) {
-          const int64_t j = idxp[e * kmax + t];
-          ++t;
-          const int64_t c0 = j * bk, cols = std::min(bk, Nk - c0);
-          const int64_t c1 = c0 + cols - 1;
-          bool full = true;
-          if (causal) {
-            if (c0 > p1) continue;
-            if (window > 0 && c1 <= p0 - window) continue;
-            full = c1 <= p0 && (window <= 0 || c0 > p1 - window);
-          }
-          gc0[ng] = c0; gcols[ng] = cols; goff[ng] = width; gfull[ng] = full;
-          any_partial = any_partial || !full;
-          width += cols; ++ng;
+  const float sc2 = static_cast<float>(scale * kLog2eD);  // scores in base 2
+  struct Scratch {
+    std::vector<float> st, qt, acc, m, l, alpha, col;
+    std::vector<Seg> seg, tmp;
+  };
+  std::vector<Scratch> scratch(T);
+  run_dynamic(E, T, [&](int64_t slot, int64_t i) {
+    Scratch& w = scratch[slot];
+    if (w.st.empty()) {
+      w.st.resize(g.KW * LS); w.qt.resize(D * RP); w.acc.resize(RP * Dv);
+      w.m.resize(RP); w.l.resize(RP); w.alpha.resize(RP); w.col.resize(2 * g.KW);
+      w.seg.resize(g.NG); w.tmp.resize(g.NG);
+    }
+    const int64_t e = (i / Mq) * Mq + (Mq - 1 - i % Mq);  // heads in order, each head's last blocks first
+    const int64_t m = e % Mq, bh = e / Mq, h = bh % Hq, b = bh / Hq;
+    const int64_t r0 = m * bq, rows = std::min(bq, Nq - r0);
+    const int64_t kvh = b * Hk + h / g.G;
+    const float* kh = kp + kvh * Nk * D;
+    const float* vh = vp + kvh * Nk * Dv;
+    float* ST = w.st.data();
+    float* QT = w.qt.data();
+    float* acc = w.acc.data();
+    float* mr = w.m.data();
+    float* lr = w.l.data();
+    transpose_pad(qp + ((b * Hq + h) * Nq + r0) * D, rows, D, RP, QT);
+    std::fill(mr, mr + RP, kNegInf);
+    std::fill(lr, lr + RP, 0.f);
+    std::fill(acc, acc + RP * Dv, 0.f);
+    Groups grp(g);
+    grp.reset(idxp + e * g.kmax, nump[e], r0, rows);
+    bool started = false;
+    int32_t t = 0;
+    while (grp.next(t)) {
+      const int64_t width = grp.width;
+      grp.scores(kh, D, QT, D, sc2, ST);
+      grp.mask(ST);
+      for (int64_t j = 0; j < NV; j += 8) {  // up to 8 vectors of query rows at a time, keys streamed in order
+        switch (std::min<int64_t>(8, NV - j)) {
+          case 8: softmax_update<8>(ST + j * W, LS, width, mr + j * W, lr + j * W, w.alpha.data() + j * W); break;
+          case 7: softmax_update<7>(ST + j * W, LS, width, mr + j * W, lr + j * W, w.alpha.data() + j * W); break;
+          case 6: softmax_update<6>(ST + j * W, LS, width, mr + j * W, lr + j * W, w.alpha.data() + j * W); break;
+          case 5: softmax_update<5>(ST + j * W, LS, width, mr + j * W, lr + j * W, w.alpha.data() + j * W); break;
+          case 4: softmax_update<4>(ST + j * W, LS, width, mr + j * W, lr + j * W, w.alpha.data() + j * W); break;
+          case 3: softmax_update<3>(ST + j * W, LS, width, mr + j * W, lr + j * W, w.alpha.data() + j * W); break;
+          case 2: softmax_update<2>(ST + j * W, LS, width, mr + j * W, lr + j * W, w.alpha.data() + j * W); break;
+          default: softmax_update<1>(ST + j * W, LS, width, mr + j * W, lr + j * W, w.alpha.data() + j * W); break;
         }
-      };
-      // S[rows x width] (row-major, ld = width) = scale * Q K_group^T, masked entries -inf; returns the V rows
-      auto scores = [&](float* S) -> const float* {
-        bool adjacent = true;
-        for (int64_t i = 1; i < ng; ++i) adjacent = adjacent && gc0[i] == gc0[0] + goff[i];
-        const float* ks = kh + gc0[0] * D;
-        const float* vs = vh + gc0[0] * Dv;
-        if (!adjacent) {
-          for (int64_t i = 0; i < ng; ++i) {
-            std::copy(kh + gc0[i] * D, kh + (gc0[i] + gcols[i]) * D, kbuf.data() + goff[i] * D);
-            std::copy(vh + gc0[i] * Dv, vh + (gc0[i] + gcols[i]) * Dv, vbuf.data() + goff[i] * Dv);
-          }
-          ks = kbuf.data(); vs = vbuf.data();
-        }
-        gemm(true, false, width, rows, D, sc, ks, D, qt, D, 0.f, S, width);
-        if (any_partial) {
-          for (int64_t r = 0; r < rows; ++r) {
-            float* s = S + r * width;
-            const int64_t pos = r0 + r + q_offset;
-            for (int64_t i = 0; i < ng; ++i) {
-              if (gfull[i]) continue;
-              float* sb = s + goff[i];
-              for (int64_t c = 0; c < gcols[i]; ++c) {
-                const int64_t col = gc0[i] + c;
-                const bool ok = col <= pos && (window <= 0 || col > pos - window);
-                if (!ok) sb[c] = ninf;
-              }
-            }
-          }
-        }
-        return vs;
-      };
-      std::fill(mrow.begin(), mrow.begin() + rows, ninf);
-      std::fill(lrow.begin(), lrow.begin() + rows, 0.f);
-      std::fill(acc.begin(), acc.begin() + rows * Dv, 0.f);
-      bool started = false;
-      int32_t t = 0;
-      while (t < cnt) {
-        collect(t);
-        if (ng == 0) break;
-        float* S = sbuf.data();
-        const float* vs = scores(S);
-        for (int64_t r = 0; r < rows; ++r) {
-          float* s = S + r * width;
-          Vec vmx(ninf);
-          int64_t c = 0;
-          for (; c + W <= width; c += W) vmx = at::vec::maximum(vmx, Vec::loadu(s + c));
-          float mx = ninf;
-          if (c < width) vmx = at::vec::maximum(vmx, Vec::set(Vec(ninf), Vec::loadu(s + c, width - c), width - c));
-          {
-            alignas(64) float tmp[W];
-            vmx.store(tmp);
-            for (int64_t i = 0; i < W; ++i) mx = std::max(mx, tmp[i]);
-          }
-          const float mold = mrow[r];
-          const float mnew = std::max(mold, mx);
-          if (mnew == ninf) {  // nothing valid yet in this row
-            std::fill(s, s + width, 0.f);
-            continue;
-          }
-          const Vec vm(mnew);
-          Vec vsum(0.f);
-          c = 0;
-          for (; c + W <= width; c += W) {
-            Vec p = (Vec::loadu(s + c) - vm).exp_u20();
-            p.store(s + c);
-            vsum = vsum + p;
-          }
-          float sum = 0.f;
-          {
-            alignas(64) float tmp[W];
-            vsum.store(tmp);
-            for (int64_t i = 0; i < W; ++i) sum += tmp[i];
-          }
-          for (; c < width; ++c) {
-            const float p = std::exp(s[c] - mnew);
-            s[c] = p;
-            sum += p;
-          }
-          const float alpha = (mold == ninf) ? 0.f : std::exp(mold - mnew);
-          lrow[r] = lrow[r] * alpha + sum;
-          mrow[r] = mnew;
-          if (started && alpha != 1.f) {
-            float* a = acc.data() + r * Dv;
-            const Vec va(alpha);
-            int64_t cc = 0;
-            for (; cc + W <= Dv; cc += W) (Vec::loadu(a + cc) * va).store(a + cc);
-            for (; cc < Dv; ++cc) a[cc] *= alpha;
-          }
-        }
-        // acc[rows x Dv] += P[rows x width] V_group[width x Dv]
-        gemm(false, false, Dv, rows, width, 1.f, vs, Dv, S, width, started ? 1.f : 0.f, acc.data(), Dv);
-        started = true;
       }
-      float* ot = op + ((b * Hq + h) * Nq + r0) * Dv;
-      float* lt = lp + (b * Hq + h) * Nq + r0;
-      bool any_row = false;
-      for (int64_t r = 0; r < rows; ++r) {
-        float* dst = ot + r * Dv;
-        if (!started || mrow[r] == ninf || lrow[r] <= 0.f) {
-          for (int64_t c = 0; c < Dv; ++c) dst[c] = 0.f;
-          lt[r] = ninf;
-          lsev[r] = ninf;
-          continue;
-        }
-        const float inv = 1.f / lrow[r];
-        const float* a = acc.data() + r * Dv;
-        for (int64_t c = 0; c < Dv; ++c) dst[c] = a[c] * inv;
-        lt[r] = mrow[r] + std::log(lrow[r]);
-        lsev[r] = lt[r];
-        any_row = true;
-      }
-      if (!colstats || !any_row) continue;
-      // second sweep: the final probabilities exp(S - lse), summed per key column (and squared)
-      float* c1p = csp + ((tid * 2 + 0) * B * Hq + b * Hq + h) * Nk;
-      float* c2p = csp + ((tid * 2 + 1) * B * Hq + b * Hq + h) * Nk;
-      t = 0;
-      while (t < cnt) {
-        collect(t);
-        if (ng == 0) break;
-        float* S = sbuf.data();
-        scores(S);
-        std::fill(col1.begin(), col1.begin() + width, 0.f);
-        std::fill(col2.begin(), col2.begin() + width, 0.f);
+      const bool rescale = started;
+      if (rescale) {
         for (int64_t r = 0; r < rows; ++r) {
-          if (lsev[r] == ninf) continue;
-          const float* s = S + r * width;
-          const Vec vl(lsev[r]);
-          int64_t c = 0;
-          for (; c + W <= width; c += W) {
-            const Vec p = (Vec::loadu(s + c) - vl).exp_u20();
-            (Vec::loadu(col1.data() + c) + p).store(col1.data() + c);
-            (Vec::loadu(col2.data() + c) + p * p).store(col2.data() + c);
-          }
-          for (; c < width; ++c) {
-            const float p = std::exp(s[c] - lsev[r]);
-            col1[c] += p;
-            col2[c] += p * p;
-          }
+          const float a = w.alpha[r];
+          if (a == 1.f) continue;
+          const Vec va(a);
+          float* x = acc + r * Dv;
+          for (int64_t c = 0; c < Dv; c += W) (Vec::loadu(x + c) * va).store(x + c);
         }
-        for (int64_t i = 0; i < ng; ++i) {
-          for (int64_t c = 0; c < gcols[i]; ++c) {
-            c1p[gc0[i] + c] += col1[goff[i] + c];
-            c2p[gc0[i] + c] += col2[goff[i] + c];
+      }
+      // O[rows x Dv] += P[rows x width] V_group[width x Dv]: coefficient (r, key) = ST[key][r]
+      for (int64_t s = 0; s < grp.ng; ++s) w.seg[s] = Seg{ST + grp.off[s] * LS, vh + grp.c0[s] * Dv, grp.cols[s]};
+      acc_block(w.seg.data(), grp.ng, rows, 1, LS, Dv, Dv / W, 1.f, acc, Dv, w.tmp.data());
+      started = true;
+    }
+    float* ot = op + ((b * Hq + h) * Nq + r0) * Dv;
+    float* lt = lp + (b * Hq + h) * Nq + r0;
+    bool any_row = false;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = ot + r * Dv;
+      if (!started || mr[r] == kNegInf || !(lr[r] > 0.f)) {
+        std::fill(dst, dst + Dv, 0.f);
+        lt[r] = kNegInf;
+        mr[r] = kPosInf;  // the statistics sweep's reference: P = 0
+        continue;
+      }
+      const Vec vi(1.f / lr[r]);
+      const float* a = acc + r * Dv;
+      for (int64_t c = 0; c < Dv; c += W) (Vec::loadu(a + c) * vi).store(dst + c);
+      mr[r] += std::log2(lr[r]);  // the row's LSE in base 2
+      lt[r] = mr[r] * kLn2;
+      any_row = true;
+    }
+    if (!colstats || !any_row) return;
+    std::fill(mr + rows, mr + RP, kPosInf);  // padding rows
+    // second sweep: the final probabilities exp(S - lse), summed per key column (and squared)
+    float* c1p = csp + ((slot * 2 + 0) * B * Hq + b * Hq + h) * Nk;
+    float* c2p = csp + ((slot * 2 + 1) * B * Hq + b * Hq + h) * Nk;
+    t = 0;
+    while (grp.next(t)) {
+      grp.scores(kh, D, QT, D, sc2, ST);
+      grp.mask(ST);
+      for (int64_t s = 0; s < grp.ng; ++s) {
+        for (int64_t c = 0; c < grp.cols[s]; ++c) {
+          const float* x = ST + (grp.off[s] + c) * LS;
+          Vec s1(0.f), s2(0.f);
+          for (int64_t j = 0; j < NV; ++j) {
+            const Vec p = vexp2(Vec::loadu(x + j * W) - Vec::loadu(mr + j * W));
+            s1 = s1 + p;
+            s2 = at::vec::fmadd(p, p, s2);
           }
+          c1p[grp.c0[s] + c] += hsum(s1);
+          c2p[grp.c0[s] + c] += hsum(s2);
         }
       }
     }
-    mkl_set_num_threads_local(&mkl_prev);
   });
   if (!colstats) return {o, lse};
   auto sums = cs.sum(0);  // [2, B * Hq, Nk]
   return {o, lse, sums[0].view({B, Hq, Nk}), sums[1].view({B, Hq, Nk})};
 }
 
+// The backward of bsa_forward (FlashAttention-2's, on the same key groups and micro-kernels): given o, lse (from
+// the forward), grad_o and grad_lse (an empty tensor for none), returns dq, dk, dv. Tasks are (batch, kv head,
+// partition): a task owns its kv head's dK / dV (partition 0 writes into dk / dv, partition p > 0 into its own
+// zeroed copy, summed at the end; one partition unless there are fewer than two kv heads per thread), so the
+// accumulation order is fixed (deterministic) and no locks are needed. Per query tile (rows i) of the task's query
+// heads: Q^T and dO^T once, D_i = rowsum(dO_i * O_i) - grad_lse_i; per key group: S^T = log2(e) scale K Q^T,
+// P^T = 2^(S^T - log2(e) lse) (0 on masked entries and rows without keys), dP^T = V dO^T, dS^T = P^T (dP^T - D), then
+// per key block dV += P^T dO and dK += scale dS^T Q (straight into the task's accumulators), and dQ += scale dS K.
+std::vector<at::Tensor> bsa_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor o, at::Tensor lse,
+                                     at::Tensor grad_o, at::Tensor grad_lse, at::Tensor kv_num, at::Tensor kv_idx,
+                                     int64_t bq, int64_t bk, double scale, bool causal, int64_t q_offset,
+                                     int64_t window, int64_t kv_tile) {
+  for (const auto& x : {q, k, v, o, lse, grad_o}) TORCH_CHECK(x.scalar_type() == at::kFloat, "fp32 only");
+  q = q.contiguous(); k = k.contiguous(); v = v.contiguous(); o = o.contiguous(); lse = lse.contiguous();
+  grad_o = grad_o.contiguous();
+  const bool has_glse = grad_lse.defined() && grad_lse.numel() > 0;
+  if (has_glse) grad_lse = grad_lse.to(at::kFloat).contiguous();
+  kv_num = kv_num.to(at::kInt).contiguous(); kv_idx = kv_idx.to(at::kInt).contiguous();
+  const Geometry g = geometry(q, k, v, kv_num, kv_idx, bq, bk, causal, q_offset, window, kv_tile);
+  const int64_t B = g.B, Hq = g.Hq, Hk = g.Hk, Nq = g.Nq, Nk = g.Nk, D = g.D, Dv = g.Dv, Mq = g.Mq, G = g.G;
+  const int64_t RP = g.RP, LS = g.LS, NV = RP / W;
+  TORCH_CHECK(o.sizes() == at::IntArrayRef({B, Hq, Nq, Dv}) && grad_o.sizes() == o.sizes() &&
+              lse.numel() == B * Hq * Nq, "o, grad_o or lse do not match the shapes");
+  TORCH_CHECK(!has_glse || grad_lse.numel() == B * Hq * Nq, "grad_lse does not match lse");
+  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
+  // partitions per kv head: enough tasks for two per thread
+  const int64_t P = std::min<int64_t>(std::max<int64_t>(1, (2 * T + B * Hk - 1) / (B * Hk)), std::max<int64_t>(1, Mq));
+  auto dq = at::empty_like(q);
+  auto dk = at::empty_like(k);  // zeroed per kv head by the task that owns it
+  auto dv = at::empty_like(v);
+  at::Tensor dk_extra, dv_extra;
+  if (P > 1) {
+    dk_extra = at::zeros({P - 1, B * Hk, Nk, D}, k.options());
+    dv_extra = at::zeros({P - 1, B * Hk, Nk, Dv}, v.options());
+  }
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* opp = o.data_ptr<float>();
+  const float* lp = lse.data_ptr<float>();
+  const float* gop = grad_o.data_ptr<float>();
+  const float* glp = has_glse ? grad_lse.data_ptr<float>() : nullptr;
+  const int32_t* nump = kv_num.data_ptr<int32_t>();
+  const int32_t* idxp = kv_idx.data_ptr<int32_t>();
+  float* dqp = dq.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const float sc2 = static_cast<float>(scale * kLog2eD);  // S in base 2, as in the forward
+  // tasks, heaviest first (longest-processing-time order over the dynamic schedule)
+  const int64_t NT = B * Hk * P;
+  std::vector<int64_t> work(NT, 0), order(NT);
+  for (int64_t e = 0; e < B * Hq * Mq; ++e) {
+    const int64_t m = e % Mq, bh = e / Mq, h = bh % Hq, b = bh / Hq;
+    work[(b * Hk + h / G) * P + m % P] += nump[e];
+  }
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) { return work[a] > work[c]; });
+  struct Scratch {
+    std::vector<float> st, dpt, qt, dot, dqa, dm, l2;
+    std::vector<Seg> seg, tmp;
+  };
+  std::vector<Scratch> scratch(T);
+  run_dynamic(NT, T, [&](int64_t slot, int64_t i) {
+    Scratch& w = scratch[slot];
+    if (w.st.empty()) {
+      w.st.resize(g.KW * LS); w.dpt.resize(g.KW * LS); w.qt.resize(D * RP); w.dot.resize(Dv * RP);
+      w.dqa.resize(RP * D); w.dm.resize(RP); w.l2.resize(RP);
+      w.seg.resize(g.NG); w.tmp.resize(g.NG);
+    }
+    const int64_t task = order[i];
+    const int64_t part = task % P, kvh = task / P, b = kvh / Hk, hk = kvh % Hk;
+    const float* kh = kp + kvh * Nk * D;
+    const float* vh = vp + kvh * Nk * Dv;
+    float* dkh = (part == 0 ? dk.data_ptr<float>() : dk_extra.data_ptr<float>() + (part - 1) * B * Hk * Nk * D) +
+                 kvh * Nk * D;
+    float* dvh = (part == 0 ? dv.data_ptr<float>() : dv_extra.data_ptr<float>() + (part - 1) * B * Hk * Nk * Dv) +
+                 kvh * Nk * Dv;
+    if (part == 0) {
+      std::fill(dkh, dkh + Nk * D, 0.f);
+      std::fill(dvh, dvh + Nk * Dv, 0.f);
+    }
+    float* ST = w.st.data();
+    float* dPT = w.dpt.data();
+    float* QT = w.qt.data();
+    float* dOT = w.dot.data();
+    float* dqa = w.dqa.data();
+    float* dm = w.dm.data();
+    float* l2 = w.l2.data();
+    Groups grp(g);
+    for (int64_t hh = 0; hh < G; ++hh) {
+      const int64_t h = hk * G + hh;
+      for (int64_t m = part; m < Mq; m += P) {
+        const int64_t e = (b * Hq + h) * Mq + m;
+        const int64_t r0 = m * bq, rows = std::min(bq, Nq - r0);
+        const int64_t row0 = (b * Hq + h) * Nq + r0;
+        const float* qt = qp + row0 * D;
+        const float* ot = opp + row0 * Dv;
+        const float* got = gop + row0 * Dv;
+        std::fill(dm, dm + RP, 0.f);
+        std::fill(l2, l2 + RP, kPosInf);  // rows without keys and padding rows: P = 0, no gradient
+        for (int64_t r = 0; r < rows; ++r) {
+          const float l = lp[row0 + r];
+          if (!(l > kNegInf)) continue;  // -inf (no valid key) or NaN
+          l2[r] = static_cast<float>(static_cast<double>(l) * kLog2eD);
+          Vec a(0.f);
+          for (int64_t c = 0; c < Dv; c += W)
+            a = at::vec::fmadd(Vec::loadu(got + r * Dv + c), Vec::loadu(ot + r * Dv + c), a);
+          dm[r] = hsum(a) - (glp ? glp[row0 + r] : 0.f);
+        }
+        grp.reset(idxp + e * g.kmax, nump[e], r0, rows);
+        std::fill(dqa, dqa + RP * D, 0.f);
+        bool any = false;
+        int32_t t = 0;
+        while (grp.next(t)) {
+          if (!any) {
+            transpose_pad(qt, rows, D, RP, QT);
+            transpose_pad(got, rows, Dv, RP, dOT);
+            any = true;
+          }
+          const int64_t width = grp.width;
+          grp.scores(kh, D, QT, D, sc2, ST);   // S^T = log2(e) scale K Q^T
+          grp.mask(ST);
+          grp.scores(vh, Dv, dOT, Dv, 1.f, dPT);  // dP^T = V dO^T
+          for (int64_t c = 0; c < width; ++c) {
+            float* s = ST + c * LS;
+            float* ds = dPT + c * LS;
+            for (int64_t j = 0; j < NV; ++j) {
+              const Vec p = vexp2(Vec::loadu(s + j * W) - Vec::loadu(l2 + j * W));
+              p.store(s + j * W);
+              (p * (Vec::loadu(ds + j * W) - Vec::loadu(dm + j * W))).store(ds + j * W);
+            }
+          }
+          for (int64_t s = 0; s < grp.ng; ++s) {
+            const int64_t a = grp.c0[s], n = grp.cols[s], off = grp.off[s];
+            // dV[a:a+n] += P^T dO, dK[a:a+n] += scale dS^T Q: coefficient (key, row) = X^T[key][row]
+            const Seg pv{ST + off * LS, got, rows};
+            acc_block(&pv, 1, n, LS, 1, Dv, Dv / W, 1.f, dvh + a * Dv, Dv, w.tmp.data());
+            const Seg pk{dPT + off * LS, qt, rows};
+            acc_block(&pk, 1, n, LS, 1, D, D / W, sc, dkh + a * D, D, w.tmp.data());
+          }
+          // dQ += scale dS K_group: coefficient (row, key) = dS^T[key][row]
+          for (int64_t s = 0; s < grp.ng; ++s) w.seg[s] = Seg{dPT + grp.off[s] * LS, kh + grp.c0[s] * D, grp.cols[s]};
+          acc_block(w.seg.data(), grp.ng, rows, 1, LS, D, D / W, sc, dqa, D, w.tmp.data());
+        }
+        std::copy(dqa, dqa + rows * D, dqp + row0 * D);
+      }
+    }
+  });
+  if (P > 1) {
+    dk.view({B * Hk, Nk, D}).add_(dk_extra.sum(0));
+    dv.view({B * Hk, Nk, Dv}).add_(dv_extra.sum(0));
+  }
+  return {dq, dk, dv};
+}
 """
 
 NATIVE_KV_TILE = 512
-"""Keys per tile of the native forward: listed key blocks are processed in groups of ``NATIVE_KV_TILE // block_k``
-(one Q K^T and one P V gemm per group). Chosen by a one-off timing at N = 16K, 10% density, 128 x 128 blocks on
-2 cores: 256-1024 keys ran alike and about 10% faster than one block per gemm (128)."""
+"""Keys per group of the native kernels: listed key blocks are processed in groups of ``NATIVE_KV_TILE // block_k``
+(one online-softmax step per group; the micro-kernels read K and V in place either way). 256-1024 ran alike
+forward at N = 16K, 10% density, 128 x 128 blocks; the backward measured 512 faster than 256."""
+
+NATIVE_HEAD_MULTIPLE = 16
+"""The native kernels take head sizes in whole vectors (16 floats with AVX-512, 8 with AVX2): other sizes are
+zero-padded to a multiple of this (exact: padded query/key columns add 0 to every score, padded value columns are
+sliced off)."""
 
 _native_state: dict = {}
 
@@ -641,12 +1053,16 @@ def _native_flags() -> List[str]:
     return flags
 
 
+def _env_off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
+
+
 def native_kernel():
-    """The compiled native forward module, or None (kill switch, no compiler, failed build: the reason is in
-    :func:`native_status`). Built once per machine with ``torch.utils.cpp_extension.load_inline`` (~40 s on 2
-    cores; cached on disk under the torch extensions directory, so later processes load it in well under a
-    second) and once per process."""
-    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    """The compiled native module (forward and backward), or None (kill switch, no compiler, failed build: the
+    reason is in :func:`native_status`). Built once per machine with ``torch.utils.cpp_extension.load_inline``
+    (~40 s on 2 cores; cached on disk under the torch extensions directory, so later processes load it in well
+    under a second) and once per process."""
+    if _env_off(NATIVE_ENV):
         return None
     if "module" in _native_state:
         return _native_state["module"]
@@ -658,16 +1074,17 @@ def native_kernel():
     try:
         from torch.utils.cpp_extension import load_inline
 
-        mod = load_inline(name="litctx_cpu_sparse_fwd_v5", cpp_sources=[_NATIVE_CPP], functions=["bsa_forward", "parallel_threads"],
+        mod = load_inline(name="litctx_cpu_sparse_v6", cpp_sources=[_NATIVE_CPP],
+                          functions=["bsa_forward", "bsa_backward", "parallel_threads", "vexp2_test"],
                           extra_cflags=_native_flags(),
                           extra_ldflags=["-fopenmp"] if torch.backends.openmp.is_available() else [],
                           verbose=False)
         _native_state.update(module=mod, reason="built", seconds=time.perf_counter() - t0)
-        log.info("litctx_kernels.cpu_sparse: native block-sparse forward ready (%.1f s)", _native_state["seconds"])
+        log.info("litctx_kernels.cpu_sparse: native block-sparse kernels ready (%.1f s)", _native_state["seconds"])
     except Exception as exc:  # noqa: BLE001 - no compiler or a failed build: the flash-call path serves the call
         _native_state.update(module=None, reason=f"{type(exc).__name__}: {str(exc)[:300]}",
                              seconds=time.perf_counter() - t0)
-        log.warning("litctx_kernels.cpu_sparse: native forward unavailable, using the flash-call path (%s)",
+        log.warning("litctx_kernels.cpu_sparse: native kernels unavailable, using the flash-call path (%s)",
                     _native_state["reason"])
     return _native_state["module"]
 
@@ -677,22 +1094,85 @@ def native_status() -> dict:
     return dict(_native_state)
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _native_inputs_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
+    return (key_mask is None and q.dtype == k.dtype == v.dtype == torch.float32 and q.device.type == "cpu")
+
+
 def native_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]) -> bool:
-    """The native forward serves fp32 CPU calls without a key mask when no gradient is needed."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return (not needs_grad and key_mask is None and q.dtype == k.dtype == v.dtype == torch.float32
-            and q.device.type == "cpu")
+    """The native kernels serve fp32 CPU calls without a key mask: inference calls through the forward, calls that
+    need a gradient through the forward and the native backward (unless ``LITCTX_CPU_SPARSE_NATIVE_BACKWARD=0``)."""
+    if not _native_inputs_ok(q, k, v, key_mask):
+        return False
+    return not _needs_grad(q, k, v) or not _env_off(NATIVE_BACKWARD_ENV)
+
+
+def _pad_heads(*tensors: torch.Tensor) -> List[torch.Tensor]:
+    """Zero-pad the last dimension to a multiple of :data:`NATIVE_HEAD_MULTIPLE` (differentiable; a no-op when
+    it already is one)."""
+    out = []
+    for t in tensors:
+        extra = -t.shape[-1] % NATIVE_HEAD_MULTIPLE
+        out.append(F.pad(t, (0, extra)) if extra else t)
+    return out
+
+
+def _layout_tensors(layout: BlockLayout, b: int, hq: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kv_num [B * Hq * Mq]``, ``kv_idx [B * Hq * Mq, Kmax]`` as the native kernels take them."""
+    lay = layout.expand(b, hq)
+    kv_num = lay.kv_num_blocks.to(torch.int32).reshape(-1).contiguous()
+    kv_idx = lay.kv_indices.to(torch.int32).reshape(kv_num.numel(), -1).contiguous()
+    return kv_num, kv_idx
 
 
 def _native_forward(mod, q, k, v, layout: BlockLayout, *, scale: float, causal: bool, q_offset: int,
                     window: Optional[int], kv_tile: int = NATIVE_KV_TILE, colstats: bool = False) -> List[torch.Tensor]:
-    """``[o, lse]`` of the native forward (``[o, lse, p_sum, p2_sum]`` with ``colstats``)."""
-    b, hq = q.shape[:2]
-    lay = layout.expand(b, hq)
-    kv_num = lay.kv_num_blocks.to(torch.int32).reshape(-1).contiguous()
-    kv_idx = lay.kv_indices.to(torch.int32).reshape(kv_num.numel(), -1).contiguous()
+    """``[o, lse]`` of the native forward (``[o, lse, p_sum, p2_sum]`` with ``colstats``); head sizes must be
+    multiples of :data:`NATIVE_HEAD_MULTIPLE`."""
+    kv_num, kv_idx = _layout_tensors(layout, q.shape[0], q.shape[1])
     return mod.bsa_forward(q, k, v, kv_num, kv_idx, layout.block_q, layout.block_k, float(scale), bool(causal),
                            int(q_offset), -1 if window is None else int(window), int(kv_tile), bool(colstats))
+
+
+def _native_backward(mod, q, k, v, o, lse, grad_o, grad_lse: Optional[torch.Tensor], layout: BlockLayout, *,
+                     scale: float, causal: bool, q_offset: int, window: Optional[int],
+                     kv_tile: int = NATIVE_KV_TILE) -> List[torch.Tensor]:
+    """``[dq, dk, dv]`` of the native backward from the forward's ``o`` and ``lse``; ``grad_lse`` None (or all
+    zero) for no gradient through the LSE."""
+    kv_num, kv_idx = _layout_tensors(layout, q.shape[0], q.shape[1])
+    if grad_lse is None or not bool((grad_lse != 0).any()):
+        grad_lse = torch.empty(0)
+    return mod.bsa_backward(q, k, v, o, lse, grad_o, grad_lse, kv_num, kv_idx, layout.block_q, layout.block_k,
+                            float(scale), bool(causal), int(q_offset), -1 if window is None else int(window),
+                            int(kv_tile))
+
+
+class _NativeBlockSparse(torch.autograd.Function):
+    """The native forward with the native backward (fp32, no key mask): ``o`` and ``lse`` are saved, the backward
+    recomputes the scores per key group (FlashAttention-2) and folds a gradient through ``lse`` into ``dS`` exactly
+    (``dS = P (dP - rowsum(dO * O) + grad_lse)``), so no call falls back to the reference."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mod, layout: BlockLayout, scale: float, causal: bool, q_offset: int,
+                window: Optional[int]):
+        o, lse = _native_forward(mod, q, k, v, layout, scale=scale, causal=causal, q_offset=q_offset, window=window)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.mod, ctx.layout, ctx.args = mod, layout, (scale, causal, q_offset, window)
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_o, grad_lse):
+        q, k, v, o, lse = ctx.saved_tensors
+        scale, causal, q_offset, window = ctx.args
+        if grad_o is None:
+            grad_o = torch.zeros_like(o)
+        dq, dk, dv = _native_backward(ctx.mod, q, k, v, o, lse, grad_o.float(), grad_lse, ctx.layout, scale=scale,
+                                      causal=causal, q_offset=q_offset, window=window)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def native_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
@@ -704,10 +1184,10 @@ def native_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     the final probabilities and of their squares, :func:`litctx_kernels.reference.attention_colstats_reference` with
     ``moments="attention"``). The statistics cost one more ``Q K^T`` sweep per query block after its LSE is
     known, inside the same call (no second pass over the queries from Python). ``layout`` (default: the full
-    causal or dense layout in ``block`` x ``block`` tiles) restricts both. None when the native forward is not
+    causal or dense layout in ``block`` x ``block`` tiles) restricts both. None when the native kernels are not
     available or the call is not eligible (the caller then runs attention and statistics separately)."""
     b, hq, hk, n_q, n_k, d, dv = check_qkv(q, k, v)
-    if d != dv or not native_eligible(q, k, v, None):
+    if not _native_inputs_ok(q, k, v, None) or _needs_grad(q, k, v):
         return None
     mod = native_kernel()
     if mod is None:
@@ -717,8 +1197,10 @@ def native_attention_colstats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if layout is None:
         layout = (BlockLayout.causal(n_q, n_k, block, block, q_offset=off) if causal
                   else BlockLayout.full(n_q, n_k, block, block))
-    return tuple(_native_forward(mod, q.contiguous(), k.contiguous(), v.contiguous(), layout, scale=scale,
-                                 causal=causal, q_offset=off, window=None, colstats=True))
+    qp, kp, vp = _pad_heads(q.contiguous(), k.contiguous(), v.contiguous())
+    o, lse, p_sum, p2_sum = _native_forward(mod, qp, kp, vp, layout, scale=scale, causal=causal, q_offset=off,
+                                            window=None, colstats=True)
+    return o[..., :dv], lse, p_sum, p2_sum
 
 
 def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockLayout, *,
@@ -744,6 +1226,16 @@ def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if key_mask is not None:
         key_mask = expand_key_mask(key_mask, q, k)  # boolean [B, Hq, Nk]; float / additive masks are rejected
+    if native and native_eligible(q, k, v, key_mask):
+        mod = native_kernel()
+        if mod is not None:
+            qp, kp, vp = (t.contiguous() for t in _pad_heads(q, k, v))
+            if _needs_grad(q, k, v):
+                o, lse = _NativeBlockSparse.apply(qp, kp, vp, mod, layout, scale, causal, off, window)
+            else:
+                o, lse = _native_forward(mod, qp, kp, vp, layout, scale=scale, causal=causal, q_offset=off,
+                                         window=window)
+            return (o if o.shape[-1] == dv else o[..., :dv]), lse
     if d != dv:  # the CPU flash kernel needs one head size: zero-pad to the larger (exact), slice the output
         width = max(d, dv)
         o, lse = block_sparse_attention_cpu(F.pad(q, (0, width - d)), F.pad(k, (0, width - d)),
@@ -751,11 +1243,6 @@ def block_sparse_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                             q_offset=off, window=window, max_workspace_bytes=max_workspace_bytes,
                                             key_mask=key_mask, native=native)
         return o[..., :dv], lse
-    if native and native_eligible(q, k, v, key_mask):
-        mod = native_kernel()
-        if mod is not None:
-            return tuple(_native_forward(mod, q.contiguous(), k.contiguous(), v.contiguous(), layout, scale=scale,
-                                         causal=causal, q_offset=off, window=window))
     plan = plan_buckets(layout, b, hq, hk, causal=causal, q_offset=off, window=window, dtype=q.dtype)
     fn = _BlockSparseCPU
     o, lse = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, scale, layout, (causal, off, window),

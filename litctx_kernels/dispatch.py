@@ -3,9 +3,10 @@
 Backends:
 
 * ``torch`` - always available. On CPU, softmax attention with a dense, causal, window or block layout runs
-  through :mod:`litctx_kernels.cpu_sparse` (fp32 inference calls without a key mask: its native forward, 128-row query
-  tiles over K/V in place, built once per machine, kill switch ``LITCTX_CPU_SPARSE_NATIVE=0``; calls that need a
-  gradient, a key mask or another dtype: fused flash calls that skip unlisted blocks) or PyTorch's CPU flash
+  through :mod:`litctx_kernels.cpu_sparse` (fp32 calls without a key mask: its native forward and backward, query
+  tiles over K/V in place, built once per machine, kill switches ``LITCTX_CPU_SPARSE_NATIVE=0`` and
+  ``LITCTX_CPU_SPARSE_NATIVE_BACKWARD=0``; calls with a key mask or another dtype: fused flash calls that skip
+  unlisted blocks) or PyTorch's CPU flash
   kernel directly when the layout covers the whole mask, with or without a ``key_mask`` (passed to the flash
   kernel as a broadcast additive ``[B, 1|H, 1, Nk]`` mask, or gathered per key block by the block-sparse path);
   everything else (LSSA/LSSAR, query subsets, gather attention, column statistics, CUDA without Triton) runs

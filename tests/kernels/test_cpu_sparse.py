@@ -57,12 +57,15 @@ def layout_for(kind, b, h, nq, nk, bq, bk, causal, q_offset, window, seed=0):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("kind", ["random", "empty_rows", "diagonal", "sink"])
-@pytest.mark.parametrize("dtype,ratio", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_matches_reference_forward_and_backward(case, kind, dtype, ratio):
+@pytest.mark.parametrize("dtype,ratio,native", [(torch.float64, 1e-12, True), (torch.float32, 1e-5, True),
+                                                (torch.float32, 1e-5, False)])
+def test_matches_reference_forward_and_backward(case, kind, dtype, ratio, native):
+    """fp64 runs the flash-call path; fp32 the native forward and backward (when built), and with ``native=False``
+    the flash-call path."""
     b, hq, hk, nq, nk, d, bq, bk, causal, off, window = case
     q, k, v = make(b, hq, hk, nq, nk, d, dtype)
     lay = layout_for(kind, b, hq, nq, nk, bq, bk, causal, off, window)
-    o, lse = block_sparse_attention_cpu(q, k, v, lay, causal=causal, q_offset=off, window=window)
+    o, lse = block_sparse_attention_cpu(q, k, v, lay, causal=causal, q_offset=off, window=window, native=native)
     ro, rlse = attention_reference(*(t.double() for t in (q, k, v)), layout=lay, causal=causal, q_offset=off,
                                    window=window)
     assert_close(o, ro, ratio=ratio)
@@ -156,7 +159,7 @@ def test_chunk_sizing_counts_the_key_mask_tile(monkeypatch):
     o, lse = block_sparse_attention_cpu(q, k, v, lay, key_mask=keep, max_workspace_bytes=limit)
     assert seen and all(per == c * 32 * (16 + 16 + 32) * 4 for c, per in seen)
     seen.clear()
-    block_sparse_attention_cpu(q, k, v, lay, max_workspace_bytes=limit)
+    block_sparse_attention_cpu(q, k, v, lay, max_workspace_bytes=limit, native=False)
     assert seen and all(per == c * 32 * (16 + 16) * 4 for c, per in seen)
     ro, rlse = attention_reference(*(t.double() for t in (q, k, v)), layout=lay, key_mask=keep)
     fin = torch.isfinite(rlse)
@@ -283,20 +286,30 @@ def test_native_forward_runs_on_every_thread(native):
         torch.set_num_threads(prev)
 
 
-def test_native_forward_not_taken_with_grad_key_mask_or_kill_switch(native, monkeypatch):
+def test_native_not_taken_with_key_mask_other_dtype_or_kill_switches(native, monkeypatch):
+    """Calls that need a gradient take the native forward and backward; a key mask, fp64, ``native=False`` and
+    ``LITCTX_CPU_SPARSE_NATIVE=0`` keep the flash-call path; ``LITCTX_CPU_SPARSE_NATIVE_BACKWARD=0`` sends only the
+    calls that need a gradient there."""
     import litctx_kernels.cpu_sparse as cs
 
-    def boom(*a, **kw):
-        raise AssertionError("native forward taken")
-
+    fwd, bwd = [], []
+    real_f, real_b = cs._native_forward, cs._native_backward
+    monkeypatch.setattr(cs, "_native_forward", lambda *a, **kw: fwd.append(1) or real_f(*a, **kw))
+    monkeypatch.setattr(cs, "_native_backward", lambda *a, **kw: bwd.append(1) or real_b(*a, **kw))
     b, hq, hk, nq, nk, d, bq, bk, causal, off, window = CASES[0]
     q, k, v = make(b, hq, hk, nq, nk, d, torch.float32)
     lay = layout_for("random", b, hq, nq, nk, bq, bk, causal, off, window)
     want, _ = attention_reference(q.detach(), k.detach(), v.detach(), layout=lay, causal=causal)
-    monkeypatch.setattr(cs, "_native_forward", boom)
-    o, _ = block_sparse_attention_cpu(q, k, v, lay, causal=causal)  # grad required: the flash-call path
+    o, _ = block_sparse_attention_cpu(q, k, v, lay, causal=causal)  # grad required: native forward and backward
     o.sum().backward()
-    assert q.grad is not None
+    assert (fwd, bwd) == ([1], [1]) and q.grad is not None
+    monkeypatch.setenv(cs.NATIVE_BACKWARD_ENV, "0")
+    o1, _ = block_sparse_attention_cpu(q, k, v, lay, causal=causal)  # the flash-call path and its backward
+    o1.sum().backward()
+    with torch.no_grad():
+        block_sparse_attention_cpu(q, k, v, lay, causal=causal)  # inference keeps the native forward
+    assert (fwd, bwd) == ([1, 1], [1])
+    monkeypatch.delenv(cs.NATIVE_BACKWARD_ENV)
     with torch.no_grad():
         km = torch.ones(b, hq, nk, dtype=torch.bool)
         block_sparse_attention_cpu(q, k, v, lay, causal=causal, key_mask=km)  # key mask: flash-call path
@@ -304,5 +317,117 @@ def test_native_forward_not_taken_with_grad_key_mask_or_kill_switch(native, monk
         o2, _ = block_sparse_attention_cpu(q, k, v, lay, causal=causal, native=False)
         monkeypatch.setenv(cs.NATIVE_ENV, "0")
         o3, _ = block_sparse_attention_cpu(q, k, v, lay, causal=causal)
-    assert_close(o2, want, ratio=1e-5)
-    assert_close(o3, want, ratio=1e-5)
+    assert (fwd, bwd) == ([1, 1], [1])
+    for x in (o, o1, o2, o3):
+        assert_close(x.detach(), want, ratio=1e-5)
+
+
+# --- the native backward --------------------------------------------------------------------------------------
+
+
+def _native_calls(monkeypatch):
+    import litctx_kernels.cpu_sparse as cs
+
+    calls = []
+    real = cs._native_backward
+    monkeypatch.setattr(cs, "_native_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kind", ["random", "empty_rows", "diagonal", "sink"])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_native_backward_matches_reference(native, monkeypatch, case, kind, with_lse):
+    """dq, dk, dv of the native backward equal float64 reference autograd within 1e-5 (causal, window, q_offset
+    inside the sequence, ragged lengths, GQA, non-causal), also with a gradient through ``lse`` (folded into dS:
+    ``dS = P (dP - rowsum(dO * O) + grad_lse)``); rows with no valid key (most cases have some; 'empty_rows' lists
+    nothing for every other query block) take no gradient whatever flows into their ``lse``."""
+    calls = _native_calls(monkeypatch)
+    b, hq, hk, nq, nk, d, bq, bk, causal, off, window = case
+    q, k, v = make(b, hq, hk, nq, nk, d, torch.float32)
+    lay = layout_for(kind, b, hq, nq, nk, bq, bk, causal, off, window)
+    o, lse = block_sparse_attention_cpu(q, k, v, lay, causal=causal, q_offset=off, window=window)
+    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ro, rlse = attention_reference(qd, kd, vd, layout=lay, causal=causal, q_offset=off, window=window)
+    g = torch.Generator().manual_seed(7)
+    go = torch.randn(o.shape, generator=g)
+    fin = torch.isfinite(rlse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    if with_lse:
+        gl = torch.randn(lse.shape, generator=g)  # also into the rows without keys (lse = -inf): no effect
+        got = torch.autograd.grad((o, lse), (q, k, v), (go, gl))
+        want = torch.autograd.grad((ro, torch.where(fin, rlse, torch.zeros_like(rlse))), (qd, kd, vd),
+                                   (go.double(), gl.double().masked_fill(~fin, 0)))
+    else:
+        got = torch.autograd.grad(o, (q, k, v), go)
+        want = torch.autograd.grad(ro, (qd, kd, vd), go.double())
+    assert calls == [1], "an fp32 call that needs a gradient takes the native backward"
+    for name, a, e in zip("qkv", got, want):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all()
+        assert_close(a, e, ratio=1e-5, name=f"d{name}")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kv_tile", [1, 3 * 16, 10**6])
+def test_native_backward_key_groups_match_reference(native, case, kv_tile):
+    """One key block per group, a few, and every listed block in one group give the reference's gradients."""
+    import litctx_kernels.cpu_sparse as cs
+
+    b, hq, hk, nq, nk, d, bq, bk, causal, off, window = case
+    q, k, v = (t.detach() for t in make(b, hq, hk, nq, nk, d, torch.float32))
+    lay = layout_for("random", b, hq, nq, nk, bq, bk, causal, off, window)
+    kw = dict(scale=d ** -0.5, causal=causal, q_offset=cs.resolve_q_offset(nq, nk, off), window=window,
+              kv_tile=kv_tile)
+    o, lse = cs._native_forward(native, q, k, v, lay, **kw)
+    go = torch.randn(o.shape, generator=torch.Generator().manual_seed(3))
+    dq, dk, dv = cs._native_backward(native, q, k, v, o, lse, go, None, lay, **kw)
+    qd, kd, vd = (t.double().requires_grad_(True) for t in (q, k, v))
+    ro, _ = attention_reference(qd, kd, vd, layout=lay, causal=causal, q_offset=off, window=window)
+    for name, a, e in zip("qkv", (dq, dk, dv), torch.autograd.grad(ro, (qd, kd, vd), go.double())):
+        assert_close(a, e, ratio=1e-5, name=f"d{name}")
+
+
+def test_native_backward_is_deterministic(native):
+    """Each kv head's dK / dV is accumulated by one task in a fixed order: two runs give identical bits."""
+    q, k, v = make(2, 8, 2, 300, 300, 32, torch.float32)
+    lay = BlockLayout.random_causal(300, 32, 0.4, batch=2, heads=8, seed=4)
+    grads = []
+    for _ in range(2):
+        o, lse = block_sparse_attention_cpu(q, k, v, lay)
+        grads.append(torch.autograd.grad((o * o).sum() + lse.sum(), (q, k, v)))
+    for a, b_ in zip(*grads):
+        assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("d,dv", [(24, 40), (40, 24), (72, 72)])
+def test_native_pads_head_sizes(native, monkeypatch, d, dv):
+    """Head sizes that are not whole vectors are zero-padded (exact) for the native kernels, forward and backward."""
+    calls = _native_calls(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 90, d, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, 90, d, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, 90, dv, generator=g, requires_grad=True)
+    lay = layout_for("random", 1, 4, 90, 90, 32, 32, True, None, None, seed=6)
+    o, lse = block_sparse_attention_cpu(q, k, v, lay)
+    qd, kd, vd = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ro, rlse = attention_reference(qd, kd, vd, layout=lay)
+    assert o.shape == (1, 4, 90, dv)
+    assert_close(o, ro, ratio=1e-5)
+    assert_close(lse, rlse, ratio=1e-5)
+    go = torch.randn(o.shape, generator=g)
+    got = torch.autograd.grad(o, (q, k, v), go)
+    assert calls == [1]
+    for name, a, e in zip("qkv", got, torch.autograd.grad(ro, (qd, kd, vd), go.double())):
+        assert a.shape == e.shape
+        assert_close(a, e, ratio=1e-5, name=f"d{name}")
+
+
+def test_native_exp2_within_4e7_of_exp2(native):
+    """The kernels' vector 2^x (degree-5 polynomial + scalef) stays within 4e-7 relative of float64 exp2 over the
+    range the softmax uses; below 2^-126 (no denormals), -inf and NaN (masked entries) give 0."""
+    x = torch.linspace(-126.0, 10.0, 1_000_003)
+    y = native.vexp2_test(x)
+    rel = (y.double() - torch.exp2(x.double())).abs() / torch.exp2(x.double())
+    assert float(rel.max()) < 4e-7
+    special = native.vexp2_test(torch.tensor([float("-inf"), float("nan"), -127.5, -200.0, 0.0, 1.0]))
+    assert special.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 2.0]

@@ -141,9 +141,10 @@ def test_cpu_gqa_without_a_causal_mask_folds_groups_and_matches_the_reference(n_
         assert_close(a.grad, b.grad, ratio=1e-5)
 
 
-def test_cpu_block_layout_inference_takes_the_native_forward_training_does_not(monkeypatch):
-    """fp32 inference calls with a block layout run the native forward of litctx_kernels.cpu_sparse (when it builds);
-    calls that need a gradient keep the flash-call path and its backward."""
+def test_cpu_block_layout_takes_the_native_kernels(monkeypatch):
+    """fp32 calls with a block layout run the native kernels of litctx_kernels.cpu_sparse (when they build): the
+    forward for inference, forward and native backward for calls that need a gradient (the flash-call path and its
+    backward with LITCTX_CPU_SPARSE_NATIVE_BACKWARD=0)."""
     import litctx_kernels.cpu_sparse as cs
 
     if cs.native_kernel() is None:
@@ -161,8 +162,20 @@ def test_cpu_block_layout_inference_takes_the_native_forward_training_does_not(m
     assert calls == [1]
     assert_close(o, want, ratio=1e-5)
     assert_close(lse, want_lse, ratio=1e-5)
+    bwd = []
+    real_b = cs._native_backward
+    monkeypatch.setattr(cs, "_native_backward", lambda *a, **kw: bwd.append(1) or real_b(*a, **kw))
     qg = q.clone().requires_grad_(True)
     o2, _ = litctx_kernels.attention(qg, k, v, layout=lay)
-    assert calls == [1], "a call that needs a gradient stays on the flash-call path"
-    o2.sum().backward()
+    o2.square().sum().backward()
+    assert (calls, bwd) == ([1, 1], [1]), "a call that needs a gradient runs the native forward and backward"
     assert_close(o2.detach(), want, ratio=1e-5)
+    qr = q.clone().requires_grad_(True)
+    attention_reference(qr, k, v, layout=lay, causal=True)[0].square().sum().backward()
+    assert_close(qg.grad, qr.grad, ratio=1e-5)
+    monkeypatch.setenv(cs.NATIVE_BACKWARD_ENV, "0")
+    qf = q.clone().requires_grad_(True)
+    o3, _ = litctx_kernels.attention(qf, k, v, layout=lay)
+    o3.square().sum().backward()
+    assert (calls, bwd) == ([1, 1], [1]), "the kill switch keeps gradient calls on the flash-call path"
+    assert_close(qf.grad, qr.grad, ratio=1e-5)

@@ -33,9 +33,16 @@ def qkv():
     return [torch.randn(1, 1, N, 16, generator=g).requires_grad_(True) for _ in range(3)]
 
 
-@pytest.mark.parametrize("case", ["dense", "window", "layout", "reference", "reference_lssa", "q_index",
-                                  "colstats", "key_mask", "key_mask_window"])
-def test_peak_tensor_is_subquadratic(case):
+@pytest.mark.parametrize("case", ["dense", "window", "layout", "layout_flash_calls", "reference", "reference_lssa",
+                                  "q_index", "colstats", "key_mask", "key_mask_window"])
+def test_peak_tensor_is_subquadratic(case, monkeypatch):
+    """``window`` and ``layout`` run the native forward and backward of ``litctx_kernels.cpu_sparse`` (when it
+    builds), ``layout_flash_calls`` the flash-call path and its backward."""
+    if case == "layout_flash_calls":
+        from litctx_kernels.cpu_sparse import NATIVE_ENV
+
+        monkeypatch.setenv(NATIVE_ENV, "0")
+        case = "layout"
     q, k, v = qkv()
     mode = LargestTensor()
     with mode:
