@@ -1,5 +1,7 @@
-"""Masked attention on CUDA: ``litctx_kernels.attention(..., key_mask=...)`` dispatches to the compiled Triton K1/K2 with a
-key mask; fp16 / bf16 (and fp32 ieee) against the chunked reference in float64 on the GPU.
+"""Masked attention on CUDA: ``litctx_kernels.attention(..., key_mask=...)`` through its routed backend (Triton K1/K2
+with the key mask when a row has no valid key, as with left padding under a causal mask; otherwise the routing
+table's choice, SDPA's memory-efficient op by default: ``tests/kernels/test_routing_gpu.py``); fp16 / bf16 (and
+fp32 ieee) against the chunked reference in float64 on the GPU.
 
 Run on a GPU machine with ``pytest -m gpu tests/kernels/test_masked_attention_gpu.py`` (``TRITON_INTERPRET``
 unset). Skips cleanly without CUDA. Shapes follow SmolLM2-135M (9 query heads, 3 KV heads, d = 64) at N = 2K-4K.
