@@ -199,21 +199,23 @@ def _cuda_route(q, k, v, *, choice: str, causal: bool, q_offset, window, layout,
 
 
 def _run_routed(q, k, v, *, choice: str, scale, causal, q_offset, window, layout, key_mask):
-    """Run the routed backend (see :func:`_cuda_route`); None when the call is not routed or Triton is the
-    choice (the caller's Triton path runs it). A backend that raises (other than out of memory) is excluded for
-    this (kind, dtype) from then on, logged, and the next choice runs."""
-    from litctx_kernels.torch_kernels import SDPA_OPS, flex_attention_layout, sdpa_attention
-
+    """Run the routed backend (see :func:`_cuda_route`); None when the call is not routed (the caller's
+    :func:`select_backend` decides). A backend that raises (other than out of memory) is excluded for this
+    (kind, dtype) from then on, logged, and the next choice runs."""
     while True:
         routed = _cuda_route(q, k, v, choice=choice, causal=causal, q_offset=q_offset, window=window, layout=layout,
                              key_mask=key_mask)
         if routed is None:
             return None
         backend, reason, call, lay, cz = routed
-        if backend == "triton":
-            _log_once("attention", "triton", f"{call.kind} {call.dtype}: {reason}")
-            return None
         _log_once("attention", backend, f"{call.kind} {call.dtype}: {reason}")
+        if backend == "triton":  # the layout already reduced to None when it covers the mask
+            from litctx_kernels.triton.attention import triton_attention
+
+            return triton_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
+                                    layout=lay, key_mask=key_mask)
+        from litctx_kernels.torch_kernels import SDPA_OPS, flex_attention_layout, sdpa_attention
+
         try:
             if backend in SDPA_OPS:
                 return sdpa_attention(q, k, v, backend, scale=scale, causal=cz, key_mask=key_mask)

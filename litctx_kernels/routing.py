@@ -166,7 +166,7 @@ def load_table(path: Optional[os.PathLike] = None) -> RoutingTable:
     missing shipped table is an empty table; a file named explicitly must exist and parse."""
     explicit = path if path is not None else os.environ.get(TABLE_ENV) or None
     target = Path(explicit) if explicit else SHIPPED_TABLE
-    key = str(target.resolve())
+    key = str(target)  # every routed call asks: no filesystem call once the table is read
     if key not in _TABLES:
         if not target.is_file():
             if explicit:

@@ -28,6 +28,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from litctx_kernels.layouts import BlockLayout
+from litctx_kernels.reference.attention import broadcast_key_mask
+from litctx_kernels.reference.estimate import expand_heads
 
 __all__ = ["OPS", "sdpa_attention", "flex_attention_layout", "SDPA_OPS"]
 
@@ -54,10 +56,6 @@ _REPEAT_KV: Dict[str, bool] = {}
 """Per SDPA op: True once the op refused grouped kv heads in this process (K/V repeated from then on)."""
 
 
-def _repeat_kv(t: torch.Tensor, g: int) -> torch.Tensor:
-    return t if g == 1 else t.repeat_interleave(g, dim=1)
-
-
 def _fold_kv(t: torch.Tensor, g: int) -> torch.Tensor:
     """``[B, Hk * g, N, d]`` gradients of repeated kv heads -> ``[B, Hk, N, d]`` (summed over the group)."""
     if g == 1:
@@ -70,10 +68,8 @@ def _key_bias(key_mask: torch.Tensor, hq: int, n_q: int, dtype: torch.dtype) -> 
     """Boolean ``key_mask [B, 1|Hk|Hq, Nk]`` -> additive ``[B, Hq, Nq, Nk]`` (0 / -inf) in ``dtype``: a
     ``[B, Hq, 1, Nk16]`` tensor (last dim padded to a multiple of 16, the memory-efficient kernel's alignment)
     sliced and expanded over the queries, so no ``Nq x Nk`` memory is allocated."""
-    b, hm, n_k = key_mask.shape
-    if hm not in (1, hq):
-        key_mask = key_mask.repeat_interleave(hq // hm, dim=1)
-    key_mask = key_mask.expand(b, hq, n_k)
+    b, _, n_k = key_mask.shape
+    key_mask = broadcast_key_mask(key_mask, hq)
     pad = (-n_k) % 16
     bias = torch.zeros(b, hq, 1, n_k + pad, dtype=dtype, device=key_mask.device)
     bias[..., :n_k].masked_fill_(~key_mask.unsqueeze(2), float("-inf"))
@@ -82,7 +78,7 @@ def _key_bias(key_mask: torch.Tensor, hq: int, n_q: int, dtype: torch.dtype) -> 
 
 def _call_forward(op: str, q, k, v, *, scale: float, causal: bool, bias: Optional[torch.Tensor]):
     """One forward of ``op``; returns ``(o, lse [B, H, Nq] float32, saved)`` where ``saved`` holds what the
-    op's backward needs."""
+    op's backward needs (``lse_raw``: the LSE as the op returned it; ``rest``: its other outputs)."""
     n_q = q.shape[2]
     if op == "sdpa_flash":
         out = OPS.flash(q, k, v, 0.0, causal, False, scale=scale)
@@ -99,14 +95,16 @@ def _call_forward(op: str, q, k, v, *, scale: float, causal: bool, bias: Optiona
     raise ValueError(f"unknown SDPA op {op!r}; valid: {', '.join(SDPA_OPS)}")
 
 
-def _call_backward(op: str, do, q, k, v, o, saved, *, scale: float, causal: bool, bias: Optional[torch.Tensor]):
+def _call_backward(op: str, do, q, k, v, o, lse_raw, rest, *, scale: float, causal: bool,
+                   bias: Optional[torch.Tensor]):
+    """The op's own backward: ``lse_raw`` is its LSE as it returned it, ``rest`` its other saved outputs."""
     if op == "sdpa_flash":
-        cum_q, cum_k, max_q, max_k, seed, offset = saved["rest"]
-        return OPS.flash_backward(do, q, k, v, o, saved["lse_raw"], cum_q, cum_k, max_q, max_k, 0.0, causal, seed,
+        cum_q, cum_k, max_q, max_k, seed, offset = rest
+        return OPS.flash_backward(do, q, k, v, o, lse_raw, cum_q, cum_k, max_q, max_k, 0.0, causal, seed,
                                   offset, scale=scale)
     if op == "sdpa_efficient":
-        seed, offset = saved["rest"]
-        dq, dk, dv, _ = OPS.efficient_backward(do, q, k, v, bias, o, saved["lse_raw"], seed, offset, 0.0,
+        seed, offset = rest
+        dq, dk, dv, _ = OPS.efficient_backward(do, q, k, v, bias, o, lse_raw, seed, offset, 0.0,
                                                [True, True, True, False], causal, scale=scale)
         return dq, dk, dv
     raise RuntimeError(f"{op} has no backward here (routing gives it forward-only calls)")
@@ -117,18 +115,20 @@ class _SDPAAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, op: str, scale: float, causal: bool, key_mask: Optional[torch.Tensor], g: int):
-        bias = None if key_mask is None else _key_bias(key_mask, q.shape[1], q.shape[2], q.dtype)
-        kk, vv = _repeat_kv(k, g), _repeat_kv(v, g)
-        o, lse, saved = _call_forward(op, q, kk, vv, scale=scale, causal=causal, bias=bias)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.op, ctx.scale, ctx.causal, ctx.key_mask, ctx.g, ctx.saved, ctx.bias = op, scale, causal, key_mask, g, \
-            saved, bias
+        hq = q.shape[1]
+        bias = None if key_mask is None else _key_bias(key_mask, hq, q.shape[2], q.dtype)
+        o, lse, saved = _call_forward(op, q, expand_heads(k, k.shape[1] * g), expand_heads(v, v.shape[1] * g),
+                                      scale=scale, causal=causal, bias=bias)
+        # outputs go through save_for_backward (an output kept on ctx would be a reference cycle)
+        ctx.save_for_backward(q, k, v, o, lse, saved.pop("lse_raw", lse))
+        ctx.op, ctx.scale, ctx.causal, ctx.key_mask, ctx.g, ctx.rest, ctx.bias = op, scale, causal, key_mask, g, \
+            saved.get("rest", ()), bias
         return o, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, lse_raw = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
         if dlse is not None and bool((dlse != 0).any()):
@@ -136,8 +136,9 @@ class _SDPAAttention(torch.autograd.Function):
                                        key_mask=ctx.key_mask)
         else:
             g = ctx.g
-            dq, dk, dv = _call_backward(ctx.op, do.contiguous(), q, _repeat_kv(k, g), _repeat_kv(v, g), o, ctx.saved,
-                                        scale=ctx.scale, causal=ctx.causal, bias=ctx.bias)
+            dq, dk, dv = _call_backward(ctx.op, do.contiguous(), q, expand_heads(k, k.shape[1] * g),
+                                        expand_heads(v, v.shape[1] * g), o, lse_raw, ctx.rest, scale=ctx.scale,
+                                        causal=ctx.causal, bias=ctx.bias)
             dk, dv = _fold_kv(dk, g), _fold_kv(dv, g)
         return dq, dk, dv, None, None, None, None, None
 

@@ -316,3 +316,23 @@ def test_decode_calls_have_their_own_rows(fake_gpu, monkeypatch, tmp_path):
                                 layout=None, key_mask=None)[0] == "triton"
     assert dispatch._cuda_route(q, k, v, choice="auto", causal=False, q_offset=None, window=None, layout=None,
                                 key_mask=None)[0] == "sdpa_efficient"  # 64 rows: a dense prefill, default
+
+
+@pytest.mark.interpret
+def test_routed_triton_runs_the_reduced_layout(fake_gpu, monkeypatch):
+    """A layout the table sends to Triton K1 (the default for layouts) runs it directly, and a layout covering the
+    causal mask becomes a plain causal call (SDPA by default). Needs TRITON_INTERPRET=1 (the interpreter run)."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs K1 in the Triton interpreter: TRITON_INTERPRET=1 (make test-interpret)")
+    monkeypatch.setattr(dispatch, "_triton_verify", lambda op, q, **kw: (True, "interpreter"))
+    q, k, v = _qkv(1, 4, 2, 256, 32)
+    layout = BlockLayout.random_causal(256, 64, 0.5, heads=4, seed=5)
+    o, lse = litctx_kernels.attention(q, k, v, causal=True, layout=layout)
+    assert fake_gpu == []  # K1, not an SDPA stand-in
+    o_ref, lse_ref = _ref(q, k, v, causal=True, layout=layout)
+    assert_attention_close(o.double(), lse.double(), o_ref, lse_ref, ratio=1e-5)
+    full = BlockLayout.causal(256, 256, 64, 64)
+    litctx_kernels.attention(q, k, v, causal=True, layout=full)
+    assert fake_gpu == ["efficient", "efficient"]  # covers the mask: causal, fp32 -> the efficient op (GQA retry)
