@@ -156,6 +156,18 @@ _FAILED_ROUTES: set = set()
 """(backend, kind, dtype) triples that raised at run time in this process; routing skips them afterwards."""
 
 
+def _tuned_tile(q: torch.Tensor, layout: BlockLayout) -> Optional[Tuple[int, int]]:
+    """K1's tuned forward tile for ``q``'s head dim and dtype when ``layout``'s blocks are smaller and divide it
+    (the ``triton_tile`` route runs the layout at that tile), else None."""
+    from litctx_kernels.triton._compat import attention_config
+
+    cfg = attention_config("fwd", q.shape[-1], q.dtype)
+    bm, bn = cfg.block_m, cfg.block_n
+    if bm % layout.block_q or bn % layout.block_k or (bm, bn) == (layout.block_q, layout.block_k):
+        return None
+    return bm, bn
+
+
 def _cuda_route(q, k, v, *, choice: str, causal: bool, q_offset, window, layout, key_mask):
     """The routing-table decision for a softmax call without a query subset on a CUDA device
     (:mod:`litctx_kernels.routing`): ``(backend, reason, call, layout, causal)`` with the layout dropped when
@@ -187,8 +199,11 @@ def _cuda_route(q, k, v, *, choice: str, causal: bool, q_offset, window, layout,
         return None
     triton_ok = choice == "auto" and _triton_verify("attention", q, key_mask=key_mask, layout=layout)[0]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    block = (0, 0) if layout is None else (layout.block_q, layout.block_k)
+    fine = triton_ok and layout is not None and _tuned_tile(q, layout) is not None
     call = CallShape(kind=kind, dtype=str(q.dtype).replace("torch.", ""), n_q=n_q, n_k=n_k, head_dim=q.shape[-1],
-                     head_dim_v=v.shape[-1], gqa=q.shape[1] // k.shape[1], triton=triton_ok, grad=grad)
+                     head_dim_v=v.shape[-1], gqa=q.shape[1] // k.shape[1], triton=triton_ok, grad=grad,
+                     block=block, fine_layout=fine)
     if call.dtype not in ("float16", "bfloat16", "float32"):
         return None
     exclude = [b for (b, kd, dt) in _FAILED_ROUTES if kd == kind and dt == call.dtype]
@@ -209,11 +224,12 @@ def _run_routed(q, k, v, *, choice: str, scale, causal, q_offset, window, layout
             return None
         backend, reason, call, lay, cz = routed
         _log_once("attention", backend, f"{call.kind} {call.dtype}: {reason}")
-        if backend == "triton":  # the layout already reduced to None when it covers the mask
+        if backend in ("triton", "triton_tile"):  # the layout already reduced to None when it covers the mask
             from litctx_kernels.triton.attention import triton_attention
 
+            tile = _tuned_tile(q, lay) if backend == "triton_tile" else None
             return triton_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
-                                    layout=lay, key_mask=key_mask)
+                                    layout=lay, key_mask=key_mask, tile=tile)
         from litctx_kernels.torch_kernels import SDPA_OPS, flex_attention_layout, sdpa_attention
 
         try:

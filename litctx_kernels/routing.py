@@ -10,8 +10,13 @@ kind              the call                                          candidates (
 ``decode``        the same with at most 16 query rows               as ``dense``
 ``causal``        causal, queries = keys, ``q_offset = 0``          as ``dense``
 ``key_mask``      dense or causal (as above) with a ``key_mask``    sdpa_efficient, triton
-``block_sparse``  a block layout that skips blocks                  triton, flex
+``block_sparse``  a block layout that skips blocks                  triton, flex, triton_tile
 ================  ================================================  =============================================
+
+``triton_tile`` is K1's forward at its tuned tile over a layout with smaller blocks (SALE's 64 x 32 at 128 x 64):
+the coarsened layout's tiles with the fine blocks masked per element (``triton_attention(tile=...)``), eligible
+for forward calls whose layout blocks divide the tuned tile (``CallShape.fine_layout``). Block-sparse rows
+carry the layout's block shape (``block``), so a table can send SALE's layouts one way and Prism's another.
 
 Everything else (windows, a ``q_offset`` inside the sequence, query subsets, LSSA/LSSAR, column statistics)
 has one CUDA backend, Triton, and never consults the table.
@@ -48,7 +53,7 @@ CANDIDATES: Dict[str, Tuple[str, ...]] = {
     "decode": ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "triton"),
     "causal": ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "triton"),
     "key_mask": ("sdpa_efficient", "triton"),
-    "block_sparse": ("triton", "flex"),
+    "block_sparse": ("triton", "flex", "triton_tile"),
 }
 SDPA_BACKENDS = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -66,6 +71,9 @@ class CallShape:
         gqa: query heads per kv head (1 = MHA).
         triton: whether Triton can serve the call (installed, and the call is one its kernels take).
         grad: whether the call needs a backward (q, k or v requires grad under autograd).
+        block: a ``block_sparse`` call's layout blocks ``(block_q, block_k)``; ``(0, 0)`` for other kinds.
+        fine_layout: the layout's blocks are smaller than K1's tuned forward tile and divide it (the
+            ``triton_tile`` candidate can serve the call).
     """
 
     kind: str
@@ -77,14 +85,17 @@ class CallShape:
     gqa: int = 1
     triton: bool = True
     grad: bool = False
+    block: Tuple[int, int] = (0, 0)
+    fine_layout: bool = False
 
 
 @dataclass(frozen=True)
 class RoutingRow:
     """One measured row of the table: on ``device``, calls of ``kind`` in ``dtype`` with ``head_dim`` and
-    ``n_min <= N_k <= n_max`` that need a backward (``grad``) or not go to ``backend``; ``ms`` keeps every
-    candidate's measured time (forward, or forward + backward when ``grad``; None = failed or unsupported),
-    ``shape`` the measured case (B, Hq, Hk, N, density for layouts)."""
+    ``n_min <= N_k <= n_max`` that need a backward (``grad``) or not go to ``backend``; ``block`` (block-sparse
+    rows; None = any) the layout's ``[block_q, block_k]``; ``ms`` keeps every candidate's measured time (forward,
+    or forward + backward when ``grad``; None = failed or unsupported), ``shape`` the measured case (B, Hq, Hk, N,
+    density for layouts)."""
 
     device: str
     kind: str
@@ -94,6 +105,7 @@ class RoutingRow:
     n_max: int = 1 << 62
     head_dim: Optional[int] = None
     grad: bool = False
+    block: Optional[Tuple[int, int]] = None
     ms: Dict[str, Optional[float]] = field(default_factory=dict)
     shape: Dict[str, object] = field(default_factory=dict)
 
@@ -108,16 +120,24 @@ class RoutingRow:
                              f"{', '.join(CANDIDATES[self.kind])}")
         if not (isinstance(self.n_min, int) and isinstance(self.n_max, int) and 1 <= self.n_min <= self.n_max):
             raise ValueError(f"{where}: need integers 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}")
+        if self.block is not None:
+            blk = self.block
+            if not (isinstance(blk, (list, tuple)) and len(blk) == 2
+                    and all(isinstance(x, int) and x > 0 for x in blk)):
+                raise ValueError(f"{where}: block must be null or [block_q, block_k] (positive integers), got {blk!r}")
+            object.__setattr__(self, "block", (int(blk[0]), int(blk[1])))
 
     def matches(self, device: str, call: CallShape) -> bool:
         return (self.device == device and self.kind == call.kind and self.dtype == call.dtype
                 and (self.head_dim is None or self.head_dim == call.head_dim) and self.grad == call.grad
+                and (self.block is None or self.block == tuple(call.block))
                 and self.n_min <= call.n_k <= self.n_max)
 
     def describe(self) -> str:
         timed = ", ".join(f"{k} {v:.3g} ms" for k, v in self.ms.items() if v is not None)
         return (f"table row {self.device} {self.kind} {self.dtype} d={self.head_dim} N {self.n_min}-{self.n_max}"
-                f"{' forward+backward' if self.grad else ' forward'}"
+                + (f" blocks {self.block[0]}x{self.block[1]}" if self.block else "")
+                + f"{' forward+backward' if self.grad else ' forward'}"
                 + (f": {timed}" if timed else ""))
 
 
@@ -188,7 +208,8 @@ def eligible_backends(call: CallShape) -> List[str]:
     fp16/bf16 without a mask (cuDNN forward only: its backward op is not wired here); the memory-efficient
     kernel takes fp32 too and an additive mask. Causal SDPA calls
     need ``Nq == Nk`` (its causal mask is top-left aligned; the dispatcher only gives it aligned calls). Triton
-    needs ``call.triton``; FlexAttention needs Triton as well (it compiles to Triton on CUDA)."""
+    needs ``call.triton``; FlexAttention needs Triton as well (it compiles to Triton on CUDA); ``triton_tile``
+    needs a forward call with ``call.fine_layout``."""
     sdpa_shape = call.head_dim == call.head_dim_v and call.head_dim % 8 == 0 and call.head_dim <= 256
     half = call.dtype in ("float16", "bfloat16")
     out = []
@@ -199,7 +220,9 @@ def eligible_backends(call: CallShape) -> List[str]:
             continue
         if backend == "sdpa_efficient" and not sdpa_shape:
             continue
-        if backend in ("triton", "flex") and not call.triton:
+        if backend in ("triton", "flex", "triton_tile") and not call.triton:
+            continue
+        if backend == "triton_tile" and (call.grad or not call.fine_layout):
             continue
         out.append(backend)
     return out

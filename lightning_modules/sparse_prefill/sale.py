@@ -9,7 +9,9 @@ some pair reaches the head's threshold ``tau_h`` (:func:`litctx_kernels.lowbit_b
 Triton kernel K4, whose flags equal :func:`litctx_kernels.lowbit_block_estimate_reference`; on CPU torch with an exact
 tile bound, equal up to ties within float rounding).
 ``tau_h = 0`` runs the head dense. The **compute pass** covers the selected tiles outside the sink + local
-band through :func:`litctx_kernels.attention`, merged with the exact pass by :func:`litctx_kernels.merge_lse`.
+band through :func:`litctx_kernels.attention`, merged with the exact pass by :func:`litctx_kernels.merge_lse` (on
+CUDA the routing table may run the 64 x 32 layout at K1's 128 x 64 tile with the fine blocks masked per element,
+``triton_tile``: the same output, the selection unchanged).
 
 :func:`calibrate_thresholds` sets ``tau_h`` per head against an error budget ``theta``: starting at
 ``tau_0 = 0.008``, halve until the summed absolute output error ``sum_{i,d} |O - O~| < theta * N``; a head that

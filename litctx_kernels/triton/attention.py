@@ -33,7 +33,8 @@ from torch.autograd.function import once_differentiable
 
 from litctx_kernels.layouts import BlockLayout, QueryIndex, resolve_q_offset
 from litctx_kernels.reference.attention import check_key_mask
-from litctx_kernels.triton._compat import attention_config, check_device, check_offsets, device_guard, kernel_dtype, next_pow2
+from litctx_kernels.triton._compat import (KernelConfig, attention_config, check_device, check_offsets, device_guard,
+                                          kernel_dtype, next_pow2)
 
 __all__ = ["triton_attention", "triton_attention_backward"]
 
@@ -143,7 +144,7 @@ def _fwd_tile(acc, l_i, m_i, q, kappa, pos, extra, start_n, k_base, v_base, skn,
     if MASKED:
         valid = _pair_mask(cols[None, :], pos[:, None], n_k, window, CAUSAL, HAS_WINDOW)
         if USE_EXTRA:
-            valid = valid & extra[:, None]
+            valid = valid & extra  # [BLOCK_M, 1] (a row's block flag) or [BLOCK_M, BLOCK_N] (fine blocks)
         if HAS_KMASK:
             valid = valid & kcol[None, :]
         t = tl.where(valid, t, float("-inf"))
@@ -265,13 +266,29 @@ def _attn_fwd_kernel(
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, kappa, pos, pos, start_n, k_base, v_base, skn, skd, svn,
                                       svd, km_base, skmn, n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D,
                                       HEAD_DV, CAUSAL, HAS_WINDOW, True, False, LSSA, DOT_PREC, HAS_KMASK)
+    elif LAYOUT == 3:
+        # a fine layout at this tile (blocks smaller than BLOCK_M x BLOCK_N, e.g. SALE's 64 x 32 at 128 x 64):
+        # the coarse lists (BlockLayout.coarsen(BLOCK_M, BLOCK_N): one list per query tile, one key tile per
+        # entry) name the tiles, and the fine block mask drops every element outside the fine blocks its row and
+        # column fall in, so the result equals the fine layout's
+        cnt = tl.load(KVNUM + b * snb + h * snh + pid_m * snm)
+        idx_base = KVIDX + b * sxb + h * sxh + pid_m * sxm
+        bm_rows = BMASK + b * smb + h * smh + (qrow // block_q) * smq
+        for t in range(0, cnt):
+            start_n = tl.load(idx_base + t * sxk) * BLOCK_N
+            cols = start_n + offs_n
+            fine = tl.load(bm_rows[:, None] + (cols // block_k)[None, :] * smk,
+                           mask=row_ok[:, None] & (cols < n_k)[None, :], other=0) != 0
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, kappa, pos, fine, start_n, k_base, v_base, skn, skd, svn,
+                                      svd, km_base, skmn, n_k, window, qk_scale, offs_n, offs_d, offs_dv, HEAD_D,
+                                      HEAD_DV, CAUSAL, HAS_WINDOW, True, True, LSSA, DOT_PREC, HAS_KMASK)
     else:
         # compacted rows + layout: per-row lookup of the dense block mask, tiles nobody needs are skipped
         bm_row = BMASK + b * smb + h * smh + (qrow // block_q) * smq
         for start_n in range(lo, hi, BLOCK_N):
             blk_ok = tl.load(bm_row + (start_n // block_k) * smk, mask=row_ok, other=0) != 0
             if tl.max(blk_ok.to(tl.int32), 0) > 0:
-                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, kappa, pos, blk_ok, start_n, k_base, v_base,
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, kappa, pos, blk_ok[:, None], start_n, k_base, v_base,
                                           skn, skd, svn, svd, km_base, skmn, n_k, window, qk_scale, offs_n, offs_d,
                                           offs_dv, HEAD_D, HEAD_DV, CAUSAL, HAS_WINDOW, True, True, LSSA, DOT_PREC,
                                           HAS_KMASK)
@@ -632,17 +649,31 @@ class _Spec:
     q_index: Optional[QueryIndex]
     lssa: bool
     key_mask: Optional[torch.Tensor] = None  # int8 [B, 1|Hq, Nk] on q's device (1 = attend)
+    tile: Optional[Tuple[int, int]] = None  # the forward's (BLOCK_M, BLOCK_N) for a layout finer than it
+
+
+def _coarse_tile(spec: _Spec) -> Optional[Tuple[int, int]]:
+    """The tile at which the forward runs ``spec.layout`` with the fine block mask applied per element (layout
+    mode 3), or None: only with a layout and no query subset, when the tile is a multiple of the layout's blocks
+    and larger in at least one dimension."""
+    lay, tile = spec.layout, spec.tile
+    if tile is None or lay is None or spec.q_index is not None:
+        return None
+    bm, bn = tile
+    if bm % lay.block_q or bn % lay.block_k or (bm, bn) == (lay.block_q, lay.block_k):
+        return None
+    return bm, bn
 
 
 class _Launch:
     """Per-call index tensors and constexpr flags shared by the three kernels."""
 
-    def __init__(self, spec: _Spec, q: torch.Tensor):
+    def __init__(self, spec: _Spec, q: torch.Tensor, tile: Optional[Tuple[int, int]] = None):
         dev = q.device
         self.dummy = q  # stands in for pointer arguments a constexpr flag switches off (never dereferenced)
         self.has_qidx = spec.q_index is not None
         lay = spec.layout
-        self.layout_mode = 0 if lay is None else (2 if self.has_qidx else 1)
+        self.layout_mode = 0 if lay is None else (2 if self.has_qidx else 3 if tile is not None else 1)
         d0 = [0, 0, 0]
         self.qidx = self.dummy
         self.qidx_strides = d0
@@ -657,12 +688,13 @@ class _Launch:
         self.block_q = self.block_k = 16
         if lay is not None:
             self.block_q, self.block_k = lay.block_q, lay.block_k
-            if self.layout_mode == 1:
-                self.kvnum = lay.kv_num_blocks.to(device=dev, dtype=torch.int32)
-                self.kvidx = lay.kv_indices.to(device=dev, dtype=torch.int32)
+            if self.layout_mode in (1, 3):
+                lists = lay if self.layout_mode == 1 else lay.coarsen(*tile)
+                self.kvnum = lists.kv_num_blocks.to(device=dev, dtype=torch.int32)
+                self.kvidx = lists.kv_indices.to(device=dev, dtype=torch.int32)
                 self.kvnum_strides = _bstrides(self.kvnum, 2)
                 self.kvidx_strides = _bstrides(self.kvidx, 2)
-            else:
+            if self.layout_mode in (2, 3):
                 self.bmask = lay.to_block_mask().to(device=dev, dtype=torch.int8)
                 self.bmask_strides = _bstrides(self.bmask, 2)
         self.has_kmask = spec.key_mask is not None
@@ -704,12 +736,17 @@ def _configs(spec: _Spec, kind: str, q: torch.Tensor):
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: _Spec) -> Tuple[torch.Tensor, torch.Tensor]:
     b, hq, _, _ = q.shape
-    ln = _Launch(spec, q)
+    tile = _coarse_tile(spec)
+    ln = _Launch(spec, q, tile)
     o = torch.empty((b, hq, ln.n_out, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, hq, ln.n_out), dtype=torch.float32, device=q.device)
     if o.numel() == 0 and lse.numel() == 0:
         return o, lse
-    cfg = _configs(spec, "fwd", q)
+    if tile is None:
+        cfg = _configs(spec, "fwd", q)
+    else:  # the tile asked for, with the warps and stages tuned for the unreduced tile
+        tuned = attention_config("fwd", q.shape[-1], q.dtype)
+        cfg = KernelConfig(tile[0], tile[1], tuned.num_warps, tuned.num_stages)
     grid = (triton.cdiv(ln.n_out, cfg.block_m), b * hq)
     _attn_fwd_kernel[grid](
         q, k, v, o, lse, ln.qidx, ln.kvnum, ln.kvidx, ln.bmask, ln.kmask,
@@ -842,10 +879,24 @@ def _key_mask_int8(key_mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> 
     return km.contiguous().view(torch.int8)  # bool and int8 share a byte: no copy when already contiguous
 
 
+def _check_tile(tile, layout: Optional[BlockLayout]) -> Tuple[int, int]:
+    """``tile`` as two ints, or ValueError naming what would be valid."""
+    ok = isinstance(tile, (tuple, list)) and len(tile) == 2 and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 16 and t & (t - 1) == 0 for t in tile)
+    if not ok:
+        raise ValueError(f"tile={tile!r}: expected (BLOCK_M, BLOCK_N), two powers of two >= 16, e.g. (128, 64)")
+    bm, bn = tile
+    if layout is not None and (bm % layout.block_q or bn % layout.block_k):
+        raise ValueError(f"tile={tuple(tile)} must be a multiple of the layout's blocks ({layout.block_q}, "
+                         f"{layout.block_k}) in each dimension (the tile covers whole fine blocks)")
+    return int(bm), int(bn)
+
+
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
                      causal: bool = True, q_offset: Optional[int] = None, window: Optional[int] = None,
                      layout: Optional[BlockLayout] = None, q_index: Optional[QueryIndex] = None,
                      score_mode: str = "softmax", key_mask: Optional[torch.Tensor] = None,
+                     tile: Optional[Tuple[int, int]] = None,
                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention-2 style attention (K1 forward, K2 backward) with masks, block layouts and query subsets.
 
@@ -872,6 +923,12 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
             ``-inf`` before the online softmax (forward) or the recomputed probabilities (backward). A row whose
             every key is masked gives ``O = 0``, ``LSE = -inf`` and no gradient. (LSSA keeps ``N_i`` from the
             causal/window mask alone, as in the reference.)
+        tile: ``(BLOCK_M, BLOCK_N)``, powers of two >= 16, for the forward of a ``layout`` whose blocks are
+            smaller (each a multiple of the layout's ``block_q`` / ``block_k``; e.g. SALE's 64 x 32 blocks at the
+            128 x 64 tile K1 runs fast on Hopper): the kernel visits the tiles of
+            ``layout.coarsen(BLOCK_M, BLOCK_N)`` and masks every element outside the fine blocks, so the result
+            equals the fine layout's. Default None: tiles that divide the layout's blocks. Ignored without a
+            layout, with ``q_index``, when the tile equals the blocks, and by the backward (fine tiles).
 
     Returns:
         ``(o, lse)``: ``o [B, Hq, Nq or Nc, dv]`` in q's dtype and ``lse [B, Hq, Nq or Nc]`` float32, the
@@ -885,6 +942,8 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         The backward is once-differentiable (no double backward).
     """
     _validate(q, k, v, causal, window, layout, q_index, score_mode)
+    if tile is not None:
+        tile = _check_tile(tile, layout)
     check_device(q, k, v)
     km = None if key_mask is None else _key_mask_int8(key_mask, q, k)
     check_offsets(q=q, k=k, v=v)
@@ -901,6 +960,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
         scale=float(1.0 / math.sqrt(d) if scale is None else scale),
         causal=bool(causal), q_offset=resolve_q_offset(n_q, n_k, q_offset),
         window=None if window is None else int(window), layout=layout, q_index=q_index, lssa=lssa, key_mask=km,
+        tile=tile,
     )
     o, lse = _TritonAttention.apply(q, k, v, spec)
     return o.to(out_dtype), lse

@@ -35,3 +35,33 @@ def test_candidates_follow_the_router():
     assert candidates_for("block_sparse", torch.bfloat16, 64, False) == ["triton", "flex"]
     assert "sdpa_cudnn" not in candidates_for("causal", torch.bfloat16, 64, True)  # forward-only op
     assert candidates_for("key_mask", torch.float32, 64, False) == ["sdpa_efficient", "triton"]
+
+
+def test_block_sparse_rows_are_kept_apart_by_layout_blocks():
+    measured = [dict(_m(8192, {"triton": 2.0, "flex": 3.0, "triton_tile": 1.0}, "block_sparse"), block=[64, 32]),
+                dict(_m(8192, {"triton": 2.0, "flex": 1.5}, "block_sparse"), block=[128, 128])]
+    table = RoutingTable.from_json({"format": 1, "rows": rows_from(measured, "G")})
+    assert sorted((r.block, r.backend) for r in table.rows) == [((64, 32), "triton_tile"), ((128, 128), "flex")]
+
+    def call(block, fine):
+        return CallShape(kind="block_sparse", dtype="bfloat16", n_q=8192, n_k=8192, head_dim=64, head_dim_v=64,
+                         block=block, fine_layout=fine)
+
+    assert route("G", call((64, 32), True), table).backend == "triton_tile"
+    assert route("G", call((128, 128), False), table).backend == "flex"
+
+
+def test_the_tile_candidate_is_offered_for_fine_layouts_forward_only(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the CUDA tiles: 128 x 64 forward for bf16, d 64
+    assert candidates_for("block_sparse", torch.bfloat16, 64, False, (64, 32)) == ["triton", "flex", "triton_tile"]
+    assert candidates_for("block_sparse", torch.bfloat16, 64, True, (64, 32)) == ["triton", "flex"]
+    assert candidates_for("block_sparse", torch.bfloat16, 64, False, (128, 128)) == ["triton", "flex"]
+
+
+def test_sparse_layouts_have_the_asked_blocks():
+    from bench.gpu_routing import sparse_layout
+
+    lay = sparse_layout(1024, (64, 32), 0.1, heads=2, seed=0, device="cpu")
+    assert (lay.block_q, lay.block_k, lay.shape) == (64, 32, (1, 2))
+    assert 0.1 <= lay.density() <= 0.4
+    assert sparse_layout(1024, (128, 128), 0.1, heads=1, seed=0, device="cpu").block_q == 128

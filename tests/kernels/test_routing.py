@@ -67,6 +67,30 @@ def test_rows_match_device_kind_dtype_length_and_grad():
     assert route(GPU, _call("causal", "float32"), fp32_row).backend == "sdpa_efficient"
 
 
+def test_block_rows_and_the_tile_candidate():
+    """Block-sparse rows carry the layout's blocks: SALE's 64 x 32 layouts and Prism's 128 x 128 ones route apart;
+    K1 at its own tile serves forward calls whose layout is finer than the tile, never a backward."""
+    def sparse(block, fine, grad=False, n=8192):
+        return CallShape(kind="block_sparse", dtype="bfloat16", n_q=n, n_k=n, head_dim=64, head_dim_v=64,
+                         grad=grad, block=block, fine_layout=fine)
+
+    assert routing.eligible_backends(sparse((64, 32), True)) == ["triton", "flex", "triton_tile"]
+    assert "triton_tile" not in routing.eligible_backends(sparse((64, 32), True, grad=True))
+    assert "triton_tile" not in routing.eligible_backends(sparse((128, 128), False))
+    table = RoutingTable((
+        RoutingRow(device=GPU, kind="block_sparse", dtype="bfloat16", backend="triton_tile", block=[64, 32]),
+        RoutingRow(device=GPU, kind="block_sparse", dtype="bfloat16", backend="flex", block=(128, 128)),
+    ), "test")
+    got = route(GPU, sparse((64, 32), True), table)
+    assert got.backend == "triton_tile" and "blocks 64x32" in got.reason
+    assert route(GPU, sparse((64, 32), True, grad=True), table).backend == "triton"  # no grad row: the default
+    assert route(GPU, sparse((128, 128), False), table).backend == "flex"
+    assert route(GPU, sparse((128, 64), False), table).backend == "triton"  # no row for these blocks
+    assert table.rows[0].block == (64, 32)  # a JSON list becomes a tuple
+    with pytest.raises(ValueError, match=r"block must be null or \[block_q, block_k\]"):
+        RoutingRow(device=GPU, kind="block_sparse", dtype="bfloat16", backend="triton", block=[64])
+
+
 def test_table_errors_name_the_row_and_valid_values(tmp_path):
     with pytest.raises(ValueError, match="cannot serve block_sparse"):
         RoutingRow(device=GPU, kind="block_sparse", dtype="bfloat16", backend="sdpa_flash")
@@ -336,3 +360,36 @@ def test_routed_triton_runs_the_reduced_layout(fake_gpu, monkeypatch):
     full = BlockLayout.causal(256, 256, 64, 64)
     litctx_kernels.attention(q, k, v, causal=True, layout=full)
     assert fake_gpu == ["efficient", "efficient"]  # covers the mask: causal, fp32 -> the efficient op (GQA retry)
+
+
+@pytest.mark.interpret
+def test_routed_triton_tile_runs_a_fine_layout_at_the_tuned_tile(fake_gpu, monkeypatch, tmp_path):
+    """A table row sending a fine layout (16 x 16 blocks; the interpreter's tuned forward tile is 32 x 16) to
+    ``triton_tile`` runs K1 with that tile and gives the fine layout's attention; with a gradient the same call
+    runs K1 at the layout's blocks (the candidate is forward only)."""
+    import os
+
+    import litctx_kernels.triton.attention as ta
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs K1 in the Triton interpreter: TRITON_INTERPRET=1 (make test-interpret)")
+    monkeypatch.setattr(dispatch, "_triton_verify", lambda op, q, **kw: (True, "interpreter"))
+    _use_table(monkeypatch, tmp_path, RoutingRow(device=GPU, kind="block_sparse", dtype="float32",
+                                                 backend="triton_tile", block=[16, 16]))
+    tiles = []
+    real = ta.triton_attention
+
+    def spy(*args, **kw):
+        tiles.append(kw.get("tile"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ta, "triton_attention", spy)
+    q, k, v = _qkv(1, 2, 1, 96, 32)
+    layout = BlockLayout.random_causal(96, 16, 0.4, heads=2, seed=3)
+    o, lse = litctx_kernels.attention(q, k, v, causal=True, layout=layout)
+    assert tiles == [(32, 16)] and fake_gpu == []
+    o_ref, lse_ref = _ref(q, k, v, causal=True, layout=layout)
+    assert_attention_close(o.double(), lse.double(), o_ref, lse_ref, ratio=1e-5)
+    q.requires_grad_(True)
+    litctx_kernels.attention(q, k, v, causal=True, layout=layout)
+    assert tiles == [(32, 16), None]

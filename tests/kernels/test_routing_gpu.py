@@ -96,3 +96,20 @@ def test_dispatcher_defaults(kind, monkeypatch):
     if "key_mask" in ref_kw:
         ref_kw["key_mask"] = ref_kw["key_mask"].expand(1, 9, 2048)
     _check(o, lse, q, k, v, RATIO[torch.bfloat16], **ref_kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fine_layout_at_the_tuned_tile(dtype):
+    """SALE's 64 x 32 layout run at K1's tuned forward tile (``triton_tile``, compiled) equals the fine layout's
+    attention (float64 reference) and K1 at the layout's own blocks."""
+    from bench.gpu_routing import sparse_layout, tuned_tile
+    from litctx_kernels.triton.attention import triton_attention
+
+    q, k, v = (t.detach() for t in _qkv(4096, dtype))
+    layout = sparse_layout(4096, (64, 32), 0.1, heads=9, seed=1, device=DEV)
+    tile = tuned_tile(64, dtype)
+    o, lse = triton_attention(q, k, v, causal=True, layout=layout, tile=tile)
+    o_ref, lse_ref = attention_reference(q.double(), k.double(), v.double(), causal=True, layout=layout)
+    assert_attention_close(o.double(), lse.double(), o_ref, lse_ref, RATIO[dtype])
+    o_fine, _ = triton_attention(q, k, v, causal=True, layout=layout)
+    assert_close(o.double(), o_fine.double(), RATIO[dtype], name="tile vs fine tiles")

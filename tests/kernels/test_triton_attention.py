@@ -299,6 +299,58 @@ def test_adversarial_layouts(kind):
         assert (o[:, 0, :16] == 0).all() and (lse[:, 0, :16] == -math.inf).all()
 
 
+@pytest.mark.parametrize("case", [
+    dict(n=100, bq=16, bk=16, tile=(32, 32), density=0.3),  # 2 x 2 fine blocks per tile, ragged edge
+    dict(n=128, bq=16, bk=16, tile=(64, 16), density=0.5),  # query direction only
+    dict(n=96, bq=16, bk=16, tile=(16, 32), density=0.4, causal=False, hq=4, hk=2),  # key direction only, GQA
+    dict(n=100, bq=32, bk=16, tile=(64, 32), density=0.2, window=40),
+], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_fine_layout_at_a_coarse_tile(case):
+    """A layout finer than the compute tile (SALE's 64 x 32 at 128 x 64): the forward visits the coarsened
+    layout's tiles and masks elements outside the fine blocks, so it equals the fine layout's attention (brute
+    force in float64), including rows that a tile's fine mask leaves without keys and rows with none at all."""
+    from litctx_kernels.triton.attention import _Spec, _coarse_tile
+
+    case = dict(case)
+    n, causal, window = case.pop("n"), case.pop("causal", True), case.pop("window", None)
+    hq, hk = case.pop("hq", 2), case.pop("hk", 1)
+    lay = random_layout(1, hq, n, n, case.pop("bq"), case.pop("bk"), case.pop("density"), seed=n + 3, causal=causal)
+    mask = lay.to_block_mask().clone()
+    mask[0, 1, 1] = False  # one query block of head 1 with no keys at all
+    lay = BlockLayout.from_block_mask(mask, lay.block_q, lay.block_k, (n, n))
+    tile = case.pop("tile")
+    spec = _Spec(scale=1.0, causal=causal, q_offset=0, window=window, layout=lay, q_index=None, lssa=False,
+                 tile=tile)
+    assert _coarse_tile(spec) == tile  # the coarse-tile path (layout mode 3) is the one under test
+    # the tiles cover elements the fine mask must drop
+    assert int(lay.coarsen(*tile).kv_num_blocks.sum()) * tile[0] * tile[1] > int(lay.kv_num_blocks.sum()) * (
+        lay.block_q * lay.block_k)
+    q, k, v = make_qkv(hq=hq, hk=hk, n_q=n, d=32, seed=37)
+    o, lse = triton_attention(q, k, v, causal=causal, window=window, layout=lay, tile=tile)
+    ro, rl = brute_attention(q.double(), k.double(), v.double(), causal=causal, window=window, layout=lay)
+    assert_close(o, ro, ratio=1e-5, name="o vs brute")
+    check_lse(lse, rl, 1e-5, name="lse vs brute")
+    bq = lay.block_q
+    assert (o[:, 1, bq:2 * bq] == 0).all() and (lse[:, 1, bq:2 * bq] == -math.inf).all()
+    # the backward runs at the fine tiles and sees the same layout
+    q.requires_grad_(True)
+    o2, _ = triton_attention(q, k, v, causal=causal, window=window, layout=lay, tile=tile)
+    o2.sum().backward()
+    q64 = q.detach().double().requires_grad_(True)
+    brute_attention(q64, k.double(), v.double(), causal=causal, window=window, layout=lay)[0].sum().backward()
+    assert_close(q.grad, q64.grad, ratio=1e-5, name="dq vs brute")
+
+
+def test_tile_errors_name_what_is_valid():
+    lay = random_layout(1, 1, 64, 64, 32, 16, 0.5, seed=1)
+    q, k, v = make_qkv(hq=1, hk=1, n_q=64, d=16, seed=2)
+    for bad in [(48, 16), (32,), (8, 16), "128x64"]:
+        with pytest.raises(ValueError, match="tile"):
+            triton_attention(q, k, v, layout=lay, tile=bad)
+    with pytest.raises(ValueError, match=r"multiple of the layout's blocks \(32, 16\)"):
+        triton_attention(q, k, v, layout=lay, tile=(16, 16))
+
+
 def test_full_layout_equals_dense():
     q, k, v = make_qkv(hq=2, hk=1, n_q=100, d=32, seed=37)
     lay = BlockLayout.causal(100, 100, 32, 16, device=DEVICE)
