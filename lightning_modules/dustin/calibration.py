@@ -9,8 +9,14 @@ rate of a read set ``S`` is then exact and cheap: ``ARR(S) = sum_{j in S} mass_j
 At the stage end the configuration is chosen greedily by mean ARR at ``budget`` (research note 4.2 (a)-(d);
 a grid over the draft share replaces the paper's Optuna search):
 
-1. per target layer, its ``target_heads`` heads of highest history-only ARR; the layer whose head set gives
-   the best history-only ARR (the "semantic retrieval heads");
+1. (a) **Semantic retrieval heads.** Each target head's retrieval score is profiled on the same steps: the
+   history-signal mass the head puts on the context positions (outside the sink and the local window) that hold
+   the token the step goes on to emit, averaged over the steps whose emitted token occurs there (Wu et al.'s
+   copy criterion with attention mass in place of the arg-max; CompressKV's exact profiling recipe is not
+   public in a form we could follow). Per layer its ``target_heads`` heads of highest score; the
+   ``srh_layers`` layers whose head sets score highest are the candidates (``srh_layers = 0``, or no step with
+   a copyable token: every layer, heads by history-only ARR, as before 2026-12-07).
+   (b) Among the candidates, the layer whose head set gives the best history-only ARR;
 2. draft layers added greedily (each with its ``draft_heads`` best heads) while the mixed ARR improves, up to
    ``max_draft_layers``;
 3. ``m`` from ``m_grid`` (fractions of the free slots), the best mixed ARR (ties: the smaller m).
@@ -53,6 +59,8 @@ class DustinCalibrationConfig:
         budget, sink, window: the read-set size the configuration is tuned for.
         gamma: drafted tokens per step; draft: the draft (``DraftConfig`` fields).
         target_heads: history heads kept per target layer; draft_heads: lookahead heads per draft layer.
+        srh_layers: target layers kept as candidates by their retrieval heads' score (0: every layer, heads by
+            ARR).
         max_draft_layers: draft layers at most.
         m_grid: draft shares tried (fractions of ``budget - sink - window``).
         max_steps_per_batch: verification steps recorded per batch (memory: each keeps every head's signal).
@@ -66,6 +74,7 @@ class DustinCalibrationConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     target_heads: int = 4
     draft_heads: int = 4
+    srh_layers: int = 4
     max_draft_layers: int = 3
     m_grid: List[float] = field(default_factory=lambda: [0.0, 0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0])
     max_steps_per_batch: int = 16
@@ -76,6 +85,9 @@ class DustinCalibrationConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"dustin_calibration.{name}={v!r}: must be an integer >= 1")
+        if isinstance(self.srh_layers, bool) or not isinstance(self.srh_layers, int) or self.srh_layers < 0:
+            raise ValueError(f"dustin_calibration.srh_layers={self.srh_layers!r}: must be an integer >= 0 "
+                             f"(0 = every layer, heads by ARR)")
         if not self.m_grid or any(not 0.0 <= float(f) <= 1.0 for f in self.m_grid):
             raise ValueError(f"dustin_calibration.m_grid={self.m_grid!r}: need fractions in [0, 1]")
         self.draft = nested_config(self.draft, DraftConfig, "dustin_calibration.draft")
@@ -85,13 +97,34 @@ class DustinCalibrationConfig:
 class StepRecord:
     """One verification step of one batch row, in position space ``P``: ``hist {layer: [H, P]}``,
     ``look {layer: [H, P]}``, ``mass [P]`` (true attention mass on old positions), ``mass_new`` (on the call's
-    new entries) and ``live [P]``."""
+    new entries) and ``live [P]``; ``row`` and ``committed`` (tokens the row had committed before the step) locate
+    the token the step emits, and ``srh {layer: [H]}`` (filled after the decode; None when the emitted token does
+    not occur in the context outside the sink and window) is each head's history mass on the positions holding it."""
 
     hist: Dict[int, torch.Tensor]
     look: Dict[int, torch.Tensor]
     mass: torch.Tensor
     mass_new: float
     live: torch.Tensor
+    row: int = 0
+    committed: int = 0
+    srh: Optional[Dict[int, torch.Tensor]] = None
+
+
+def retrieval_mass(step: StepRecord, tokens: torch.Tensor, emitted: int, sink: int, window: int
+                   ) -> Optional[Dict[int, torch.Tensor]]:
+    """``{layer: [H]}``: each head's history mass on the positions ``j`` (live, past the first ``sink`` and
+    before the last ``window`` positions) with ``tokens[j] == emitted``; None when no such position exists
+    (the step copies nothing from the context). ``tokens [>= P]`` holds the row's token at each position."""
+    width = step.live.shape[0]
+    if tokens.shape[0] < width:
+        return None
+    where = (tokens[:width] == emitted) & step.live
+    where[:sink] = False
+    where[max(width - window, 0):] = False
+    if not bool(where.any()):
+        return None
+    return {layer: v.float()[:, where].sum(-1) for layer, v in step.hist.items()}
 
 
 class _TruthObserver:
@@ -149,7 +182,7 @@ class _CalibrationHook(SpeculativeHook):
         hist = self.history.signal(self.lm, self.cursor.history_index(self.history), width, per_head=True)
         self.pending = {"hist": hist, "look": {k: v[..., :width] for k, v in look.items()},
                         "live": live_positions(self.lm, width), "active": ~state.done.clone(),
-                        "positions": self.lm.positions.clone()}
+                        "positions": self.lm.positions.clone(), "committed": [len(t) for t in state.tokens]}
         self.truth.reset()
 
     def after_verify(self, decoder, state, accepted) -> None:
@@ -166,7 +199,8 @@ class _CalibrationHook(SpeculativeHook):
                 continue
             self.owner.steps.append(StepRecord(
                 hist={l: v[b].half() for l, v in p["hist"].items()}, look={l: v[b].half() for l, v in p["look"].items()},
-                mass=mass[b].float(), mass_new=float(mass_new[b]), live=p["live"][b]))
+                mass=mass[b].float(), mass_new=float(mass_new[b]), live=p["live"][b], row=b,
+                committed=p["committed"][b]))
         self.steps += 1
 
 
@@ -181,9 +215,21 @@ def _arr(steps: List[StepRecord], hist_fn, look_fn, budget: int, sink: int, wind
     return total / max(len(steps), 1)
 
 
+def retrieval_scores(steps: List[StepRecord]) -> Optional[Dict[int, torch.Tensor]]:
+    """``{layer: [H]}``: each target head's mean retrieval mass over the steps that copy from the context
+    (:func:`retrieval_mass`), or None when no step does."""
+    counted = [st.srh for st in steps if st.srh is not None]
+    if not counted:
+        return None
+    return {layer: torch.stack([c[layer] for c in counted]).mean(0) for layer in counted[0]}
+
+
 def choose_configuration(steps: List[StepRecord], budget: int, sink: int, window: int, target_heads: int,
-                         draft_heads: int, max_draft_layers: int, m_grid: List[float]) -> Dict[str, Any]:
-    """The greedy search of the module docstring over recorded steps; returns the calibration dict."""
+                         draft_heads: int, max_draft_layers: int, m_grid: List[float], srh_layers: int = 0
+                         ) -> Dict[str, Any]:
+    """The greedy search of the module docstring over recorded steps; returns the calibration dict. With
+    ``srh_layers > 0`` and steps carrying retrieval masses, the target heads are each layer's best retrieval
+    heads and only the ``srh_layers`` layers whose heads score highest compete on ARR."""
     if not steps:
         raise ValueError("dustin calibration recorded no verification step (prompts too short, or every row stopped "
                          "at once); run it on longer prompts or more samples")
@@ -201,12 +247,22 @@ def choose_configuration(steps: List[StepRecord], budget: int, sink: int, window
         order = sorted(range(n_heads), key=lambda i: (-scores[i], i))
         return sorted(order[:n])
 
-    table: Dict[str, Any] = {"target": {}, "draft": {}, "m": {}}
-    t_choice = {l: best_heads(l, "hist", target_heads) for l in t_layers}
-    for l in t_layers:
+    table: Dict[str, Any] = {"target": {}, "draft": {}, "m": {}, "srh": None}
+    srh = retrieval_scores(steps) if srh_layers > 0 else None
+    if srh is not None:
+        t_choice = {ly: sorted(sorted(range(srh[ly].shape[0]), key=lambda h, ly=ly: (-float(srh[ly][h]), h))
+                               [:target_heads]) for ly in t_layers}
+        layer_score = {ly: float(srh[ly][t_choice[ly]].sum()) for ly in t_layers}
+        candidates = sorted(t_layers, key=lambda ly: (-layer_score[ly], ly))[:srh_layers]
+        table["srh"] = {"steps": sum(st.srh is not None for st in steps), "candidates": sorted(candidates),
+                        "score": {str(ly): [round(float(x), 5) for x in srh[ly]] for ly in t_layers}}
+    else:
+        t_choice = {l: best_heads(l, "hist", target_heads) for l in t_layers}
+        candidates = t_layers
+    for l in candidates:
         table["target"][str(l)] = _arr(steps, lambda st, l=l: st.hist[l][t_choice[l]].float().sum(0), None, budget,
                                        sink, window, 0)
-    best_t = min(t_layers, key=lambda l: (-table["target"][str(l)], l))
+    best_t = min(candidates, key=lambda l: (-table["target"][str(l)], l))
 
     def hist_fn(st):
         return st.hist[best_t][t_choice[best_t]].float().sum(0)
@@ -268,13 +324,33 @@ class _CalibrationGeneration:
         look = LookaheadRecorder(None, {l: list(range(self.draft.config.num_attention_heads)) for l in range(n_d)},
                                  per_head=True)
         hook = _CalibrationHook(self.owner, history, look, truth)
+        first = len(self.owner.steps)
         with attach_runners(model, lambda m: truth, "dustin calibration truth", role="observe"):
             with record_signals(model, self.draft, history, look):
                 result = speculative_generate(model, self.draft, context_ids, context_mask, max_new_tokens, stop_ids,
                                               question_ids, question_mask, gamma=cfg.gamma, pad_id=pad_id,
                                               hooks=[hook])
+        rows = _row_tokens(context_ids, context_mask, question_ids, question_mask, result.tokens)
+        for st in self.owner.steps[first:]:
+            seq, n_prompt = rows[st.row]
+            i = n_prompt + st.committed  # the token this step emits (after its query, the last committed one)
+            if i < seq.shape[0]:
+                st.srh = retrieval_mass(st, seq, int(seq[i]), cfg.sink, cfg.window)
         self.owner.batches += 1
         return result
+
+
+def _row_tokens(context_ids, context_mask, question_ids, question_mask, generated) -> List[Any]:
+    """Per row ``(tokens [L], prompt length)``: the row's real context and question tokens (mask 1), then its
+    generated tokens, in position order."""
+    out = []
+    for b in range(context_ids.shape[0]):
+        parts = [context_ids[b][context_mask[b].bool()] if context_mask is not None else context_ids[b]]
+        if question_ids is not None:
+            parts.append(question_ids[b][question_mask[b].bool()] if question_mask is not None else question_ids[b])
+        prompt = torch.cat([p.cpu() for p in parts])
+        out.append((torch.cat([prompt, torch.tensor(generated[b], dtype=prompt.dtype)]), prompt.shape[0]))
+    return out
 
 
 class DustinCalibrationCallback(EvalStageSwitch):
@@ -298,7 +374,7 @@ class DustinCalibrationCallback(EvalStageSwitch):
         calibration's own config and the batch count."""
         c = self.cfg
         result = choose_configuration(self.steps, c.budget, c.sink, c.window, c.target_heads, c.draft_heads,
-                                      c.max_draft_layers, c.m_grid)
+                                      c.max_draft_layers, c.m_grid, c.srh_layers)
         return {**result, "config": asdict(c), "batches": self.batches}
 
     def output_path(self, trainer) -> Path:

@@ -51,7 +51,8 @@ class DustinConfig:
             every listed layer); null = the middle layer, all heads (or the calibration file's choice).
         draft_layers, draft_heads: the draft's lookahead heads; null = the draft's last layer, all heads.
         calibration: a JSON file written by ``dustin_calibration`` (its layers, heads and m fill every field
-            left null here).
+            left null here; its m keeps its share of the free slots ``budget - sink - window`` when this budget
+            differs from the file's).
         measure_arr: record the attention recovery rate of every verification (a dense pass: costs time).
     """
 
@@ -115,6 +116,12 @@ class DustinConfig:
             d_heads = _heads(self.draft_heads if self.draft_heads is not None else cal.get("draft_heads"), d_layers,
                              draft, "draft")
         m = self.m if self.m is not None else cal.get("m")
+        if self.m is None and m is not None and {"budget", "sink", "window"} <= set(cal):
+            # the file's m was tuned for its own budget: keep its share of the free slots at this budget
+            cal_free = int(cal["budget"]) - int(cal["sink"]) - int(cal["window"])
+            free = self.budget - self.sink - self.window
+            if cal_free > 0 and cal_free != free:
+                m = int(round(int(m) * free / cal_free))
         out = replace(self, calibration=None)  # filled in place: an empty draft-layer list is valid only here
         out.target_layers, out.draft_layers, out.target_heads, out.draft_heads, out.m = (
             list(t_layers), list(d_layers), t_heads, d_heads, m)

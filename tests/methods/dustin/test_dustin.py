@@ -393,3 +393,19 @@ def test_dustins_own_config_decodes_as_the_generic_callback(models):
     a = own.generate(target, ids, mask, 8)
     b = generic.generate(target, ids, mask, 8)
     assert a.tokens == b.tokens and a.stats["read"]["kv_bytes_read"] == b.stats["read"]["kv_bytes_read"]
+
+
+def test_a_calibrated_m_keeps_its_share_of_the_free_slots_at_another_budget(tmp_path):
+    """The calibration's m was tuned at its own budget (256: 236 free slots); a verifier at budget 128 (108 free)
+    gives the draft the same share, not every slot (m = 177 clamped to 108 would make Dustin draft-only)."""
+    import json
+
+    target, draft = _models(layers=2)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"target_layers": [1], "target_heads": {"1": [0]}, "draft_layers": [1],
+                                "draft_heads": {"1": [1]}, "m": 177, "budget": 256, "sink": 4, "window": 16}))
+    at = {b: DustinConfig(budget=b, sink=4, window=16, calibration=str(path)).resolved(target, draft) for b in
+          (128, 256, 512)}
+    assert at[256].m == 177 and at[128].m == round(177 * 108 / 236) == 81 and at[512].m == round(177 * 492 / 236)
+    assert at[128].m_slots() == 81 < 108
+    assert DustinConfig(budget=128, sink=4, window=16, m=30, calibration=str(path)).resolved(target, draft).m == 30
