@@ -3,8 +3,9 @@
 #   1. the Triton parity tests compiled on CUDA (fp16 and bf16, N = 4K-16K): tests/kernels/test_triton_gpu.py and the
 #      other `-m gpu` kernel tests (the routed SDPA / FlexAttention backends and the fused estimates in their own call); the interpreter parity tests of K6 (LSSAR) and K4 (SALE's low-bit estimate),
 #      which run compiled on CUDA when TRITON_INTERPRET is unset
-#   2. the routing table: every routed backend (SDPA flash / memory-efficient / cuDNN, Triton K1, compiled
-#      FlexAttention) timed per call kind, dtype and length, the fastest written as the table:
+#   2. the routing table: every routed backend (SDPA flash / memory-efficient / cuDNN, Triton K1, K1 at its own tile
+#      over SALE's 64 x 32 layouts, compiled FlexAttention) timed per call kind, layout blocks, dtype and length, the
+#      fastest written as the table:
 #      python -m bench.gpu_routing (-> $OUT/routing_table.json; copy it to litctx_kernels/routing_table.json)
 #   3. dense K1 against SDPA/FlashAttention (forward and backward, 4K and 16K) and block-sparse K1 forward and
 #      backward at densities {5,10,25,50,100}% at N = 16K and 32K: python -m bench.triton_attention_gpu
