@@ -46,11 +46,14 @@ def build_board(name: str, out: Path) -> Dict[str, Any]:
     b = board(spec, judged, records)
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
-    per_cell = ", ".join(f"{c['name']}: n {c['n']}" for c in judged["cells"])
+    per_cell = ", ".join(f"{c['name']}: n {c['n']}" + (f" of {c['want']}" if c["n"] < c.get("want", 0) else "")
+                         for c in judged["cells"])
     lines = [f"**{name}** (`configs/claims/{name}.yaml`; {spec.claim}). Cells the reference passes: "
              f"{'; '.join(b['cells']) or 'none yet'}" + (f"; void (reference below "
                                                          f"{100 * spec.capability:.0f}%): {'; '.join(b['void'])}"
-                                                         if b["void"] else "") + f". Samples per cell: {per_cell}.",
+                                                         if b["void"] else "")
+             + (f"; pending (too few samples to judge): {'; '.join(b['pending'])}" if b.get("pending") else "")
+             + f". Samples per cell: {per_cell}.",
              "", *board_table(spec, b)]
     atomic_write_text(folder / "leaderboard.md", "\n".join(lines) + "\n")
     atomic_write_text(folder / "leaderboard.json", json.dumps(b, indent=1))

@@ -208,6 +208,11 @@ def test_a_leaderboard_keeps_the_cells_the_reference_passes_and_measures_compres
     with pytest.raises(ClaimError, match="leaderboard='bytes': must be one of report"):
         spec(leaderboard="bytes", comparisons=[], report=["size"])
     assert board(s, judge_claim(s, records[60:]), records[60:])["rows"] == []  # no cell passes: no rows
+    # a cell whose reference fails on too few samples so far, or that has none, is pending, never void
+    few = judge_claim(s, records, 30)
+    assert board(s, few, records)["void"] == [] and board(s, few, records)["pending"] == ["task b"]
+    none = judge_claim(s, records[:60], 20)
+    assert board(s, none, records[:60])["pending"] == ["task b"] and board(s, none, records[:60])["void"] == []
 
 
 def test_the_figure_hatches_only_void_cells_and_a_screen_gets_one_panel(tmp_path):
