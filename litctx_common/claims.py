@@ -686,8 +686,7 @@ def board(spec: ClaimSpec, judged: Mapping[str, Any], records: Sequence[Mapping[
 
     Returns ``{"cells": gated cell names, "void": complete cells whose reference fails the gate, "pending": the
     other cells (too few samples for a gate that fails so far, or none yet), "n": paired samples, "rows": [...]}``
-    (rows in
-    the spec's arm order: ``arm``, ``family`` (the name before ``@``), ``n``, ``mean``, ``lo``, ``hi``, ``diff``,
+    (rows in the spec's arm order: ``arm``, ``family`` (the name before ``@``), ``n``, ``mean``, ``lo``, ``hi``, ``diff``,
     ``diff_lo``, ``diff_hi``, ``compression``)."""
     gated = [c for c in judged["cells"] if c.get("gates", {}).get("capability", {}).get("passed")]
     by: Dict[str, Dict[str, float]] = {}
@@ -701,10 +700,11 @@ def board(spec: ClaimSpec, judged: Mapping[str, Any], records: Sequence[Mapping[
                     footprint.setdefault(r["arm"], {})[key] = float(r[spec.leaderboard])
     arms = [a.name for a in spec.arms]
     ids = sorted(set.intersection(*(set(by.get(a, {})) for a in arms))) if gated else []
-    failed = [c for c in judged["cells"] if c not in gated]
-    void = [c["name"] for c in failed if "capability" in c.get("gates", {}) and c.get("n", 0) >= c.get("want", 0)]
+    not_passed = [c for c in judged["cells"] if c not in gated]
+    void = [c["name"] for c in not_passed
+            if "capability" in c.get("gates", {}) and c.get("n", 0) >= c.get("want", 0)]
     out: Dict[str, Any] = {"cells": [c["name"] for c in gated], "n": len(ids), "rows": [], "void": void,
-                           "pending": [c["name"] for c in failed if c["name"] not in void]}
+                           "pending": [c["name"] for c in not_passed if c["name"] not in void]}
     if not ids:
         return out
     ref = [by[spec.reference][i] for i in ids]

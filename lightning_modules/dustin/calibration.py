@@ -12,10 +12,10 @@ a grid over the draft share replaces the paper's Optuna search):
 1. (a) **Semantic retrieval heads.** Each target head's retrieval score is profiled on the same steps: the
    history-signal mass the head puts on the context positions (outside the sink and the local window) that hold
    the token the step goes on to emit, averaged over the steps whose emitted token occurs there (Wu et al.'s
-   copy criterion with attention mass in place of the arg-max; CompressKV's exact profiling recipe is not
-   public in a form we could follow). Per layer its ``target_heads`` heads of highest score; the
-   ``srh_layers`` layers whose head sets score highest are the candidates (``srh_layers = 0``, or no step with
-   a copyable token: every layer, heads by history-only ARR, as before 2026-12-07).
+   copy criterion with attention mass in place of the arg-max; CompressKV's own head scoring, which also credits
+   attention to the answer's semantic context, is not re-implemented). Per layer its ``target_heads`` heads of
+   highest score; the ``srh_layers`` layers whose head sets score highest are the candidates (``srh_layers = 0``,
+   or no step with a copyable token: every layer, heads by history-only ARR, as before 2026-12-07).
    (b) Among the candidates, the layer whose head set gives the best history-only ARR;
 2. draft layers added greedily (each with its ``draft_heads`` best heads) while the mixed ARR improves, up to
    ``max_draft_layers``;
