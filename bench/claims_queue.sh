@@ -10,7 +10,7 @@
 # Commit results/claims/ as it grows. CPU hours measured on 2 cores (see docs/results.md, Claims).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python)}  # the make venv when there is one
 steps=(
   "meg_xl:$PY -m recipes.claim meg_xl --threads 2"
   "prism:$PY -m recipes.claim prism --threads 2"
