@@ -388,18 +388,17 @@ constexpr int ACC_NV = W >= 16 ? 4 : 2;   // accumulation: output vectors (W col
 // error, p(0) = 1), then scalef (p * 2^n in one instruction); x below -126 (and -inf, NaN) gives 0 (no denormals).
 // 9 instructions against 19 for Vectorized::exp_u20 (the kernels keep scores in base 2: log2(e) is folded into the
 // scores' scale); relative error within 3e-7 of std::exp2 (tests/kernels/test_cpu_sparse.py).
+// its coefficients, highest degree first (Horner)
+static constexpr float kExp2Poly[6] = {0.001326472731307149f, 0.009671512991189957f, 0.05550733581185341f,
+                                       0.24022242426872253f, 0.6931470036506653f, 1.0f};
 static inline Vec vexp2(const Vec& x) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 v = x;
   const __mmask16 keep = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
   const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(v, n);
-  __m512 p = _mm512_set1_ps(0.001326472731307149f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009671512991189957f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550733581185341f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022242426872253f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931470036506653f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return Vec(_mm512_maskz_scalef_ps(keep, p, n));
 #elif defined(CPU_CAPABILITY_AVX2)  // the same polynomial; 2^n from the exponent bits (x above 127 saturates)
   const __m256 v = x;
@@ -407,12 +406,8 @@ static inline Vec vexp2(const Vec& x) {
   const __m256 xc = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-126.f)), _mm256_set1_ps(127.f));
   const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(xc, n);
-  __m256 p = _mm256_set1_ps(0.001326472731307149f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.009671512991189957f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550733581185341f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022242426872253f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931470036506653f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return Vec(_mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep));
 #else  // scalar fallback (builds without AVX2)

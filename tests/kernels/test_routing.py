@@ -199,6 +199,20 @@ def fake_gpu(monkeypatch):
     dispatch._log_once.cache_clear()
 
 
+@pytest.fixture
+def interpreted_k1(fake_gpu, monkeypatch):
+    """The mocked GPU with Triton K1 really running, in the Triton interpreter: these tests are marked
+    ``interpret`` (``make test-interpret`` sets TRITON_INTERPRET=1); selected by hand without it they skip, since
+    K1 on CPU tensors exists only in the interpreter."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("K1 on CPU tensors runs only in the Triton interpreter: TRITON_INTERPRET=1 (make test-interpret)")
+    pytest.importorskip("triton", reason="K1 needs the triton package")
+    monkeypatch.setattr(dispatch, "_triton_verify", lambda op, q, **kw: (True, "interpreter"))
+    return fake_gpu
+
+
 def _use_table(monkeypatch, tmp_path, *rows):
     path = tmp_path / "table.json"
     path.write_text(json.dumps(RoutingTable(tuple(rows), "test").to_json()))
@@ -343,14 +357,10 @@ def test_decode_calls_have_their_own_rows(fake_gpu, monkeypatch, tmp_path):
 
 
 @pytest.mark.interpret
-def test_routed_triton_runs_the_reduced_layout(fake_gpu, monkeypatch):
+def test_routed_triton_runs_the_reduced_layout(interpreted_k1):
     """A layout the table sends to Triton K1 (the default for layouts) runs it directly, and a layout covering the
     causal mask becomes a plain causal call (SDPA by default). Needs TRITON_INTERPRET=1 (the interpreter run)."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs K1 in the Triton interpreter: TRITON_INTERPRET=1 (make test-interpret)")
-    monkeypatch.setattr(dispatch, "_triton_verify", lambda op, q, **kw: (True, "interpreter"))
+    fake_gpu = interpreted_k1
     q, k, v = _qkv(1, 4, 2, 256, 32)
     layout = BlockLayout.random_causal(256, 64, 0.5, heads=4, seed=5)
     o, lse = litctx_kernels.attention(q, k, v, causal=True, layout=layout)
@@ -363,17 +373,13 @@ def test_routed_triton_runs_the_reduced_layout(fake_gpu, monkeypatch):
 
 
 @pytest.mark.interpret
-def test_routed_triton_tile_runs_a_fine_layout_at_the_tuned_tile(fake_gpu, monkeypatch, tmp_path):
+def test_routed_triton_tile_runs_a_fine_layout_at_the_tuned_tile(interpreted_k1, monkeypatch, tmp_path):
     """A table row sending a fine layout (16 x 16 blocks; the interpreter's tuned forward tile is 32 x 16) to
     ``triton_tile`` runs K1 with that tile and gives the fine layout's attention; with a gradient the same call
     runs K1 at the layout's blocks (the candidate is forward only)."""
-    import os
-
+    fake_gpu = interpreted_k1
     import litctx_kernels.triton.attention as ta
 
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs K1 in the Triton interpreter: TRITON_INTERPRET=1 (make test-interpret)")
-    monkeypatch.setattr(dispatch, "_triton_verify", lambda op, q, **kw: (True, "interpreter"))
     _use_table(monkeypatch, tmp_path, RoutingRow(device=GPU, kind="block_sparse", dtype="float32",
                                                  backend="triton_tile", block=[16, 16]))
     tiles = []
