@@ -45,7 +45,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import Dataset
@@ -485,6 +485,48 @@ class TextDataModule(SplitsDataModule):
         suite = LongContextSuite(cfg, tok, Haystack(read_documents(haystack), tok))
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         return suite, functools.partial(collate_suite, pad_id=pad)
+
+    def vocabulary_counts(self, task_samples: int = 256) -> Tuple[torch.Tensor, List[int]]:
+        """What a compact vocabulary is built from (:class:`~lightning_modules.llm.model.vocab.CompactVocab`):
+        ``(counts [V], keep)``. ``counts``: how often each token id occurs in the training data, in tokens of the
+        training split's stream: the stream's own counts weighted by the share of corpus blocks, plus, for each
+        ``mix`` task, the token counts of its first ``task_samples`` training sequences (the blocks
+        :class:`MixedBlocks` trains on) scaled to the task's share (cached under ``$LITCTX_CACHE_DIR/tokens``,
+        keyed on the stream, the mix and ``task_samples``). ``keep``: the tokenizer's special tokens."""
+        self.setup()
+        tok = self.tokenizer
+        stream = self._tokens["train"]
+        counts = torch.bincount(stream.long(), minlength=len(tok)).double()
+        keep = sorted({int(i) for i in (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) if i is not None})
+        train = self._splits["train"]
+        if not isinstance(train, MixedBlocks) or not train.mix:
+            return counts.long(), keep
+        h = hashlib.sha1(stream.numpy().tobytes())
+        h.update(json.dumps([len(tok), train.mix, train.seed, self.cfg.seq_len, task_samples]).encode())
+        path = Path(default_cache_dir()) / "tokens" / f"vocab-{h.hexdigest()[:20]}.pt"
+        if path.is_file():  # the task sequences take minutes to build on a large corpus: counted once
+            try:
+                return torch.load(path, weights_only=True), keep
+            except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt
+                pass
+        total = float(stream.numel())
+        counts *= 1.0 - sum(f for _, f in train.mix)
+        sampled = {task: [] for task, _ in train.mix}
+        for i in range(len(train)):
+            task = train.source(i)
+            if task != "text" and len(sampled[task]) < task_samples:
+                sampled[task].append(torch.tensor(train._task_ids(task, i, self.cfg.seq_len), dtype=torch.long))
+                if min(len(v) for v in sampled.values()) >= task_samples:
+                    break
+        for task, frac in train.mix:
+            if sampled[task]:
+                ids = torch.cat(sampled[task])
+                counts += torch.bincount(ids, minlength=len(tok)).double() * (frac * total / ids.numel())
+        counts = counts.round().long()
+        with atomic_path(path) as tmp:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(counts, tmp)
+        return counts, keep
 
     def token_counts(self) -> Dict[str, int]:
         """Tokens per split after packing."""

@@ -165,7 +165,7 @@ class LMStudyKind(StudyKind):
         module.eval()
         dm = create_datamodule("text", trained["data"])
         if arms[0].method == "repo_cpt":
-            self.positions(module.model, dm, arms[0], seed, runs, folder / f"{split}_positions_s{seed}.png")
+            self.positions(module, dm, arms[0], seed, runs, folder / f"{split}_positions_s{seed}.png")
         seq_len = int(dm.cfg.seq_len)
         out: Dict[str, List[Dict[str, Any]]] = {a.name: [] for a in arms}
         with torch.no_grad():
@@ -190,9 +190,9 @@ class LMStudyKind(StudyKind):
                         log(f"[{self.spec.name}] {arm.name}, seed {seed}, {task} x{mult}: score {mean:.3f}")
         return out
 
-    def positions(self, model: Any, dm: Any, arm: Any, seed: int, runs: RunsCache, figure: Path
+    def positions(self, module: Any, dm: Any, arm: Any, seed: int, runs: RunsCache, figure: Path
                   ) -> Optional[Dict[str, Any]]:
-        """Where a RePo model's layers put the tokens of the first held-out text block of ``dm``, at 1x and at the
+        """Where a RePo module's layers put the tokens of the first held-out text block of ``dm``, at 1x and at the
         longest length of the cells (:func:`~lightning_modules.repo.positions.position_stats` per layer, in the
         runs cache under ``positions|<training key>|<seed>``) and a figure of the 1x block (``figure``); None for a
         model without learned positions (``mode: nope``)."""
@@ -206,7 +206,7 @@ class LMStudyKind(StudyKind):
         seq_len, stream = int(dm.cfg.seq_len), dm.tokens("test")
         out: Dict[str, Any] = {}
         for mult in sorted({1, max(self.spec.cells.dims["length"])}):
-            z = learned_positions(model, stream[: mult * seq_len].long().unsqueeze(0))
+            z = learned_positions(module.model, module.encode_ids(stream[: mult * seq_len].long().unsqueeze(0)))
             out[f"x{mult}"] = {str(layer): position_stats(v) for layer, v in z.items()}
             if mult == 1:
                 plot_positions(z, figure, f"{self.spec.name}: {arm.name}, seed {seed}, the first held-out block")

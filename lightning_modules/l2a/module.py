@@ -149,7 +149,8 @@ class L2ACPTModule(LanguageModel):
 
         loader = self.trainer.datamodule.val_dataloader()
         loader = loader[0] if isinstance(loader, (list, tuple)) else loader
-        rates = measure_routing(self.model, loader, self.cfg.prune_batches)
+        rates = measure_routing(self.model, ({"input_ids": self.encode_ids(b["input_ids"])} for b in loader),
+                                self.cfg.prune_batches)  # the model's own ids (a compact vocabulary's)
         for layer in l2a_layers(self.model).values():
             layer.self_attn.soft_sq_sum = None  # a tensor of the last step's graph: not copyable
         model = copy.deepcopy(self.model)

@@ -135,6 +135,8 @@ def test_the_study_trains_each_model_once_and_records_paired_cells(tmp_path, mon
     runs = json.loads((folder / "heldout_runs.json").read_text())
     trained = sorted(k.split("|")[1].split("-")[0] for k in runs if k.startswith("train|"))
     assert trained == ["l2a_cpt", "lssa_lm", "repo_cpt", "repo_cpt"]  # the 1x arm shares its model
+    for key in (k for k in runs if k.startswith("train|")):  # scratch_lm's compact vocabulary travels with each model
+        assert (Path(runs[key]["hf"]) / "litctx_vocab.json").is_file(), key
     # where RePo's layer put the first held-out block (none for NoPE), and its figure
     (pos_key,) = [k for k in runs if k.startswith("positions|")]
     assert set(runs[pos_key]) == {"x1", "x2"} and set(runs[pos_key]["x1"]) == {"1"}

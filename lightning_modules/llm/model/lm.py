@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from lightning_modules.base import LongContextModule, SharedEvalStages, run_path
 from lightning_modules.llm.model.loading import load_causal_lm
+from lightning_modules.llm.model.vocab import CompactVocab
 from litctx_common.io import atomic_path
 
 __all__ = ["LanguageModelConfig", "LanguageModel"]
@@ -35,6 +36,12 @@ class LanguageModelConfig:
         trainable: substrings of parameter names that train (e.g. ``[self_attn, norm]``: attention and norms, the
             set L2A trains, for its plain baseline); every other parameter is frozen. None = every parameter.
             ``l2a_cpt`` sets its own with ``l2a.trainable``.
+        compact_vocab: a ``tiny-*`` model's own vocabulary size: the ``compact_vocab - 1`` most frequent tokens of
+            the training data (every token of its task sequences forced in) plus one rare class
+            (:class:`~lightning_modules.llm.model.vocab.CompactVocab`; losses stay full-vocabulary cross-entropies),
+            built when fitting starts from the DataModule's ``vocabulary_counts``; a 4-layer width-128 model trains
+            about 4x faster at 8192 than with SmolLM2's 49,152 tokens. None = the tokenizer's whole vocabulary (an
+            exported folder brings its own compact vocabulary file when it has one).
     """
 
     model: str = "smollm2-135m"
@@ -45,8 +52,19 @@ class LanguageModelConfig:
     gradient_checkpointing: bool = False
     export_dir: Optional[str] = None
     trainable: Optional[List[str]] = None
+    compact_vocab: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.compact_vocab is not None:
+            v = self.compact_vocab
+            if not isinstance(v, int) or isinstance(v, bool) or v < 2:
+                raise ValueError(f"compact_vocab={self.compact_vocab!r}: expected null or an integer >= 2")
+            if not str(self.model).lower().startswith("tiny-"):
+                raise ValueError(f"compact_vocab={self.compact_vocab}: only a tiny-* model trained from scratch takes "
+                                 f"a compact vocabulary, not model={self.model!r} (a folder brings its own)")
+            if "vocab_size" in (self.tiny or {}) and self.tiny["vocab_size"] != self.compact_vocab:
+                raise ValueError(f"tiny.vocab_size={self.tiny['vocab_size']} and compact_vocab={self.compact_vocab} "
+                                 f"disagree: set only compact_vocab")
         if self.trainable is not None and (not isinstance(self.trainable, (list, tuple)) or not self.trainable
                                            or not all(isinstance(t, str) and t for t in self.trainable)):
             raise ValueError(f"trainable={self.trainable!r}: expected null or a non-empty list of parameter-name "
@@ -67,8 +85,14 @@ class LanguageModel(SharedEvalStages, LongContextModule):
 
     def __init__(self, cfg: Any = None, optim: Any = None) -> None:
         super().__init__(cfg, optim)
+        tiny = dict(self.cfg.tiny or {})
+        if self.cfg.compact_vocab is not None:
+            tiny["vocab_size"] = self.cfg.compact_vocab
         self.model, self.tokenizer = load_causal_lm(self.cfg.model, dtype=self.cfg.dtype, seed=self.cfg.seed,
-                                                    tiny=self.cfg.tiny or None)
+                                                    tiny=tiny or None)
+        self.vocab: Optional[CompactVocab] = None  # set in setup (compact_vocab) or from the folder
+        if Path(str(self.cfg.model)).is_dir():
+            self.vocab = CompactVocab.load(self.cfg.model)
         self.modify_model()
         if self.cfg.trainable is not None:
             self.freeze_except(self.cfg.trainable)
@@ -80,6 +104,40 @@ class LanguageModel(SharedEvalStages, LongContextModule):
 
     def modify_model(self) -> None:
         """Model surgery of a method (none here); runs once, right after loading."""
+
+    def setup(self, stage: str) -> None:
+        """Build the compact vocabulary (``compact_vocab``) from the DataModule's training counts when fitting."""
+        if self.cfg.compact_vocab is None or self.vocab is not None:
+            return
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is None or not hasattr(dm, "vocabulary_counts"):
+            raise ValueError(f"compact_vocab={self.cfg.compact_vocab}: needs a DataModule with vocabulary_counts() "
+                             f"(the text DataModule) to count the training tokens; got {type(dm).__name__}")
+        counts, keep = dm.vocabulary_counts()
+        self.set_vocab(CompactVocab.from_counts(counts, self.cfg.compact_vocab, keep), counts)
+
+    def set_vocab(self, vocab: CompactVocab, counts: Optional[torch.Tensor] = None) -> None:
+        """Use ``vocab`` (its size must be the model's vocabulary) and print its one-line summary."""
+        have = int(self.model.get_input_embeddings().weight.shape[0])
+        if vocab.size != have:
+            raise ValueError(f"a compact vocabulary of {vocab.size} ids for a model with {have} embeddings")
+        self.vocab = vocab
+        print(f"[litctx] {vocab.summary(counts)}", flush=True)
+
+    def encode_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The model's ids of tokenizer ids ``input_ids [...]`` (the same tensor without a compact vocabulary)."""
+        if self.vocab is None:
+            if self.cfg.compact_vocab is not None:
+                raise RuntimeError("compact_vocab is set but no vocabulary is built yet: fit the module (setup builds "
+                                   "it from the DataModule) or call set_vocab")
+            return input_ids
+        return self.vocab.encode(input_ids)
+
+    def _targets(self, target: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(model ids, tail nats or None)`` of tokenizer-id targets ``[B, c]``."""
+        if self.vocab is None:
+            return target, None
+        return self.vocab.encode(target), self.vocab.tail_nats(target)
 
     def freeze_except(self, trainable: Sequence[str]) -> None:
         """Train only the parameters whose names contain one of ``trainable``; an empty match is an error."""
@@ -106,6 +164,7 @@ class LanguageModel(SharedEvalStages, LongContextModule):
         plain = (getattr(model.config, "model_type", "") in ("llama", "qwen2", "olmo2")
                  and getattr(model.config, "final_logit_softcapping", None) is None)
         n = input_ids.shape[1] - 1
+        input_ids = self.encode_ids(input_ids)
         if torch.is_grad_enabled() or backbone is None or head is None or not plain or n <= self.HEAD_CHUNK:
             yield 0, model(input_ids=input_ids, use_cache=False).logits[:, :-1]
             return
@@ -114,11 +173,13 @@ class LanguageModel(SharedEvalStages, LongContextModule):
             yield a, head(hidden[:, a:min(n, a + self.HEAD_CHUNK)])
 
     def token_losses(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy ``[B, T-1]`` (nats) of ``input_ids [B, T]``."""
+        """Next-token cross-entropy ``[B, T-1]`` (nats, over the tokenizer's whole vocabulary) of tokenizer ids
+        ``input_ids [B, T]``."""
         parts = []
         for a, logits in self.next_token_logits(input_ids):
-            target = input_ids[:, a + 1:a + 1 + logits.shape[1]]
-            parts.append(F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none"))
+            target, tail = self._targets(input_ids[:, a + 1:a + 1 + logits.shape[1]])
+            ce = F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none")
+            parts.append(ce if tail is None else ce + tail)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def window_token_losses(self, input_ids: torch.Tensor, window: int) -> torch.Tensor:
@@ -160,13 +221,19 @@ class LanguageModel(SharedEvalStages, LongContextModule):
     def answer_scores(self, input_ids: torch.Tensor, answer_mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced answers of probes ``input_ids [B, T]`` whose answer tokens ``answer_mask [B, T]`` marks:
         ``(right [B] bool, ce [B])``, a row right when the argmax at every answer token is that token, ``ce`` the
-        mean cross-entropy (nats) of its answer tokens."""
+        mean cross-entropy (nats) of its answer tokens. With a compact vocabulary a rare answer token is never right
+        (its class does not name it)."""
         mask = answer_mask[:, 1:]
         hits, losses = [], []
         for a, logits in self.next_token_logits(input_ids):
-            target = input_ids[:, a + 1:a + 1 + logits.shape[1]]
-            hits.append(logits.argmax(-1) == target)
-            losses.append(F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none"))
+            full = input_ids[:, a + 1:a + 1 + logits.shape[1]]
+            target, tail = self._targets(full)
+            hit = logits.argmax(-1) == target
+            ce = F.cross_entropy(logits.float().transpose(1, 2), target, reduction="none")
+            if tail is not None:
+                hit, ce = hit & ~self.vocab.is_rare(full), ce + tail
+            hits.append(hit)
+            losses.append(ce)
         right = (torch.cat(hits, dim=1) | ~mask).all(dim=1)
         ce = (torch.cat(losses, dim=1) * mask).sum(1) / mask.sum(1).clamp_min(1)
         return right, ce
@@ -223,14 +290,16 @@ class LanguageModel(SharedEvalStages, LongContextModule):
 
     # ------------------------------------------------------------------ the Hugging Face folder
     def export(self, folder: Path | str, model: Any = None) -> Path:
-        """Write ``model`` (default ``self.model``; its surgery settings in its config) and the tokenizer as a
-        Hugging Face folder, atomically (a finished folder or nothing)."""
+        """Write ``model`` (default ``self.model``; its surgery settings in its config), the tokenizer and any compact
+        vocabulary (:data:`CompactVocab.FILE`) as a Hugging Face folder, atomically (a finished folder or nothing)."""
         folder = Path(folder)
         with atomic_path(folder) as tmp:
             tmp.mkdir(parents=True)
             (self.model if model is None else model).save_pretrained(tmp)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
+            if self.vocab is not None:
+                self.vocab.save(tmp)
         return folder
 
     def export_model(self) -> Any:
