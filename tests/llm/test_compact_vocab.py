@@ -57,7 +57,7 @@ def test_bad_sizes_and_files_are_refused_with_what_would_be_valid(tmp_path):
     counts = torch.ones(10, dtype=torch.long)
     with pytest.raises(ValueError, match=r"compact_vocab=11: expected an integer in \[2, 10\]"):
         CompactVocab.from_counts(counts, 11)
-    with pytest.raises(ValueError, match="task sequences alone use 4 distinct tokens; raise compact_vocab above 4"):
+    with pytest.raises(ValueError, match="4 ids must be kept \\(keep\\); raise compact_vocab above 4"):
         CompactVocab.from_counts(counts, 4, keep=[0, 1, 2, 3])
     with pytest.raises(ValueError, match="leave no rare token"):
         CompactVocab(full_size=10, kept=torch.arange(10), rare_counts=torch.zeros(10, dtype=torch.long))

@@ -37,10 +37,10 @@ class LanguageModelConfig:
             set L2A trains, for its plain baseline); every other parameter is frozen. None = every parameter.
             ``l2a_cpt`` sets its own with ``l2a.trainable``.
         compact_vocab: a ``tiny-*`` model's own vocabulary size: the ``compact_vocab - 1`` most frequent tokens of
-            the training data (every token of its task sequences forced in) plus one rare class
-            (:class:`~lightning_modules.llm.model.vocab.CompactVocab`; losses stay full-vocabulary cross-entropies),
-            built when fitting starts from the DataModule's ``vocabulary_counts``; a 4-layer width-128 model trains
-            about 4x faster at 8192 than with SmolLM2's 49,152 tokens. None = the tokenizer's whole vocabulary (an
+            the training data (corpus and task sequences by their share: the DataModule's ``vocabulary_counts``,
+            read when fitting starts) plus one rare class (:class:`~lightning_modules.llm.model.vocab.CompactVocab`;
+            losses stay cross-entropies over the tokenizer's whole vocabulary); a 4-layer width-128 model's step runs
+            about 3x faster at 16,384 than with SmolLM2's 49,152 tokens. None = the tokenizer's whole vocabulary (an
             exported folder brings its own compact vocabulary file when it has one).
     """
 

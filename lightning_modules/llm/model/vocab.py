@@ -1,14 +1,14 @@
 """A compact vocabulary for a small model trained from scratch on a large tokenizer's text.
 
 A 4-layer, width-128 model with SmolLM2's 49,152-token vocabulary spends about 85% of its training FLOPs in the
-output head. :class:`CompactVocab` keeps the ``size - 1`` most frequent tokens of the training data (every token of
-the task sequences forced in) as the model's own ids ``0 .. size - 2`` and maps every other token to one *rare* class
-(id ``size - 1``). Losses stay cross-entropies over the **full** vocabulary: a rare token ``t`` is scored as
-``p(rare) * q(t)``, with ``q`` the training unigram within the rare class (add-one smoothed over every rare token, so
-a token never seen in training has a probability too). So reported nats are those of a proper distribution over the
-tokenizer's vocabulary (a class-based output layer whose rare class has a fixed unigram: the tail of an adaptive
-softmax, Grave et al. 2017, without its learned tail), comparable with a full-vocabulary model's. A rare answer token
-is never counted right by an argmax (the class does not say which token).
+output head. :class:`CompactVocab` keeps the ``size - 1`` most frequent tokens of the training data (any ids it is
+told to keep first: the special tokens) as the model's own ids ``0 .. size - 2`` and maps every other token to one
+*rare* class (id ``size - 1``). Losses stay cross-entropies over the **full** vocabulary: a rare token ``t`` is
+scored as ``p(rare) * q(t)``, with ``q`` the training unigram within the rare class (add-one smoothed over every
+rare token, so a token never seen in training has a probability too). So reported nats are those of a proper
+distribution over the tokenizer's vocabulary (a class-based output layer whose rare class has a fixed unigram: the
+tail of an adaptive softmax, Grave et al. 2017, without its learned tail), comparable with a full-vocabulary
+model's. A rare answer token is never counted right by an argmax (the class does not say which token).
 
 The map is saved beside an exported Hugging Face folder (:data:`CompactVocab.FILE`) and read back with it.
 """
@@ -69,7 +69,7 @@ class CompactVocab:
     @classmethod
     def from_counts(cls, counts: torch.Tensor, size: int, keep: Iterable[int] = ()) -> "CompactVocab":
         """The vocabulary of ``size`` model ids (``size - 1`` kept tokens and the rare class) from training
-        ``counts [V]``: every id of ``keep`` (e.g. the task sequences' tokens), then the most frequent others
+        ``counts [V]``: every id of ``keep`` (e.g. the special tokens), then the most frequent others
         (ties by the smaller id)."""
         counts = counts.long().flatten()
         v = counts.numel()
@@ -80,8 +80,8 @@ class CompactVocab:
         if bad:
             raise ValueError(f"keep: ids {bad[:5]} outside the {v}-token vocabulary")
         if len(forced) > size - 1:
-            raise ValueError(f"compact_vocab={size}: the task sequences alone use {len(forced)} distinct tokens; "
-                             f"raise compact_vocab above {len(forced)}")
+            raise ValueError(f"compact_vocab={size}: {len(forced)} ids must be kept (keep); raise compact_vocab above "
+                             f"{len(forced)}")
         forced_t = torch.tensor(forced, dtype=torch.long)
         rest = torch.ones(v, dtype=torch.bool)
         rest[forced_t] = False
