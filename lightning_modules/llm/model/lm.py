@@ -82,6 +82,8 @@ class LanguageModel(SharedEvalStages, LongContextModule):
     :meth:`training_loss`."""
 
     config_class = LanguageModelConfig
+    vocab: Optional[CompactVocab] = None
+    """The model's compact vocabulary (``compact_vocab``; set in :meth:`setup` or read from the folder), else None."""
 
     def __init__(self, cfg: Any = None, optim: Any = None) -> None:
         super().__init__(cfg, optim)
@@ -90,7 +92,6 @@ class LanguageModel(SharedEvalStages, LongContextModule):
             tiny["vocab_size"] = self.cfg.compact_vocab
         self.model, self.tokenizer = load_causal_lm(self.cfg.model, dtype=self.cfg.dtype, seed=self.cfg.seed,
                                                     tiny=tiny or None)
-        self.vocab: Optional[CompactVocab] = None  # set in setup (compact_vocab) or from the folder
         if Path(str(self.cfg.model)).is_dir():
             self.vocab = CompactVocab.load(self.cfg.model)
         self.modify_model()
@@ -127,7 +128,7 @@ class LanguageModel(SharedEvalStages, LongContextModule):
     def encode_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The model's ids of tokenizer ids ``input_ids [...]`` (the same tensor without a compact vocabulary)."""
         if self.vocab is None:
-            if self.cfg.compact_vocab is not None:
+            if getattr(getattr(self, "cfg", None), "compact_vocab", None) is not None:
                 raise RuntimeError("compact_vocab is set but no vocabulary is built yet: fit the module (setup builds "
                                    "it from the DataModule) or call set_vocab")
             return input_ids
