@@ -45,7 +45,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import Dataset
@@ -294,6 +294,24 @@ def collate_probes(samples: Sequence[Dict[str, Any]], pad_id: int = 0) -> Dict[s
             "depth": [s["depth"] for s in samples]}
 
 
+def cached_tensor(path: Path, build: Callable[[], torch.Tensor],
+                  stored: Callable[[torch.Tensor], Optional[torch.Tensor]] = lambda t: t) -> torch.Tensor:
+    """``build()``'s tensor, read from ``path`` when an earlier call stored it there (a damaged file is rebuilt);
+    ``stored(tensor)`` is what gets written there, atomically (None: nothing)."""
+    if path.is_file():
+        try:
+            return torch.load(path, weights_only=True)
+        except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt
+            pass
+    tensor = build()
+    keep = stored(tensor)
+    if keep is not None:
+        with atomic_path(path) as tmp:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(keep, tmp)
+    return tensor
+
+
 def _check_count(n: int) -> None:
     if n < 3:
         raise ValueError(f"{n} document(s): need at least 3 to hold out validation and test documents")
@@ -436,17 +454,13 @@ class TextDataModule(SplitsDataModule):
         for d in docs:
             h.update(hashlib.sha1(d.encode("utf-8", "replace")).digest())
         path = Path(default_cache_dir()) / "tokens" / f"{h.hexdigest()[:20]}.pt"
-        if path.is_file():
-            try:
-                return torch.load(path, weights_only=True)
-            except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt
-                pass
-        tokens = self._tokenize(docs)
-        if tokens.numel() >= TOKEN_CACHE_MIN_TOKENS:  # small corpora tokenise in well under a second
-            with atomic_path(path) as tmp:
-                tmp.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(tokens.to(torch.int32 if len(tok) < 2**31 else torch.long), tmp)
-        return tokens
+
+        def stored(tokens: torch.Tensor) -> Optional[torch.Tensor]:
+            if tokens.numel() < TOKEN_CACHE_MIN_TOKENS:  # small corpora tokenise in well under a second
+                return None
+            return tokens.to(torch.int32 if len(tok) < 2**31 else torch.long)
+
+        return cached_tensor(path, lambda: self._tokenize(docs), stored)
 
     def _eval_loaders(self, split: str):
         loaders = [self.eval_loader(self.split(split), self.cfg.batch_size, self.cfg.num_workers)]
@@ -496,37 +510,30 @@ class TextDataModule(SplitsDataModule):
         self.setup()
         tok = self.tokenizer
         stream = self._tokens["train"]
-        counts = torch.bincount(stream.long(), minlength=len(tok)).double()
         keep = sorted({int(i) for i in (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) if i is not None})
         train = self._splits["train"]
         if not isinstance(train, MixedBlocks) or not train.mix:
-            return counts.long(), keep
+            return torch.bincount(stream.long(), minlength=len(tok)), keep
+
+        def count() -> torch.Tensor:
+            counts = torch.bincount(stream.long(), minlength=len(tok)).double() * (1.0 - sum(f for _, f in train.mix))
+            sampled: Dict[str, List[torch.Tensor]] = {task: [] for task, _ in train.mix}
+            for i in range(len(train)):
+                task = train.source(i)
+                if task != "text" and len(sampled[task]) < task_samples:
+                    sampled[task].append(torch.tensor(train._task_ids(task, i, self.cfg.seq_len), dtype=torch.long))
+                    if min(len(v) for v in sampled.values()) >= task_samples:
+                        break
+            for task, frac in train.mix:
+                if sampled[task]:
+                    ids = torch.cat(sampled[task])
+                    counts += torch.bincount(ids, minlength=len(tok)).double() * (frac * stream.numel() / ids.numel())
+            return counts.round().long()
+
         h = hashlib.sha1(stream.numpy().tobytes())
         h.update(json.dumps([len(tok), train.mix, train.seed, self.cfg.seq_len, task_samples]).encode())
-        path = Path(default_cache_dir()) / "tokens" / f"vocab-{h.hexdigest()[:20]}.pt"
-        if path.is_file():  # the task sequences take minutes to build on a large corpus: counted once
-            try:
-                return torch.load(path, weights_only=True), keep
-            except Exception:  # noqa: BLE001 - a damaged cache file is rebuilt
-                pass
-        total = float(stream.numel())
-        counts *= 1.0 - sum(f for _, f in train.mix)
-        sampled = {task: [] for task, _ in train.mix}
-        for i in range(len(train)):
-            task = train.source(i)
-            if task != "text" and len(sampled[task]) < task_samples:
-                sampled[task].append(torch.tensor(train._task_ids(task, i, self.cfg.seq_len), dtype=torch.long))
-                if min(len(v) for v in sampled.values()) >= task_samples:
-                    break
-        for task, frac in train.mix:
-            if sampled[task]:
-                ids = torch.cat(sampled[task])
-                counts += torch.bincount(ids, minlength=len(tok)).double() * (frac * total / ids.numel())
-        counts = counts.round().long()
-        with atomic_path(path) as tmp:
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(counts, tmp)
-        return counts, keep
+        # the task sequences take minutes to build on a large corpus: counted once
+        return cached_tensor(Path(default_cache_dir()) / "tokens" / f"vocab-{h.hexdigest()[:20]}.pt", count), keep
 
     def token_counts(self) -> Dict[str, int]:
         """Tokens per split after packing."""

@@ -686,8 +686,8 @@ def board(spec: ClaimSpec, judged: Mapping[str, Any], records: Sequence[Mapping[
 
     Returns ``{"cells": gated cell names, "void": complete cells whose reference fails the gate, "pending": the
     other cells (too few samples for a gate that fails so far, or none yet), "n": paired samples, "rows": [...]}``
-    (rows in the spec's arm order: ``arm``, ``family`` (the name before ``@``), ``n``, ``mean``, ``lo``, ``hi``, ``diff``,
-    ``diff_lo``, ``diff_hi``, ``compression``)."""
+    (rows in the spec's arm order: ``arm``, ``family`` (the name before ``@``), ``n``, ``mean``, ``lo``, ``hi``,
+    ``diff``, ``diff_lo``, ``diff_hi``, ``compression``)."""
     gated = [c for c in judged["cells"] if c.get("gates", {}).get("capability", {}).get("passed")]
     by: Dict[str, Dict[str, float]] = {}
     footprint: Dict[str, Dict[str, float]] = {}

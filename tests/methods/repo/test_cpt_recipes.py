@@ -135,12 +135,6 @@ def test_unsupported_models_settings_and_checkpoints_are_one_line_errors(tmp_pat
     assert len(lines) == 1 and "L2A model" in lines[0] and "RePo applies to a plain Llama / Qwen2 / OLMo-2" in lines[0]
 
 
-def cfg_vocab(run_dir):
-    import yaml
-
-    return yaml.safe_load((run_dir / "config.yaml").read_text())["method"]["args"]["compact_vocab"]
-
-
 def test_a_follow_up_starts_from_the_exported_model_so_l2a_copies_the_trained_attention(isolated_runs, capsys):
     """``then.init_from: export`` (l2a_tiny_base -> l2a_tiny): the follow-up's ``method.args.model`` is the first
     run's exported folder, so L2A's global copies are the trained attention: before its training, the follow-up's
@@ -169,7 +163,8 @@ def test_a_follow_up_starts_from_the_exported_model_so_l2a_copies_the_trained_at
     torch.testing.assert_close(after[q], base[q], rtol=0, atol=1e-6)
     torch.testing.assert_close(after[q.replace("q_proj", "q_proj_global")], base[q], rtol=0, atol=1e-6)
     # the base's compact vocabulary goes on with its folder: the follow-up reads the same ids
-    assert base["model.embed_tokens.weight"].shape[0] == cfg_vocab(base_dir) == 16384
+    base_cfg = yaml.safe_load((base_dir / "config.yaml").read_text())
+    assert base["model.embed_tokens.weight"].shape[0] == base_cfg["method"]["args"]["compact_vocab"] == 16384
     assert (follow / "hf" / "litctx_vocab.json").read_text() == (base_dir / "hf" / "litctx_vocab.json").read_text()
     assert main(["--recipe", "l2a_tiny_base", "method.args.export_dir=null", "name=none"] + data) == 2
     assert "then.init_from=export: recipe 'l2a_tiny_base' writes no model folder" in capsys.readouterr().err
