@@ -9,8 +9,10 @@ Backends:
   unlisted blocks) or PyTorch's CPU flash
   kernel directly when the layout covers the whole mask, with or without a ``key_mask`` (passed to the flash
   kernel as a broadcast additive ``[B, 1|H, 1, Nk]`` mask, or gathered per key block by the block-sparse path);
-  everything else (LSSA/LSSAR, query subsets, gather attention, column statistics, CUDA without Triton) runs
-  the chunked references of :mod:`litctx_kernels.reference`.
+  LSSA/LSSAR without a layout or query subset run the direct-domain path of :mod:`litctx_kernels.cpu_softplus`
+  (when it fits: see :func:`~litctx_kernels.cpu_softplus.softplus_fits`); everything else (other LSSA/LSSAR
+  calls, query subsets, gather attention, column statistics, CUDA without Triton) runs the chunked references of
+  :mod:`litctx_kernels.reference`.
 * CUDA softmax calls that are dense, causal (queries = keys), key-masked or block-sparse are *routed*
   (:mod:`litctx_kernels.routing`): the measured routing table shipped with the package picks PyTorch's SDPA ops
   (FlashAttention / memory-efficient / cuDNN, with their LSE: :mod:`litctx_kernels.torch_kernels`), compiled
@@ -19,8 +21,8 @@ Backends:
   that kind from then on. ``torch`` routes among PyTorch's own kernels only.
 * ``triton`` - the kernels of :mod:`litctx_kernels.triton`; chosen automatically for CUDA tensors when Triton
   imports and the call is supported (``verify``; K1/K2 take a key mask; LSSAR runs the two-pass K6 forward
-  of :mod:`litctx_kernels.triton.lssar` for dense/causal/window calls without a key mask). On CPU only when asked for explicitly
-  *and* ``TRITON_INTERPRET=1`` (tests).
+  of :mod:`litctx_kernels.triton.lssar` for dense/causal/window calls without a key mask). On CPU only when asked
+  for explicitly *and* ``TRITON_INTERPRET=1`` (tests).
 * ``reference`` - only when asked for: every op runs its chunked reference (the pre-fused path, kept for
   benchmarks and for bisecting a numerical difference).
 
@@ -589,6 +591,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optio
     if chosen == "torch" and q.device.type == "cpu" and score_mode == "softmax" and layout is None:
         return _cpu_query_subset(q, k, v, q_index, scale=scale, causal=causal, q_offset=q_offset, window=window,
                                  key_mask=key_mask)
+    if (chosen == "torch" and q.device.type == "cpu" and score_mode != "softmax" and layout is None
+            and q_index is None):
+        from litctx_kernels.cpu_softplus import softplus_attention_cpu, softplus_fits
+
+        if softplus_fits(q, k, torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+            return softplus_attention_cpu(q, k, v, causal=causal, q_offset=q_offset, window=window,
+                                          score_mode=score_mode, lssar_power=lssar_power,
+                                          lssar_offset_rows=lssar_offset_rows, key_mask=key_mask)
     if key_mask is not None:
         key_mask = broadcast_key_mask(key_mask, q.shape[1])  # checked above
     return attention_reference(q, k, v, scale=scale, causal=causal, q_offset=q_offset, window=window,
