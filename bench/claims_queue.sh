@@ -27,7 +27,7 @@ steps=(
   "cdic_capacity:$PY -m recipes.claim cdic_capacity --threads 2"
   "l2a_dev:$PY -m recipes.claim l2a --dev --threads 2"
   "cdic_dev:$PY -m recipes.claim cdic --dev --threads 2"
-  "l2a_tiny:$PY -m recipes.fit --recipe l2a_tiny_base run_dir=runs/l2a-tiny resume=auto"
+  "l2a_tiny:$PY -m recipes.fit --recipe l2a_tiny_base run_dir=runs/l2a-tiny resume=auto then.overrides=[resume=auto]"
   "softplus_dev:$PY -m recipes.claim softplus --dev --threads 2"
   "repo_dev:$PY -m recipes.claim repo --dev --threads 2"
 )
