@@ -10,7 +10,9 @@ target's first 8 layers), ``gamma`` (4), ``max_new_tokens`` (the sample's, cappe
 (:class:`~lightning_modules.dustin.calibration.DustinCalibrationConfig` fields without ``draft``/``gamma``, plus
 ``samples``: dev samples to calibrate on). With ``calibration`` set, :meth:`SuiteSpeculative.prepare` calibrates
 once on the dev split and writes ``calibration.json`` beside the records; an arm argument ``calibration: claim``
-reads that file, and the arm's settings carry the file's digest (a recalibrated file is a changed arm).
+reads that file (``calibration: claim:NAME`` the file of claim NAME, beside this claim's records: one method at
+the setting of its own claim), and the arm's settings carry the file's digest (a recalibrated file is a changed
+arm).
 """
 
 from __future__ import annotations
@@ -66,12 +68,14 @@ class SuiteSpeculative(SuiteKind):
         self.draft, _ = self.draft_config.build(model, tok)
         self.draft.requires_grad_(False)
         self.calibration_path: Optional[Path] = None
+        self.folder: Optional[Path] = None  # this claim's records folder (set by prepare)
         self._held: Dict[str, Any] = {}
 
     # ------------------------------------------------------------------ calibration
     def prepare(self, dev_samples: Iterable[Mapping[str, Any]], folder: Path) -> Optional[Path]:
         """Calibrate Dustin once on the dev samples (built suite samples) when the claim asks for it; the file is
         written atomically and reused by every later run."""
+        self.folder = Path(folder)
         cal = self.args.get("calibration")
         if not cal:
             return None
@@ -91,13 +95,30 @@ class SuiteSpeculative(SuiteKind):
         self.calibration_path = path
         return path
 
-    def _verifier_args(self, arm: ArmSpec) -> Dict[str, Any]:
-        args = dict(arm.args)
-        if args.get("calibration") == "claim":
+    def _calibration_file(self, arm: ArmSpec) -> Optional[Path]:
+        """The calibration file an arm reads through ``calibration: claim`` (this claim's, made by :meth:`prepare`)
+        or ``calibration: claim:NAME`` (claim NAME's, beside this claim's records folder); None for any other
+        value (a path, or none)."""
+        value = arm.args.get("calibration")
+        if value == "claim":
             if self.calibration_path is None:
                 raise ValueError(f"claim {self.spec.name}: arm {arm.name} reads the claim's calibration, but the "
                                  f"claim has no kind_args.calibration")
-            args["calibration"] = str(self.calibration_path)
+            return self.calibration_path
+        if isinstance(value, str) and value.startswith("claim:"):
+            name = value[len("claim:"):]
+            path = None if self.folder is None else self.folder.parent / name / CALIBRATION_FILE
+            if not name or path is None or not path.is_file():
+                raise ValueError(f"claim {self.spec.name}: arm {arm.name}: calibration {value!r}: no {path} (run "
+                                 f"`litctx claim {name or 'NAME'} --dev` first, or use calibration: claim)")
+            return path
+        return None
+
+    def _verifier_args(self, arm: ArmSpec) -> Dict[str, Any]:
+        args = dict(arm.args)
+        path = self._calibration_file(arm)
+        if path is not None:
+            args["calibration"] = str(path)
         return args
 
     # ------------------------------------------------------------------ arms
@@ -116,8 +137,9 @@ class SuiteSpeculative(SuiteKind):
             if is_dataclass(cls):
                 cfg = cls(**{**fixed, **args})
                 out["args"] = {k: v for k, v in asdict(cfg).items() if k != "calibration"}
-        if arm.args.get("calibration") == "claim" and self.calibration_path is not None:
-            out["calibration_sha1"] = hashlib.sha1(self.calibration_path.read_bytes()).hexdigest()[:12]
+        path = self._calibration_file(arm) if arm.method in VERIFIERS else None
+        if path is not None:
+            out["calibration_sha1"] = hashlib.sha1(path.read_bytes()).hexdigest()[:12]
         return out
 
     def evaluate(self, s: Mapping[str, Any], todo: Sequence[Arm]) -> Dict[str, Dict[str, Any]]:

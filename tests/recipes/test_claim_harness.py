@@ -253,6 +253,24 @@ def test_a_composed_claim_stacks_prefill_eviction_and_verification_and_reports_e
     assert a["density"] < 1.0 and a["cache_fraction"] == pytest.approx(0.5, abs=0.05) and a["read_fraction"] < 1.0
     assert a["arm_settings"]["eviction"]["args"]["score"] == "obcache_kv"
     assert a["arm_settings"]["prefill"]["args"]["high_fraction"] == 0.5  # every default frozen
+    # an arm may read another claim's calibration (claim:NAME, beside this claim's folder), its digest recorded
+    def borrower(name, source):
+        verify_other = {"method": "dustin", "args": {"budget": 64, "calibration": source}}
+        arms_other = {"dense": {"method": "stack", "args": {}},
+                      "verify": {"method": "stack", "args": {"verify": verify_other}}}
+        return tiny_claim("suite_composed", arms_other, [{"arm": "verify", "against": "dense"}], study=True,
+                          kind_args={"draft": {"kind": "early_exit", "num_layers": 1}, "gamma": 2,
+                                     "max_new_tokens": 6},
+                          cells={"dims": {"task": ["niah_single"], "length": [512]}, "n": 1}, name=name)
+
+    borrowed = borrower("borrower", "claim:tiny")
+    run_claim(borrowed, tmp_path, "heldout", model=model, tok=tok, log=lambda _: None)
+    rec = {r["arm"]: r for r in map(json.loads, records_path(borrowed, tmp_path, "heldout").read_text().splitlines())}
+    digest = v["arm_settings"]["verify"]["calibration_sha1"]
+    assert rec["verify"]["arm_settings"]["verify"]["calibration_sha1"] == digest
+    with pytest.raises(ValueError, match="calibration 'claim:nobody'.*litctx claim nobody --dev"):
+        run_claim(borrower("borrower2", "claim:nobody"), tmp_path, "heldout", model=model, tok=tok,
+                  log=lambda _: None)
     with pytest.raises(ValueError, match="the parts are prefill, eviction, verify"):
         run_claim(tiny_claim("suite_composed", {"dense": {"method": "stack", "args": {"prefil": prefill}}},
                              [{"arm": "dense", "against": "dense"}], kind_args={"draft": {"num_layers": 1}},
