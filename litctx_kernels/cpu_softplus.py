@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from litctx_kernels.layouts import resolve_q_offset
-from litctx_kernels.reference.attention import broadcast_key_mask, row_lengths
+from litctx_kernels.reference.attention import _key_span, broadcast_key_mask, row_lengths
 
 __all__ = ["softplus_attention_cpu", "softplus_fits", "MAX_ELEMENTS", "MAX_KAPPA"]
 
@@ -75,10 +75,7 @@ def softplus_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     for start in range(0, n_q, rows_per_chunk):
         stop = min(n_q, start + rows_per_chunk)
         pos = torch.arange(start, stop, device=q.device) + off  # [c]
-        lo, hi = 0, n_k
-        if causal:  # the keys these rows may see: a prefix (a band with a window)
-            hi = max(0, min(n_k, stop - 1 + off + 1))
-            lo = 0 if window is None else min(hi, max(0, start + off - window + 1))
+        lo, hi = _key_span(torch.arange(start, stop), off, n_k, causal, window)  # the keys these rows may see
         c = stop - start
         o_c, lse_c = _chunk(qn[:, :, start:stop], kn[:, :, lo:hi], vw[:, :, lo:hi], pos, lo, n_k, g,
                             None if km is None else km[..., lo:hi], causal=causal, window=window,

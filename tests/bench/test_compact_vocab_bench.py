@@ -29,6 +29,19 @@ def test_the_bench_reports_kept_shares_probes_and_step_times(tmp_path, monkeypat
     small, large = got["sizes"]["500"], got["sizes"]["4000"]
     assert 0 < small["train_kept"] < large["train_kept"] <= 1
     assert 0 <= large["test_rare"] < small["test_rare"] < 1
+    # against an independent count: the keep ids, then the most frequent others (ties by the smaller id)
+    import torch
+
+    from recipes.registry import create_datamodule
+
+    dm = create_datamodule("text", yaml.safe_load(recipe.read_text())["data"]["args"])
+    counts, keep = dm.vocabulary_counts()
+    test = dm.tokens("test").long()
+    for size, row in (("500", small), ("4000", large)):
+        order = sorted((i for i in range(counts.numel()) if i not in keep), key=lambda i: (-int(counts[i]), i))
+        kept = torch.tensor(list(keep) + order[: int(size) - 1 - len(keep)])
+        assert abs(row["test_rare"] - float((~torch.isin(test, kept)).double().mean())) < 1e-6
+        assert abs(row["train_kept"] - float(counts[kept].sum() / counts.sum())) < 1e-6
     assert small["rare_adds_nats"] > 0
     assert set(small["probes_rare_answer"]) == {f"{t}@128" for t in ("passkey", "niah_single", "table_lookup",
                                                                      "graph_hops")}
